@@ -1,0 +1,131 @@
+"""The ``shardserve`` command.
+
+Subcommands:
+    launch   start the shards (Ray by default) and serve the HTTP API
+    prepare  convert the default model into the cache folder (done by ``launch`` too)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loguru import logger
+
+from router.config import (
+    SchedulerConfig,
+    ServerConfig,
+    ShardLaunchConfig,
+    ValidationLimits,
+    env_default,
+)
+from router.log import setup_logging
+from router.model_files import prepare_default_model, resolve_model
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    model.add_argument("--model-id", default=None, help="name reported by /info")
+    model.add_argument("--dtype", default="auto",
+                       help="float32 | bfloat16 | float16 | auto (float32 on CPU, bf16 on GPU)")
+    model.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    model.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+
+    shards = parser.add_argument_group("shards")
+    shards.add_argument("--num-shard", type=int, default=1, help="tensor-parallel ranks")
+    shards.add_argument("--executor", default="ray", choices=["ray", "local"],
+                        help="start shards as Ray actors or local processes")
+    shards.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster instead of starting one (e.g. auto)")
+    shards.add_argument("--placement", default="pack", choices=["pack", "spread"])
+    shards.add_argument("--attention-backend",
+                        default=env_default("attention_backend", "torch"),
+                        help="attention implementation (env SHARDSERVE_ATTENTION_BACKEND)")
+    shards.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    shards.add_argument("--kv-cache-bytes", type=int, default=512 * 1024 * 1024,
+                        help="KV cache size per rank on CPU, bytes")
+    shards.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                        help="share of GPU memory for weights, activations and KV cache")
+
+    budgets = parser.add_argument_group("scheduling")
+    defaults = SchedulerConfig()
+    for name in ("max_batch_prefill_tokens", "max_batch_size", "max_input_tokens",
+                 "max_total_tokens", "max_concurrent_requests"):
+        budgets.add_argument("--" + name.replace("_", "-"), type=int,
+                             default=getattr(defaults, name))
+    limits = ValidationLimits()
+    for name in ("max_stop_sequences", "max_top_n_tokens", "max_best_of"):
+        budgets.add_argument("--" + name.replace("_", "-"), type=int,
+                             default=getattr(limits, name))
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=3000)
+    server.add_argument("--json-output", action="store_true", help="log JSON lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser of the ``shardserve`` command."""
+    parser = argparse.ArgumentParser(prog="shardserve", description="LLM text-generation server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_launch_flags(sub.add_parser("launch", help="start shards and serve the HTTP API"))
+    sub.add_parser("prepare", help="convert the default model into the cache folder")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Turn parsed ``launch`` flags into a validated :class:`ServerConfig`.
+
+    Raises:
+        ValueError: a flag has an invalid value (the message names it).
+        FileNotFoundError: ``--model`` is not a model folder.
+    """
+    files = resolve_model(args.model, args.model_id)
+    shard = ShardLaunchConfig(
+        model_path=str(files.path), model_id=files.model_id, num_shard=args.num_shard,
+        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_fraction=args.gpu_memory_fraction, load_format=args.load_format,
+    )
+    scheduler = SchedulerConfig(
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
+    limits = ValidationLimits(
+        max_stop_sequences=args.max_stop_sequences, max_top_n_tokens=args.max_top_n_tokens,
+        max_best_of=args.max_best_of,
+    )
+    return ServerConfig(
+        shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
+        executor=args.executor, ray_address=args.ray_address, placement=args.placement,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shardserve`` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    setup_logging(json_output=getattr(args, "json_output", False))
+    if args.command == "prepare":
+        files = prepare_default_model()
+        logger.info("default model at {}", files.path)
+        return 0
+    try:
+        config = config_from_args(args)
+    except (ValueError, FileNotFoundError) as error:
+        logger.error("{}", error)
+        return 2
+    from router.launcher import run
+
+    try:
+        run(config)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

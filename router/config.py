@@ -1,0 +1,141 @@
+"""Router and launcher configuration: frozen dataclasses validated at construction.
+
+Command-line flags (``router/cli.py``) map onto these; environment variables with the
+``SHARDSERVE_`` prefix are read only by :func:`env_default`, called while parsing flags.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_PREFIX = "SHARDSERVE_"
+
+
+def env_default(name: str, default: str | None = None) -> str | None:
+    """Value of ``SHARDSERVE_<NAME>`` if set, else ``default``.
+
+    The only place the router reads the environment, so that importing a module never
+    depends on it.
+    """
+    return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+def default_cache_dir() -> Path:
+    """Folder for converted models: ``$SHARDSERVE_CACHE_DIR`` or ``~/.cache/shardserve``."""
+    configured = env_default("cache_dir")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardserve"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token and batch budgets of the continuous-batching scheduler (units: tokens).
+
+    Attributes:
+        max_batch_prefill_tokens: Most prompt tokens computed by one ``Prefill``.
+        max_batch_size: Most requests in the running batch.
+        max_input_tokens: Longest accepted prompt.
+        max_total_tokens: Longest prompt + generated sequence.
+        max_concurrent_requests: Queued + running requests before HTTP 429.
+    """
+
+    max_batch_prefill_tokens: int = 4096
+    max_batch_size: int = 64
+    max_input_tokens: int = 2048
+    max_total_tokens: int = 4096
+    max_concurrent_requests: int = 128
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch_prefill_tokens",
+            "max_batch_size",
+            "max_input_tokens",
+            "max_total_tokens",
+            "max_concurrent_requests",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
+        if self.max_input_tokens > self.max_batch_prefill_tokens:
+            raise ValueError(
+                "--max-input-tokens must not exceed --max-batch-prefill-tokens "
+                "(a prompt is prefilled in one step)"
+            )
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    """Limits on request parameters, enforced before a request reaches a shard."""
+
+    max_stop_sequences: int = 4
+    max_stop_sequence_chars: int = 256
+    max_top_n_tokens: int = 5
+    max_best_of: int = 2
+
+
+@dataclass(frozen=True)
+class ShardLaunchConfig:
+    """How the launcher starts each shard; mirrors ``shard.config.ShardConfig`` flags."""
+
+    model_path: str
+    model_id: str
+    num_shard: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "torch"
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    gpu_memory_fraction: float = 0.9
+    load_format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        if self.num_shard < 1:
+            raise ValueError("--num-shard must be at least 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("--gpu-memory-fraction must be in (0, 1]")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("--kv-cache-bytes must be positive")
+
+    def shard_args(self, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
+        """Command-line arguments of ``python -m shard.server`` for one rank."""
+        return [
+            "--model", self.model_path,
+            "--model-id", self.model_id,
+            "--host", host,
+            "--port", str(port),
+            "--dtype", self.dtype,
+            "--device", self.device,
+            "--attention-backend", self.attention_backend,
+            "--block-size", str(self.block_size),
+            "--kv-cache-bytes", str(self.kv_cache_bytes),
+            "--gpu-memory-fraction", str(self.gpu_memory_fraction),
+            "--load-format", self.load_format,
+            "--rank", str(rank),
+            "--world-size", str(self.num_shard),
+        ]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``shardserve launch`` needs."""
+
+    shard: ShardLaunchConfig
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: ValidationLimits = field(default_factory=ValidationLimits)
+    host: str = "0.0.0.0"
+    port: int = 3000
+    executor: str = "ray"
+    ray_address: str | None = None
+    placement: str = "pack"
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("ray", "local"):
+            raise ValueError("--executor must be 'ray' or 'local'")
+        if self.placement not in ("pack", "spread"):
+            raise ValueError("--placement must be 'pack' or 'spread'")
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be in [0, 65535]")

@@ -1,0 +1,286 @@
+"""The continuous-batching loop: prefill newcomers, decode the running batch, stream.
+
+One asyncio task drives the shard group step by step. Between decode steps, waiting
+requests are prefilled and join the running batch (their cached batch is concatenated
+into the next ``Decode``); finished, cancelled and preempted requests leave it through
+``FilterBatch``. Text is detokenized incrementally and checked against stop strings
+here, so shards only ever see token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from loguru import logger
+
+from router.block_manager import BlockManager
+from router.config import SchedulerConfig
+from router.detokenizer import IncrementalDetokenizer
+from router.request import (
+    ErrorEvent,
+    Event,
+    Finish,
+    FinishReason,
+    GenerationRequest,
+    Sequence,
+    TokenEvent,
+    TopToken,
+)
+from router.scheduler import Scheduler
+from router.shard_client import ShardClient, ShardError
+from router.stop import StopSequenceChecker
+from router.tokenizer import Tokenizer
+from shard.pb import shard_pb2 as pb
+
+
+class QueueFullError(RuntimeError):
+    """More requests than ``--max-concurrent-requests`` are queued or running."""
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    stop: StopSequenceChecker
+
+
+class Engine:
+    """Owns the scheduler and the shard client; serves request streams.
+
+    Args:
+        client: The shard group.
+        tokenizer: The model's tokenizer (detokenization, EOS ids).
+        config: Scheduler budgets.
+        num_blocks: KV blocks usable on every rank (from Warmup).
+        block_size: Tokens per KV block.
+    """
+
+    def __init__(
+        self,
+        client: ShardClient,
+        tokenizer: Tokenizer,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.healthy = True
+        self._text: dict[int, _TextState] = {}
+        self._batches: list[pb.CachedBatch] = []
+        self._ids = itertools.count()
+        self._batch_ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- public API -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background loop (call from the serving event loop)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+
+    async def stop(self) -> None:
+        """Stop the loop."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def submit(self, request: GenerationRequest) -> Sequence:
+        """Queue ``request``; its events arrive on ``Sequence.events``.
+
+        Raises:
+            QueueFullError: ``max_concurrent_requests`` are already queued or running.
+        """
+        if self.scheduler.num_requests >= self.config.max_concurrent_requests:
+            raise QueueFullError(
+                f"too many concurrent requests (max_concurrent_requests="
+                f"{self.config.max_concurrent_requests})"
+            )
+        if request.sampling.do_sample and request.sampling.seed == 0:
+            sampling = request.sampling.__class__(
+                **{**request.sampling.__dict__, "seed": random.getrandbits(63) or 1}
+            )
+            request = GenerationRequest(
+                input_ids=request.input_ids,
+                sampling=sampling,
+                stopping=request.stopping,
+                top_n_tokens=request.top_n_tokens,
+                prompt_logprobs=request.prompt_logprobs,
+            )
+        seq = Sequence(id=next(self._ids), request=request)
+        self._text[seq.id] = _TextState(
+            detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.input_ids)),
+            stop=StopSequenceChecker(list(request.stopping.stop_sequences)),
+        )
+        self.scheduler.add(seq)
+        self._wake.set()
+        return seq
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Submit ``request`` and yield its events until it finishes or fails.
+
+        Closing the iterator early (client gone) cancels the request and frees its
+        blocks within a step.
+        """
+        seq = self.submit(request)
+        try:
+            while True:
+                event = await seq.events.get()
+                yield event
+                if isinstance(event, ErrorEvent) or event.finish is not None:
+                    return
+        finally:
+            if seq.id in self._text:
+                self.cancel(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Abort ``seq``: a waiting one leaves the queue now, a running one leaves the
+        batch (and frees its blocks) at the next step."""
+        seq.cancelled = True
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            self._finish(seq)
+        self._wake.set()
+
+    @property
+    def kv_blocks_free(self) -> int:
+        """KV blocks with no owner."""
+        return self.block_manager.num_free
+
+    # ---- the loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.num_requests:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self._step()
+            except ShardError as error:
+                self._fail_all(str(error))
+            except Exception as error:
+                logger.exception("engine step failed")
+                self._fail_all(f"internal error: {error}")
+
+    async def _step(self) -> None:
+        self._reap_cancelled()
+        new = self.scheduler.schedule_prefill()
+        if new:
+            batch = pb.Batch(id=next(self._batch_ids), requests=[self._to_proto(s) for s in new])
+            prefill = await self.client.prefill(batch)
+            self._batches.append(prefill.batch)
+            self._on_generations(prefill.generations)
+        if self.scheduler.running:
+            plan = self.scheduler.plan_decode()
+            for seq in plan.preempted:
+                logger.info("preempted request {} (out of KV blocks)", seq.id)
+            await self._sync_batches()
+            if self._batches:
+                decode = await self.client.decode(self._batches, plan.block_appends)
+                self._batches = [decode.batch]
+                self._on_generations(decode.generations)
+        await self._sync_batches()
+        self.healthy = True
+
+    def _to_proto(self, seq: Sequence) -> pb.Request:
+        sampling = seq.request.sampling
+        stopping = seq.request.stopping
+        return pb.Request(
+            id=seq.id,
+            input_ids=seq.all_ids(),
+            cache_len=0,
+            block_ids=seq.block_ids,
+            sampling=pb.SamplingParameters(**sampling.__dict__),
+            stopping=pb.StoppingParameters(
+                max_new_tokens=stopping.max_new_tokens,
+                stop_token_ids=stopping.stop_token_ids,
+                ignore_eos=stopping.ignore_eos,
+            ),
+            top_n_tokens=seq.request.top_n_tokens,
+            num_generated=len(seq.output_ids),
+        )
+
+    async def _sync_batches(self) -> None:
+        """Drop from the shards' cached batches every request no longer running."""
+        running = {seq.id for seq in self.scheduler.running}
+        kept: list[pb.CachedBatch] = []
+        for batch in self._batches:
+            keep = [rid for rid in batch.request_ids if rid in running]
+            if not keep:
+                await self.client.clear_cache(batch.id)
+            elif len(keep) < len(batch.request_ids):
+                kept.append(await self.client.filter_batch(batch.id, keep))
+            else:
+                kept.append(batch)
+        self._batches = kept
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in self.scheduler.running if s.cancelled]:
+            self._finish(seq)
+
+    def _on_generations(self, generations: list[pb.Generation]) -> None:
+        by_id = {seq.id: seq for seq in self.scheduler.running}
+        for generation in generations:
+            seq = by_id.get(generation.request_id)
+            if seq is None or seq.cancelled:
+                continue
+            self._on_token(seq, generation)
+
+    def _on_token(self, seq: Sequence, generation: pb.Generation) -> None:
+        token_id = generation.token_id
+        seq.output_ids.append(token_id)
+        state = self._text[seq.id]
+        stopping = seq.request.stopping
+        reason: FinishReason | None = None
+        stop_text: str | None = None
+        if token_id in self.tokenizer.eos_token_ids and not stopping.ignore_eos:
+            reason = FinishReason.EOS_TOKEN
+        elif token_id in stopping.stop_token_ids:
+            reason = FinishReason.STOP_SEQUENCE
+            stop_text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text, match = state.stop.feed(state.detokenizer.add(token_id))
+        if match is None and reason is None and (
+            len(seq.output_ids) >= stopping.max_new_tokens
+            or seq.num_tokens >= self.config.max_total_tokens
+        ):
+            reason = FinishReason.LENGTH
+        if match is None and reason is not None:
+            more, match = state.stop.feed(state.detokenizer.flush())
+            text += more if match is not None else more + state.stop.flush()
+        if match is not None:
+            # TGI semantics: the text ends with the stop sequence (OpenAI strips it).
+            reason, stop_text = FinishReason.STOP_SEQUENCE, match.stop
+            text += match.stop
+        finish = None
+        if reason is not None:
+            finish = Finish(reason, generated_tokens=len(seq.output_ids), stop_sequence=stop_text)
+        seq.events.put_nowait(
+            TokenEvent(
+                id=token_id,
+                logprob=generation.logprob,
+                text=text,
+                special=self.tokenizer.is_special(token_id),
+                top_tokens=tuple(TopToken(t.token_id, t.logprob) for t in generation.top_tokens),
+                finish=finish,
+            )
+        )
+        if finish is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._text.pop(seq.id, None)
+
+    def _fail_all(self, message: str) -> None:
+        logger.error("failing all requests: {}", message)
+        self.healthy = False
+        for seq in self.scheduler.drain():
+            seq.events.put_nowait(ErrorEvent(message=message))
+            self._text.pop(seq.id, None)
+        self._batches = []

@@ -1,0 +1,105 @@
+"""``shardserve launch``: start the shard group, warm it up, then serve HTTP.
+
+Order: resolve the model (converting the default one once) → start one shard per rank
+(Ray actors, or local processes) → wait for every gRPC server → ``Info`` and ``Warmup``
+(KV blocks = minimum over ranks) → build the engine → serve until SIGINT/SIGTERM →
+stop the engine and the shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib.metadata import PackageNotFoundError, version
+
+import uvicorn
+from loguru import logger
+
+from router.api.app import ServerState, create_app
+from router.config import ServerConfig
+from router.engine import Engine
+from router.executors import LocalExecutor, RayExecutor, ShardExecutor
+from router.shard_client import ShardClient
+from router.tokenizer import Tokenizer
+from router.validation import Validator
+
+SHARD_START_TIMEOUT_S = 1800.0
+
+
+def package_version() -> str:
+    """Installed version of shardserve."""
+    try:
+        return version("shardserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def make_executor(config: ServerConfig) -> ShardExecutor:
+    """The executor ``--executor`` names."""
+    if config.executor == "local":
+        return LocalExecutor(config.shard)
+    return RayExecutor(config.shard, ray_address=config.ray_address, placement=config.placement)
+
+
+async def build_state(config: ServerConfig, client: ShardClient) -> ServerState:
+    """Ask the shards for Info, run Warmup and build the engine and validator."""
+    infos = await client.info()
+    num_blocks = await client.warmup(
+        config.scheduler.max_batch_prefill_tokens, config.scheduler.max_total_tokens
+    )
+    first = infos[0]
+    logger.info(
+        "shards ready: {} rank(s), {} on {}, attention {}, {} KV blocks of {} tokens",
+        len(infos), first.dtype, first.device, first.attention_backend, num_blocks,
+        first.block_size,
+    )
+    tokenizer = Tokenizer.from_folder(config.shard.model_path)
+    engine = Engine(client, tokenizer, config.scheduler, num_blocks, first.block_size)
+    validator = Validator(
+        tokenizer=tokenizer,
+        scheduler=config.scheduler,
+        limits=config.limits,
+        kv_capacity_tokens=num_blocks * first.block_size,
+    )
+    return ServerState(
+        engine=engine,
+        validator=validator,
+        model_id=first.model_id,
+        dtype=first.dtype,
+        device_type=first.device.split(":")[0],
+        num_shard=first.world_size,
+        attention_backend=first.attention_backend,
+        version=package_version(),
+    )
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run the whole server until interrupted."""
+    executor = make_executor(config)
+    client: ShardClient | None = None
+    try:
+        logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
+                    config.executor)
+        addresses = await executor.start()
+        client = ShardClient(addresses)
+        await client.wait_ready(SHARD_START_TIMEOUT_S)
+        state = await build_state(config, client)
+        state.engine.start()
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(state), host=config.host, port=config.port,
+                           log_level="warning", timeout_graceful_shutdown=30)
+        )
+        logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
+        try:
+            await server.serve()
+        finally:
+            await state.engine.stop()
+    finally:
+        if client is not None:
+            await client.close()
+        await executor.stop()
+        logger.info("stopped")
+
+
+def run(config: ServerConfig) -> None:
+    """Blocking entry point of ``shardserve launch``."""
+    asyncio.run(serve(config))

@@ -1,0 +1,142 @@
+"""Typed request state shared by validation, the scheduler and the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended (TGI's names)."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, already validated (see router.api.schemas.py for meanings).
+
+    Off values: ``top_k`` 0, ``top_p`` 1.0, ``typical_p`` 1.0, ``min_p`` 0.0, penalties
+    1.0 (repetition) and 0.0 (frequency, presence).
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When to stop: token budget, stop strings, stop token ids."""
+
+    max_new_tokens: int = 20
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request ready for the scheduler."""
+
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    top_n_tokens: int = 0
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class TopToken:
+    """One alternative token with its log-probability."""
+
+    id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End of a sequence, carried by its last token."""
+
+    reason: FinishReason
+    generated_tokens: int
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token.
+
+    Attributes:
+        text: Text released with this token: its own text, or '' while it may still be
+            part of a stop string, or several tokens' held text at once.
+        finish: Set on the last token of the sequence.
+    """
+
+    id: int
+    logprob: float
+    text: str
+    special: bool
+    top_tokens: tuple[TopToken, ...] = ()
+    finish: Finish | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed after it was accepted (for example a shard died)."""
+
+    message: str
+
+
+Event = TokenEvent | ErrorEvent
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Router-side state of one request being generated.
+
+    ``prompt_ids + output_ids`` are all tokens so far; every one of them but the last is
+    in the KV cache while the sequence runs, and its blocks hold them all before a step.
+    """
+
+    id: int
+    request: GenerationRequest
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    cancelled: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.input_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.request.input_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        """Prompt plus generated token ids (what a recompute after preemption prefills)."""
+        return [*self.request.input_ids, *self.output_ids]

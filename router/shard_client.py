@@ -1,0 +1,146 @@
+"""gRPC client of the shard group: every call goes to every rank concurrently.
+
+All ranks run the same batch (SPMD); rank 0's generations are returned. Any rank failing
+fails the call with :class:`ShardError`, so the engine can end the affected requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import grpc
+
+from shard.pb import shard_pb2 as pb
+from shard.pb import shard_pb2_grpc
+
+T = TypeVar("T")
+
+_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+]
+
+
+class ShardError(RuntimeError):
+    """A shard rank failed an RPC (crashed, unreachable or raised)."""
+
+    def __init__(self, rank: int, method: str, code: grpc.StatusCode | None, details: str):
+        self.rank = rank
+        self.code = code
+        code_name = code.name if code is not None else "UNKNOWN"
+        super().__init__(f"shard rank {rank} failed {method}: {code_name}: {details}")
+
+
+class ShardClient:
+    """Stubs of every rank of one shard group.
+
+    Args:
+        addresses: ``host:port`` of each rank, in rank order.
+        step_timeout_s: Deadline of Prefill/Decode calls, seconds (a hung rank becomes
+            an error instead of a hang).
+    """
+
+    def __init__(self, addresses: Sequence[str], step_timeout_s: float = 600.0) -> None:
+        if not addresses:
+            raise ValueError("a shard group needs at least one address")
+        self.addresses = list(addresses)
+        self.step_timeout_s = step_timeout_s
+        self._channels = [
+            grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) for address in addresses
+        ]
+        self._stubs = [shard_pb2_grpc.ShardServiceStub(channel) for channel in self._channels]
+
+    async def close(self) -> None:
+        """Close every channel."""
+        await asyncio.gather(*(channel.close() for channel in self._channels))
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every rank answers Health.
+
+        Raises:
+            ShardError: a rank did not answer within ``timeout_s`` seconds.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for rank, stub in enumerate(self._stubs):
+            while True:
+                try:
+                    await stub.Health(pb.HealthRequest(), timeout=5.0)
+                    break
+                except grpc.aio.AioRpcError as error:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise ShardError(
+                            rank, "Health", error.code(), error.details() or ""
+                        ) from error
+                    await asyncio.sleep(0.2)
+
+    async def _all(
+        self, method: str, call: Callable[[shard_pb2_grpc.ShardServiceStub], Awaitable[T]]
+    ) -> list[T]:
+        tasks = [asyncio.ensure_future(call(stub)) for stub in self._stubs]
+        results: list[T] = []
+        try:
+            for rank, task in enumerate(tasks):
+                try:
+                    results.append(await task)
+                except grpc.aio.AioRpcError as error:
+                    raise ShardError(rank, method, error.code(), error.details() or "") from error
+        finally:
+            for task in tasks:
+                task.cancel()
+        return results
+
+    async def info(self) -> list[pb.InfoResponse]:
+        """Info of every rank."""
+        return await self._all("Info", lambda s: s.Info(pb.InfoRequest(), timeout=30.0))
+
+    async def health(self) -> None:
+        """Raise :class:`ShardError` unless every rank is healthy."""
+        await self._all("Health", lambda s: s.Health(pb.HealthRequest(), timeout=5.0))
+
+    async def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
+        """Warm every rank up; return the KV block count usable by all (the minimum)."""
+        request = pb.WarmupRequest(
+            max_batch_prefill_tokens=max_batch_prefill_tokens, max_total_tokens=max_total_tokens
+        )
+        responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=1800.0))
+        return min(response.num_blocks for response in responses)
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        """Prefill ``batch`` on every rank; rank 0's response."""
+        request = pb.PrefillRequest(batch=batch)
+        responses = await self._all(
+            "Prefill", lambda s: s.Prefill(request, timeout=self.step_timeout_s)
+        )
+        return responses[0]
+
+    async def decode(
+        self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]]
+    ) -> pb.DecodeResponse:
+        """One decode step over ``batches`` (concatenated); rank 0's response."""
+        request = pb.DecodeRequest(
+            batches=batches,
+            block_appends=[
+                pb.BlockAppend(request_id=request_id, block_ids=blocks)
+                for request_id, blocks in block_appends.items()
+            ],
+        )
+        responses = await self._all(
+            "Decode", lambda s: s.Decode(request, timeout=self.step_timeout_s)
+        )
+        return responses[0]
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
+        """Keep only ``request_ids`` in cached batch ``batch_id``."""
+        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
+        responses = await self._all("FilterBatch", lambda s: s.FilterBatch(request, timeout=60.0))
+        return responses[0].batch
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        """Drop cached batch ``batch_id``, or every batch."""
+        request = (
+            pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(batch_id=batch_id)
+        )
+        await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=60.0))

@@ -1,0 +1,123 @@
+"""The model's tokenizer, loaded with the Hugging Face ``tokenizers`` library.
+
+The router must not import torch, and ``transformers`` does; so the router reads
+``tokenizer.json`` directly and takes special tokens from ``tokenizer_config.json``,
+``generation_config.json`` and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    with path.open() as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _token_text(value: Any) -> str | None:
+    """Special tokens in tokenizer_config.json are strings or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class Tokenizer:
+    """Encoder/decoder plus the special tokens generation needs.
+
+    Attributes:
+        backend: The ``tokenizers.Tokenizer`` read from ``tokenizer.json``.
+        eos_token_ids: Every id that ends generation (generation_config, config and the
+            tokenizer's ``eos_token`` together).
+        bos_token: Text of the BOS token, if any.
+        chat_template: Jinja template from ``chat_template.jinja`` or tokenizer_config.
+    """
+
+    backend: HFTokenizer
+    eos_token_ids: frozenset[int]
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Load from a Hugging Face model folder.
+
+        Raises:
+            FileNotFoundError: the folder has no ``tokenizer.json``.
+        """
+        folder = Path(folder)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.exists():
+            raise FileNotFoundError(f"{tokenizer_file} not found (a fast tokenizer is required)")
+        backend = HFTokenizer.from_file(str(tokenizer_file))
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        gen_config = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
+
+        eos_token = _token_text(tok_config.get("eos_token"))
+        eos_ids = _ids(gen_config.get("eos_token_id")) | _ids(model_config.get("eos_token_id"))
+        if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
+            eos_ids.add(eos_id)
+
+        template_file = folder / "chat_template.jinja"
+        chat_template = (
+            template_file.read_text() if template_file.exists() else tok_config.get("chat_template")
+        )
+        return cls(
+            backend=backend,
+            eos_token_ids=frozenset(eos_ids),
+            bos_token=_token_text(tok_config.get("bos_token")),
+            eos_token=eos_token,
+            chat_template=chat_template if isinstance(chat_template, str) else None,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens per the tokenizer's post-processor."""
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id`` ('' when out of range)."""
+        return self.backend.id_to_token(token_id) or ""
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special (added, control) token."""
+        return token_id in self._special_ids
+
+    @property
+    def _special_ids(self) -> frozenset[int]:
+        cached: frozenset[int] | None = self.__dict__.get("_special_cache")
+        if cached is None:
+            cached = frozenset(
+                token_id
+                for token_id, added in self.backend.get_added_tokens_decoder().items()
+                if added.special
+            )
+            self.__dict__["_special_cache"] = cached
+        return cached
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
