@@ -1,0 +1,75 @@
+"""The attention backend interface. One backend is chosen at start-up (see
+:func:`shard.attention.select_backend`) and shared by every layer."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from shard.attention.metadata import AttentionMetadata
+from shard.kv_cache import KVCacheLayer
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend must support for a given model and shard.
+
+    Attributes:
+        device: where tensors live.
+        dtype: activation and KV cache dtype.
+        num_heads: query heads on this rank.
+        num_kv_heads: key/value heads on this rank.
+        head_dim: per-head dimension.
+        block_size: tokens per KV block.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+class AttentionBackend(abc.ABC):
+    """Writes new K/V into the paged cache and attends over each sequence's context.
+
+    Subclasses set :attr:`name` and :attr:`block_size_multiple` (the block size must be
+    a multiple of it), implement :meth:`supports` and :meth:`forward`.
+    """
+
+    name: ClassVar[str]
+    block_size_multiple: ClassVar[int] = 1
+
+    @classmethod
+    @abc.abstractmethod
+    def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        """Whether this backend can run ``spec``; the reason when it cannot (or "ok")."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v at ``metadata.slot_mapping``, then attend.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim].
+            k: [num_tokens, num_kv_heads, head_dim].
+            v: [num_tokens, num_kv_heads, head_dim].
+            kv_cache: this layer's cache.
+            metadata: batch layout (see :class:`AttentionMetadata`).
+            scale: softmax scale, usually head_dim ** -0.5.
+
+        Returns:
+            [num_tokens, num_heads, head_dim], dtype of q. Each query attends causally to
+            its sequence's context: token at absolute position p sees positions 0..p.
+        """

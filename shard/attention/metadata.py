@@ -1,0 +1,47 @@
+"""Per-step attention metadata, shared by every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Describes one forward over a flattened batch of ``num_tokens`` new tokens from
+    ``batch`` sequences. Sequence ``i`` contributes ``q_len_i`` new tokens, which are the
+    last ``q_len_i`` tokens of its context of ``seq_lens[i]`` tokens (so the first
+    ``seq_lens[i] - q_len_i`` are a cached prefix).
+
+    Attributes:
+        is_prefill: True for prefill (q_len_i >= 1, possibly over a cached prefix);
+            False for decode (q_len_i == 1 for all i).
+        slot_mapping: [num_tokens] int64, cache slot of each new token
+            (``block_id * block_size + offset``); < 0 means "do not write".
+        cu_seqlens_q: [batch + 1] int32, prefix sums of q_len_i (starts at 0).
+        cu_seqlens_k: [batch + 1] int32, prefix sums of seq_lens (starts at 0).
+        seq_lens: [batch] int32, total context length of each sequence in tokens,
+            cached prefix plus new tokens.
+        max_seqlen_q: max q_len_i (python int).
+        max_seqlen_k: max seq_lens (python int).
+        block_tables: [batch, max_blocks] int32, block ids of each sequence in order,
+            padded with 0 (padding is never read: it lies beyond seq_lens).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

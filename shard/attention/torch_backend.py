@@ -1,0 +1,116 @@
+"""Pure-PyTorch attention over a paged KV cache: the reference every other backend is
+tested against. Runs on CPU and GPU.
+
+Prefill and decode share one path: keys/values of each sequence are gathered through
+its block table into a padded ``[batch, max_seqlen_k]`` view, queries are scattered
+into a padded ``[batch, max_seqlen_q]`` view, and
+``torch.nn.functional.scaled_dot_product_attention`` runs with an explicit boolean
+mask that is causal with each sequence's cached-prefix offset and hides padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shard.attention.base import AttentionBackend, AttentionSpec
+from shard.attention.metadata import AttentionMetadata
+from shard.kv_cache import KVCacheLayer
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend (SDPA with an explicit mask; GQA through ``enable_gqa``)."""
+
+    name = "torch"
+    block_size_multiple = 1
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        if spec.num_heads % spec.num_kv_heads != 0:
+            return (
+                False,
+                f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}",
+            )
+        return True, "pure PyTorch reference backend: runs on any device and dtype"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        kv_cache.write(k, v, metadata.slot_mapping)
+        keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
+        seq_idx, q_offset = token_layout(metadata)
+        batch = metadata.num_seqs
+        max_q = metadata.max_seqlen_q
+        # q_pad: [batch, num_heads, max_q, head_dim]
+        q_pad = q.new_zeros(batch, max_q, q.shape[1], q.shape[2])
+        q_pad[seq_idx, q_offset] = q
+        q_pad = q_pad.transpose(1, 2)
+        mask = attention_mask(metadata)  # [batch, 1, max_q, max_k]
+        out = F.scaled_dot_product_attention(
+            q_pad,
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[2],
+        )
+        return out.transpose(1, 2)[seq_idx, q_offset]
+
+
+def gather_kv(
+    kv_cache: KVCacheLayer, block_tables: torch.Tensor, max_seqlen_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each sequence's context through its block table.
+
+    Args:
+        block_tables: [batch, max_blocks] int32.
+        max_seqlen_k: tokens to keep per sequence (<= max_blocks * block_size).
+
+    Returns:
+        (keys, values), each [batch, max_seqlen_k, num_kv_heads, head_dim]; positions
+        beyond a sequence's seq_len hold whatever the padded blocks contain.
+    """
+    batch, max_blocks = block_tables.shape
+    bt = block_tables.long()
+    keys = kv_cache.key[bt].reshape(
+        batch, max_blocks * kv_cache.block_size, *kv_cache.key.shape[2:]
+    )
+    values = kv_cache.value[bt].reshape(
+        batch, max_blocks * kv_cache.block_size, *kv_cache.value.shape[2:]
+    )
+    return keys[:, :max_seqlen_k], values[:, :max_seqlen_k]
+
+
+def token_layout(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each new token: its sequence index and its offset among that sequence's new
+    tokens. Both [num_tokens] int64."""
+    cu_q = metadata.cu_seqlens_q.long()
+    q_lens = cu_q[1:] - cu_q[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(metadata.num_seqs, device=cu_q.device), q_lens)
+    q_offset = torch.arange(metadata.num_tokens, device=cu_q.device) - cu_q[seq_idx]
+    return seq_idx, q_offset
+
+
+def attention_mask(metadata: AttentionMetadata) -> torch.Tensor:
+    """Boolean mask [batch, 1, max_seqlen_q, max_seqlen_k] (True = attend).
+
+    Query ``j`` of sequence ``i`` sits at absolute position ``seq_lens[i] - q_len_i + j``
+    and sees keys at positions ``<=`` that. Padded query rows (``j >= q_len_i``) see key
+    0 only so their softmax stays finite; their outputs are discarded.
+    """
+    cu_q = metadata.cu_seqlens_q.long()
+    q_lens = (cu_q[1:] - cu_q[:-1])[:, None, None]
+    seq_lens = metadata.seq_lens.long()[:, None, None]
+    device = cu_q.device
+    j = torch.arange(metadata.max_seqlen_q, device=device)[None, :, None]
+    kpos = torch.arange(metadata.max_seqlen_k, device=device)[None, None, :]
+    qpos = seq_lens - q_lens + j
+    mask = kpos <= qpos
+    mask = torch.where(j < q_lens, mask, kpos == 0)
+    return mask[:, None]

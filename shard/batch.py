@@ -1,0 +1,143 @@
+"""Shard-side batch state: what the shard remembers about each running request
+between RPCs, keyed by batch id. Plain Python, no tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shard.errors import UnknownBatchError
+from shard.sampling import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """One running request.
+
+    Attributes:
+        request_id: router-assigned id.
+        block_table: KV block ids in order; grows with ``BlockAppend``.
+        token_ids: prompt + generated tokens, ending with the last sampled token
+            (whose K/V are not in the cache yet).
+        seq_len: tokens whose K/V are in the cache (= len(token_ids) - 1).
+        num_generated: generated tokens (a suffix of token_ids).
+        sampling: sampling parameters.
+        top_n_tokens: alternatives to return per token.
+    """
+
+    request_id: int
+    block_table: list[int]
+    token_ids: list[int]
+    seq_len: int
+    num_generated: int
+    sampling: SamplingParams
+    top_n_tokens: int = 0
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_generated :]
+
+    def append_token(self, token_id: int) -> None:
+        """Record a decode step: the previous last token is now cached, token_id is new."""
+        self.seq_len += 1
+        self.token_ids.append(token_id)
+        self.num_generated += 1
+
+
+@dataclass
+class Batch:
+    """Requests kept under one batch id, in order."""
+
+    batch_id: int
+    requests: list[RequestState]
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        return tuple(r.request_id for r in self.requests)
+
+
+class BatchStore:
+    """All batches held by the shard, keyed by batch id."""
+
+    def __init__(self) -> None:
+        self._batches: dict[int, Batch] = {}
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __contains__(self, batch_id: int) -> bool:
+        return batch_id in self._batches
+
+    def add(self, batch: Batch) -> None:
+        """Keep ``batch``. Raises ValueError when its id is already held."""
+        if batch.batch_id in self._batches:
+            raise ValueError(
+                f"batch id {batch.batch_id} is already cached; clear or filter it first"
+            )
+        self._batches[batch.batch_id] = batch
+
+    def get(self, batch_id: int) -> Batch:
+        """Raises UnknownBatchError."""
+        try:
+            return self._batches[batch_id]
+        except KeyError:
+            raise UnknownBatchError(batch_id) from None
+
+    def check_concatenate(self, batch_ids: Sequence[int]) -> None:
+        """Validate :meth:`concatenate` arguments without changing anything.
+
+        Raises:
+            ValueError: no ids, a repeated id, or a request id in two batches.
+            UnknownBatchError: an id not held.
+        """
+        if not batch_ids:
+            raise ValueError("batches must not be empty")
+        if len(set(batch_ids)) != len(batch_ids):
+            raise ValueError(f"batch ids repeat: {list(batch_ids)}")
+        seen: set[int] = set()
+        for batch_id in batch_ids:
+            for rid in self.get(batch_id).request_ids:
+                if rid in seen:
+                    raise ValueError(f"request id {rid} appears in more than one batch")
+                seen.add(rid)
+
+    def concatenate(self, batch_ids: Sequence[int]) -> Batch:
+        """Merge batches, in order, into one kept under the first id; the others are dropped.
+
+        Raises: as :meth:`check_concatenate`.
+        """
+        self.check_concatenate(batch_ids)
+        first = self._batches[batch_ids[0]]
+        for batch_id in batch_ids[1:]:
+            first.requests.extend(self._batches.pop(batch_id).requests)
+        return first
+
+    def filter(self, batch_id: int, keep: Iterable[int]) -> Batch:
+        """Keep only the listed request ids (in the batch's order); an empty result
+        drops the batch.
+
+        Raises:
+            UnknownBatchError: unknown batch id.
+            ValueError: a listed id is not in the batch.
+        """
+        batch = self.get(batch_id)
+        keep_set = set(keep)
+        unknown = keep_set - set(batch.request_ids)
+        if unknown:
+            raise ValueError(f"request ids {sorted(unknown)} are not in batch {batch_id}")
+        batch.requests = [r for r in batch.requests if r.request_id in keep_set]
+        if not batch.requests:
+            del self._batches[batch_id]
+        return batch
+
+    def clear(self, batch_id: int | None = None) -> None:
+        """Drop one batch or, with None, all of them. Idempotent: an id not held (e.g.
+        already dropped by filtering it to nothing) is ignored."""
+        if batch_id is None:
+            self._batches.clear()
+        else:
+            self._batches.pop(batch_id, None)

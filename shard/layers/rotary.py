@@ -1,0 +1,99 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer", arXiv:2104.09864).
+
+Numerics follow Hugging Face: inverse frequencies and cos/sin are computed in float32,
+cast to the activation dtype, and applied with the ``rotate_half`` convention (the two
+halves of head_dim are the pair dimensions, not interleaved even/odd lanes).
+
+Scalings:
+  - ``linear`` (position interpolation, Chen et al. 2023): inv_freq / factor.
+  - ``llama3`` (Meta, Llama 3.1 release, 2024): long wavelengths divided by ``factor``,
+    short ones kept, a smooth interpolation between ``low_freq_factor`` and
+    ``high_freq_factor`` wavelengths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # NOTE: runtime import would cycle through shard.models
+    from shard.models.config import RopeConfig
+
+
+def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 for the given rope settings.
+
+    Raises:
+        ValueError: on an unknown rope type.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    raise ValueError(f"unknown rope_type {rope.rope_type!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1 | x2] → [-x2 | x1]`` over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to queries and keys at arbitrary (flattened) positions.
+
+    cos/sin are computed on the fly from ``positions`` (one multiply per element, so no
+    table bounded by max_position_embeddings is kept).
+
+    Args:
+        head_dim: rotary dimension (the full head dimension).
+        rope: rope settings.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k.
+
+        Args:
+            positions: [num_tokens] int64, absolute position of each token.
+            q: [num_tokens, num_heads, head_dim].
+            k: [num_tokens, num_kv_heads, head_dim].
+
+        Returns:
+            (q, k) rotated, same shapes and dtypes.
+        """
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        q_out = q * cos + rotate_half(q) * sin
+        k_out = k * cos + rotate_half(k) * sin
+        return q_out, k_out

@@ -1,0 +1,67 @@
+"""Build the model for a :class:`ShardConfig`: parse config.json, pick the class from
+the registry, create parameters directly in the target dtype and device, load weights."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from loguru import logger
+
+from shard.attention.base import AttentionBackend
+from shard.config import ShardConfig, dtype_name
+from shard.models import get_model_class
+from shard.models.config import ModelConfig
+from shard.models.llama import LlamaForCausalLM
+from shard.weights import fill_dummy_weights, load_weights
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Temporarily create floating tensors in ``dtype`` (restored on exit)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ShardConfig,
+    model_config: ModelConfig,
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LlamaForCausalLM:
+    """Create the model (no KV cache bound yet) and fill its weights.
+
+    Raises:
+        ValueError: unsupported architecture, or a checkpoint that does not fit the model.
+        FileNotFoundError: no safetensors in ``config.model_path`` (safetensors format).
+    """
+    log = logger.bind(rank=config.rank)
+    cls = get_model_class(model_config)
+    log.info(
+        "building {} ({} layers, hidden {}, heads {}/{} kv, head_dim {}) in {} on {}",
+        model_config.architecture,
+        model_config.num_hidden_layers,
+        model_config.hidden_size,
+        model_config.num_attention_heads,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        dtype_name(dtype),
+        device,
+    )
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(model_config, backend, tp_rank=config.rank, tp_size=config.world_size)
+    model.eval()
+    if config.load_format == "dummy":
+        log.info("filling dummy weights (load_format=dummy)")
+        fill_dummy_weights(model)
+    else:
+        load_weights(model, config.model_path)
+    num_params = sum(p.numel() for p in model.parameters())
+    log.info("model ready: {:.1f}M parameters", num_params / 1e6)
+    return model

@@ -1,0 +1,288 @@
+"""The model runner: turns Prefill/Decode batches into tensors, runs the model,
+samples, and updates the shard's batch state. Synchronous; the servicer calls it from
+a worker thread under a lock.
+
+Entry points: :meth:`ModelRunner.info`, :meth:`~ModelRunner.warmup`,
+:meth:`~ModelRunner.prefill`, :meth:`~ModelRunner.decode`,
+:meth:`~ModelRunner.filter_batch`, :meth:`~ModelRunner.clear_cache`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from loguru import logger
+
+from shard import warmup as warmup_lib
+from shard.attention import AttentionSpec, select_backend
+from shard.batch import Batch, BatchStore, RequestState
+from shard.config import ShardConfig, dtype_name
+from shard.errors import NotWarmedUpError
+from shard.inputs import ModelInputs, SeqChunk, build_inputs
+from shard.kv_cache import KVCacheLayer
+from shard.model_loader import build_model
+from shard.models.config import ModelConfig
+from shard.requests import (
+    CachedBatchInfo,
+    Generation,
+    PrefillBatch,
+    RequestInput,
+    ShardInfo,
+    StepOutput,
+    TopToken,
+)
+from shard.sampling import SamplerOutput, SamplingRow, sample
+from shard.validate import validate_decode, validate_prefill
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the batch state of one shard.
+
+    Args:
+        config: shard configuration.
+
+    Raises:
+        ValueError: unsupported model/backend/world size (see :func:`build_model`).
+    """
+
+    def __init__(self, config: ShardConfig) -> None:
+        if config.world_size > 1:
+            raise ValueError("tensor parallelism (world_size > 1) is not implemented yet")
+        self.config = config
+        self.log = logger.bind(rank=config.rank)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        mc = self.model_config
+        spec = AttentionSpec(
+            device=self.device,
+            dtype=self.dtype,
+            num_heads=mc.num_attention_heads // config.world_size,
+            num_kv_heads=mc.num_key_value_heads // config.world_size,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+        )
+        self.backend, self.backend_reason = select_backend(config.attention_backend, spec)
+        self.log.info("attention backend {}: {}", self.backend.name, self.backend_reason)
+        self.model = build_model(config, mc, self.backend, self.device, self.dtype)
+        self.batches = BatchStore()
+        self.kv_cache: list[KVCacheLayer] = []
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks allocated (0 before warmup)."""
+        return self.kv_cache[0].num_blocks if self.kv_cache else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def info(self) -> ShardInfo:
+        """Static facts for ``Info``."""
+        return ShardInfo(
+            model_id=self.config.served_model_id,
+            dtype=dtype_name(self.dtype),
+            device=str(self.device),
+            rank=self.config.rank,
+            world_size=self.config.world_size,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            attention_backend=self.backend.name,
+            attention_backend_reason=self.backend_reason,
+            max_position_embeddings=self.model_config.max_position_embeddings,
+            vocab_size=self.model_config.vocab_size,
+        )
+
+    def bind_kv_cache(self, kv_cache: list[KVCacheLayer]) -> None:
+        """Attach one cache layer to each attention layer (replacing any previous cache)."""
+        layers = self.model.attention_layers()
+        assert len(layers) == len(kv_cache), (
+            f"{len(layers)} attention layers, {len(kv_cache)} cache layers"
+        )
+        for attn, cache in zip(layers, kv_cache, strict=True):
+            attn.kv_cache = cache
+        self.kv_cache = kv_cache
+
+    @torch.inference_mode()
+    def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
+        """Size and allocate the KV cache, run a worst-case prefill through it and drop
+        all batches. Returns the number of KV blocks.
+
+        Raises:
+            KVCacheTooSmallError: the cache cannot hold the budgets (names the flag).
+            ValueError: a budget is 0.
+        """
+        self.batches.clear()
+        num_blocks = warmup_lib.run_warmup(self, max_batch_prefill_tokens, max_total_tokens)
+        self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, self.block_size)
+        return num_blocks
+
+    def run_chunks(
+        self, chunks: Sequence[SeqChunk], is_prefill: bool
+    ) -> tuple[ModelInputs, torch.Tensor]:
+        """Forward ``chunks``; returns the inputs and hidden states [num_tokens, hidden]."""
+        if not self.kv_cache:
+            raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
+        inputs = build_inputs(chunks, self.block_size, is_prefill, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        return inputs, hidden
+
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> StepOutput:
+        """Compute ``input_ids[cache_len:]`` of every request, sample the first token of
+        each non-partial one and keep those under ``batch.batch_id``.
+
+        Raises:
+            ValueError: invalid request (see :mod:`shard.validate`) or batch id already held.
+            NotWarmedUpError: before Warmup.
+        """
+        if not self.kv_cache:
+            raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
+        validate_prefill(batch, self.block_size, self.num_blocks, self.model_config.vocab_size)
+        final = [r for r in batch.requests if not r.partial]
+        if final and batch.batch_id in self.batches:
+            raise ValueError(f"batch id {batch.batch_id} is already cached")
+        t0 = time.perf_counter_ns()
+        chunks = [_prefill_chunk(r) for r in batch.requests]
+        inputs, hidden = self.run_chunks(chunks, is_prefill=True)
+        generations: list[Generation] = []
+        states: list[RequestState] = []
+        if final:
+            rows = [i for i, r in enumerate(batch.requests) if not r.partial]
+            logits = self.model.compute_logits(hidden[inputs.last_token_indices[rows]])
+            out = sample(logits, [_prefill_sampling_row(r) for r in final])
+            prompt_lps = [
+                self._prompt_logprobs(r, c, i, inputs, hidden)
+                for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)
+            ]
+            generations = _generations(
+                [r.request_id for r in final], [r.top_n_tokens for r in final], out, prompt_lps
+            )
+            states = [_new_state(r, g.token_id) for r, g in zip(final, generations, strict=True)]
+        forward_ns = time.perf_counter_ns() - t0
+        if states:
+            self.batches.add(Batch(batch.batch_id, states))
+        info = CachedBatchInfo(batch.batch_id, tuple(s.request_id for s in states))
+        return StepOutput(tuple(generations), info, forward_ns)
+
+    def _prompt_logprobs(
+        self,
+        r: RequestInput,
+        chunk: SeqChunk,
+        index: int,
+        inputs: ModelInputs,
+        hidden: torch.Tensor,
+    ) -> tuple[float, ...]:
+        """Logprobs of ``input_ids[max(cache_len, 1):]``, each from the logits of the
+        token before it (all computed in this forward; see :func:`_prefill_chunk`)."""
+        if not r.prompt_logprobs or len(chunk.token_ids) < 2:
+            return ()
+        first = int(inputs.metadata.cu_seqlens_q[index])
+        rows = hidden[first : first + len(chunk.token_ids) - 1]
+        logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
+        targets = torch.tensor(chunk.token_ids[1:], dtype=torch.int64, device=logprobs.device)
+        return tuple(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
+
+    @torch.inference_mode()
+    def decode(
+        self, batch_ids: Sequence[int], block_appends: Sequence[tuple[int, Sequence[int]]] = ()
+    ) -> StepOutput:
+        """One decode step over the concatenation of ``batch_ids`` (kept under the
+        first id), after appending new blocks to the named requests.
+
+        Raises:
+            UnknownBatchError: a batch id not held.
+            ValueError: bad block appends or a block table too short for the next token.
+            NotWarmedUpError: before Warmup.
+        """
+        self.batches.check_concatenate(batch_ids)
+        requests = [r for bid in batch_ids for r in self.batches.get(bid).requests]
+        appends: dict[int, list[int]] = {}
+        for rid, blocks in block_appends:
+            appends.setdefault(rid, []).extend(blocks)
+        validate_decode(requests, appends, self.block_size, self.num_blocks)
+        batch = self.batches.concatenate(batch_ids)
+        for r in batch.requests:
+            r.block_table.extend(appends.get(r.request_id, []))
+        t0 = time.perf_counter_ns()
+        chunks = [SeqChunk((r.last_token,), r.seq_len, r.block_table) for r in batch.requests]
+        inputs, hidden = self.run_chunks(chunks, is_prefill=False)
+        logits = self.model.compute_logits(hidden[inputs.last_token_indices])
+        out = sample(logits, [_decode_sampling_row(r) for r in batch.requests])
+        generations = _generations(
+            list(batch.request_ids),
+            [r.top_n_tokens for r in batch.requests],
+            out,
+            [()] * len(batch.requests),
+        )
+        for r, g in zip(batch.requests, generations, strict=True):
+            r.append_token(g.token_id)
+        forward_ns = time.perf_counter_ns() - t0
+        return StepOutput(
+            tuple(generations), CachedBatchInfo(batch.batch_id, batch.request_ids), forward_ns
+        )
+
+    def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
+        """Keep only ``request_ids`` in the batch (see :meth:`BatchStore.filter`)."""
+        batch = self.batches.filter(batch_id, request_ids)
+        return CachedBatchInfo(batch.batch_id, batch.request_ids)
+
+    def clear_cache(self, batch_id: int | None = None) -> None:
+        """Drop one batch, or all with None (KV contents stay; the router owns blocks)."""
+        self.batches.clear(batch_id)
+
+
+def _prefill_chunk(r: RequestInput) -> SeqChunk:
+    """Tokens to compute for a prefill request. NOTE: with prompt_logprobs and a cached
+    prefix, the last cached token is recomputed (not rewritten) so the first new
+    token's logprob is available."""
+    start = r.cache_len
+    if r.prompt_logprobs and not r.partial and r.cache_len > 0:
+        start -= 1
+    return SeqChunk(r.input_ids[start:], start, r.block_ids, write_from=r.cache_len)
+
+
+def _prefill_sampling_row(r: RequestInput) -> SamplingRow:
+    generated = r.input_ids[len(r.input_ids) - r.num_generated :]
+    return SamplingRow(r.sampling, r.num_generated, r.input_ids, generated, r.top_n_tokens)
+
+
+def _decode_sampling_row(r: RequestState) -> SamplingRow:
+    return SamplingRow(r.sampling, r.num_generated, r.token_ids, r.generated_tokens, r.top_n_tokens)
+
+
+def _new_state(r: RequestInput, token_id: int) -> RequestState:
+    return RequestState(
+        request_id=r.request_id,
+        block_table=list(r.block_ids),
+        token_ids=[*r.input_ids, token_id],
+        seq_len=len(r.input_ids),
+        num_generated=r.num_generated + 1,
+        sampling=r.sampling,
+        top_n_tokens=r.top_n_tokens,
+    )
+
+
+def _generations(
+    request_ids: Sequence[int],
+    top_ns: Sequence[int],
+    out: SamplerOutput,
+    prompt_lps: Sequence[tuple[float, ...]],
+) -> list[Generation]:
+    """Convert a :class:`SamplerOutput` to per-request :class:`Generation` records."""
+    tokens = out.token_ids.tolist()
+    logprobs = out.logprobs.tolist()
+    top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result = []
+    for i, rid in enumerate(request_ids):
+        top: tuple[TopToken, ...] = ()
+        if top_ids is not None and top_lps is not None and top_ns[i] > 0:
+            top = tuple(
+                TopToken(t, lp)
+                for t, lp in zip(top_ids[i][: top_ns[i]], top_lps[i][: top_ns[i]], strict=True)
+            )
+        result.append(Generation(rid, tokens[i], logprobs[i], top, prompt_lps[i]))
+    return result

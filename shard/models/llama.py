@@ -1,0 +1,206 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama).
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj`` ...), except
+that q/k/v and gate/up are fused; :attr:`LlamaForCausalLM.packed_modules` maps
+checkpoint names onto the fused parameters with a shard id.
+
+Forward works on flattened tokens (no padding): ``input_ids [num_tokens]``,
+``positions [num_tokens]`` and an :class:`AttentionMetadata` describing the batch.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from shard.attention.base import AttentionBackend
+from shard.attention.layer import Attention
+from shard.attention.metadata import AttentionMetadata
+from shard.layers.activation import SiluAndMul
+from shard.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shard.layers.norm import RMSNorm
+from shard.layers.rotary import RotaryEmbedding
+from shard.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with GQA, rotary embeddings and a paged KV cache."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+        self.attn = Attention(
+            backend, self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim**-0.5
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
+        qkv = self.qkv_proj(hidden)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate/up fused."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size,
+            [config.intermediate_size] * 2,
+            bias=config.mlp_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank, tp_size
+        )
+        self.layers = nn.ModuleList(
+            [
+                LlamaDecoderLayer(config, backend, tp_rank, tp_size)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM.
+
+    Args:
+        config: parsed model config.
+        backend: attention backend shared by all layers.
+        tp_rank, tp_size: tensor-parallel position (tp_size=1 today).
+    """
+
+    # checkpoint module name → (fused module name, shard id)
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that are not parameters here (buffers some exporters save)
+    ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 → hidden [num_tokens, hidden_size] (model dtype)."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] → logits [n, vocab_size] float32."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """The per-layer :class:`Attention` modules, in layer order (to bind the KV cache)."""
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None] | None:
+        """Checkpoint tensor name → (parameter name, shard id or None), or None to skip."""
+        if name.endswith(self.ignored_suffixes):
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for ckpt, (fused, shard_id) in self.packed_modules.items():
+            token = f".{ckpt}."
+            if token in name:
+                return name.replace(token, f".{fused}."), shard_id
+        return name, None

@@ -1,0 +1,235 @@
+"""Token sampling, vectorized over the batch with per-row parameters.
+
+Pipeline per step (all rows at once, each with its own parameters):
+
+1. ``logprobs = log_softmax(raw logits)``: NOTE the reported logprob of a token (and of
+   the top-n alternatives) is under the *model's* distribution, before penalties,
+   temperature and truncation, so it does not depend on sampling settings (as in TGI).
+2. penalties: repetition (HF, over prompt + generated), then frequency / presence
+   (OpenAI, over generated tokens) — see :mod:`shard.penalties`.
+3. greedy rows (``do_sample=False``): argmax of the penalized logits.
+4. sampled rows: temperature → top-k → top-p → min-p → typical-p (Hugging Face's warper
+   order), then an exponential race ``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn
+   from a generator seeded by ``hash(seed, step)`` only, so a seeded row is
+   reproducible whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shard.penalties import apply_frequency_presence_penalties, apply_repetition_penalty
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters ("off" values are the defaults).
+
+    Attributes:
+        temperature: divides the logits before softmax; 1.0 = unchanged, < 1 sharper.
+            Must be > 0 (greedy is ``do_sample=False``).
+        top_k: keep the k most likely tokens; 0 = off.
+        top_p: nucleus sampling (Holtzman et al. 2019, "The Curious Case of Neural Text
+            Degeneration"): keep the smallest set of most likely tokens whose
+            probability mass reaches top_p; 1.0 = off.
+        typical_p: locally typical sampling (Meister et al. 2022, "Locally Typical
+            Sampling"): keep tokens whose surprisal is closest to the entropy until
+            their mass reaches typical_p; 1.0 = off.
+        min_p: min-p sampling (Nguyen et al. 2024, "Turning Up the Heat: Min-p
+            Sampling"): drop tokens with probability < min_p × max probability; 0.0 = off.
+        do_sample: False = greedy argmax (after penalties); True = sample.
+        seed: per-request seed; step index is mixed in (see :func:`row_seed`).
+        repetition_penalty: HF/CTRL penalty over prompt + generated tokens; 1.0 = off.
+        frequency_penalty: OpenAI: subtract penalty × count of the token among
+            generated tokens; 0.0 = off.
+        presence_penalty: OpenAI: subtract penalty once if the token was generated;
+            0.0 = off.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    do_sample: bool = False
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of a sampling call.
+
+    Attributes:
+        params: the request's parameters.
+        step: index of the token being generated (0 for the first), mixed into the seed.
+        seen_tokens: prompt + generated token ids (repetition penalty).
+        generated_tokens: generated token ids (frequency / presence penalties).
+        top_n: number of alternatives to return (0 = none).
+    """
+
+    params: SamplingParams
+    step: int = 0
+    seen_tokens: Sequence[int] = field(default_factory=tuple)
+    generated_tokens: Sequence[int] = field(default_factory=tuple)
+    top_n: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled tokens.
+
+    Attributes:
+        token_ids: [batch] int64.
+        logprobs: [batch] float32, log_softmax of the raw logits at token_ids.
+        top_token_ids: [batch, max_top_n] int64 (most likely first) or None when no
+            row asked for alternatives; row i's first ``rows[i].top_n`` are meaningful.
+        top_logprobs: [batch, max_top_n] float32 or None, matching top_token_ids.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_token_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+def row_seed(seed: int, step: int) -> int:
+    """63-bit generator seed from (seed, step) with SplitMix64 (Steele et al. 2014)."""
+    x = (seed ^ ((step + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+def _param(
+    rows: Sequence[SamplingRow], name: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) for r in rows], dtype=dtype, device=device)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties at the boundary kept); 0 = off.
+    logits [batch, vocab] float32, top_k [batch] int64."""
+    vocab = logits.shape[-1]
+    k = top_k.clamp(max=vocab)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(min=0)[:, None])
+    drop = (logits < kth) & (k > 0)[:, None]
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filter (Holtzman et al. 2019): keep the most likely tokens until their
+    mass reaches top_p (the token that crosses it is kept). top_p [batch]; 1.0 = off."""
+    probs_sorted, idx = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p filter (Nguyen et al. 2024): drop p < min_p × max p. min_p [batch]; 0 = off."""
+    probs = logits.softmax(dim=-1)
+    drop = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Locally typical filter (Meister et al. 2022), with Hugging Face's tie rules.
+    typical_p [batch]; 1.0 = off."""
+    logp = logits.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    shifted_sorted, idx = shifted.sort(dim=-1)
+    cum = logits.gather(1, idx).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < typical_p[:, None]).sum(dim=1).clamp(max=logits.shape[-1] - 1)
+    drop_sorted = shifted_sorted > shifted_sorted.gather(1, last[:, None])
+    drop_sorted[:, 0] = False
+    drop_sorted &= (typical_p < 1.0)[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def exponential_noise(
+    rows: Sequence[SamplingRow], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[batch, vocab] float32 Exp(1) noise; row i depends only on (seed_i, step_i)."""
+    noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        gen = torch.Generator(device=device).manual_seed(row_seed(row.params.seed, row.step))
+        noise[i].exponential_(generator=gen)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _warp(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature and truncation for sampled rows. logits [n, vocab] float32."""
+    dev = logits.device
+    logits = logits / _param(rows, "temperature", torch.float32, dev)[:, None]
+    logits = apply_top_k(logits, _param(rows, "top_k", torch.int64, dev))
+    logits = apply_top_p(logits, _param(rows, "top_p", torch.float32, dev))
+    logits = apply_min_p(logits, _param(rows, "min_p", torch.float32, dev))
+    return apply_typical_p(logits, _param(rows, "typical_p", torch.float32, dev))
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    """Pick one token per row (see the module docstring for the pipeline).
+
+    Args:
+        logits: [batch, vocab] float32 raw model logits.
+        rows: one :class:`SamplingRow` per logits row.
+
+    Returns:
+        :class:`SamplerOutput`.
+    """
+    assert logits.shape[0] == len(rows), (
+        f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
+    )
+    dev = logits.device
+    logits = logits.to(torch.float32)
+    logprobs_all = logits.log_softmax(dim=-1)
+    scores = apply_repetition_penalty(
+        logits,
+        _param(rows, "repetition_penalty", torch.float32, dev),
+        [r.seen_tokens for r in rows],
+    )
+    scores = apply_frequency_presence_penalties(
+        scores,
+        _param(rows, "frequency_penalty", torch.float32, dev),
+        _param(rows, "presence_penalty", torch.float32, dev),
+        [r.generated_tokens for r in rows],
+    )
+    token_ids = scores.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
+    if sampled:
+        sub_rows = [rows[i] for i in sampled]
+        probs = _warp(scores[sampled], sub_rows).softmax(dim=-1)
+        noise = exponential_noise(sub_rows, logits.shape[-1], dev)
+        token_ids[sampled] = (probs / noise).argmax(dim=-1)
+    token_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
+    max_top_n = max((r.top_n for r in rows), default=0)
+    top_ids = top_lp = None
+    if max_top_n > 0:
+        top_lp, top_ids = logprobs_all.topk(min(max_top_n, logits.shape[-1]), dim=-1)
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_lp)

@@ -1,0 +1,75 @@
+"""Checks on Prefill/Decode arguments before any state changes. Every failure is a
+``ValueError`` naming the request and field (the servicer turns it into INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shard.batch import RequestState
+from shard.requests import PrefillBatch, RequestInput
+
+
+def _check_blocks(
+    where: str, block_ids: Sequence[int], num_tokens: int, block_size: int, num_blocks: int
+) -> None:
+    needed = -(-num_tokens // block_size)
+    if len(block_ids) < needed:
+        raise ValueError(
+            f"{where}: block_ids has {len(block_ids)} blocks but {num_tokens} tokens need {needed} "
+            f"(block_size {block_size})"
+        )
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{where}: block ids {bad[:5]} out of range [0, {num_blocks})")
+
+
+def validate_request(r: RequestInput, block_size: int, num_blocks: int, vocab_size: int) -> None:
+    """Raises ValueError on an inconsistent request."""
+    where = f"request {r.request_id}"
+    n = len(r.input_ids)
+    if n == 0:
+        raise ValueError(f"{where}: input_ids is empty")
+    if not 0 <= r.cache_len < n:
+        raise ValueError(
+            f"{where}: cache_len={r.cache_len} must be < len(input_ids)={n} (at least one token to compute)"
+        )
+    if r.num_generated > n:
+        raise ValueError(f"{where}: num_generated={r.num_generated} > len(input_ids)={n}")
+    bad = [t for t in r.input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{where}: input_ids {bad[:5]} out of vocabulary range [0, {vocab_size})")
+    _check_blocks(where, r.block_ids, n, block_size, num_blocks)
+
+
+def validate_prefill(
+    batch: PrefillBatch, block_size: int, num_blocks: int, vocab_size: int
+) -> None:
+    """Raises ValueError on an empty batch, repeated request ids or a bad request."""
+    if not batch.requests:
+        raise ValueError(f"batch {batch.batch_id}: no requests")
+    ids = [r.request_id for r in batch.requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"batch {batch.batch_id}: request ids repeat")
+    for r in batch.requests:
+        validate_request(r, block_size, num_blocks, vocab_size)
+
+
+def validate_decode(
+    requests: Sequence[RequestState],
+    appends: dict[int, list[int]],
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """Check block appends name known requests and every request has a block for its
+    next token (position seq_len) once the appends are applied.
+
+    Raises:
+        ValueError: unknown request id in appends, or a block table too short.
+    """
+    known = {r.request_id for r in requests}
+    unknown = sorted(set(appends) - known)
+    if unknown:
+        raise ValueError(f"block_appends name request ids {unknown} not in the decoded batches")
+    for r in requests:
+        table = r.block_table + appends.get(r.request_id, [])
+        _check_blocks(f"request {r.request_id}", table, r.seq_len + 1, block_size, num_blocks)

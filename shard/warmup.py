@@ -1,0 +1,128 @@
+"""KV cache sizing and the worst-case warmup prefill.
+
+CPU: ``num_blocks = kv_cache_bytes // bytes_per_block``.
+CUDA: run the worst-case prefill with a temporary cache just big enough for it,
+measure peak memory, then give the KV cache what is left of
+``total × gpu_memory_fraction`` (the vLLM profiling approach).
+Either way the real cache is then allocated and the worst-case prefill runs through it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shard.errors import KVCacheTooSmallError
+from shard.inputs import SeqChunk
+from shard.kv_cache import allocate_kv_cache, bytes_per_block
+from shard.sampling import SamplingParams, SamplingRow, sample
+
+if TYPE_CHECKING:
+    from shard.model_runner import ModelRunner
+
+
+def dummy_chunks(
+    max_batch_prefill_tokens: int, max_total_tokens: int, block_size: int
+) -> list[SeqChunk]:
+    """Worst-case prefill: ``max_batch_prefill_tokens`` tokens split into sequences of at
+    most ``max_total_tokens``, each on its own consecutive blocks starting at block 0."""
+    chunks = []
+    remaining, next_block = max_batch_prefill_tokens, 0
+    while remaining > 0:
+        n = min(remaining, max_total_tokens)
+        blocks = -(-n // block_size)
+        chunks.append(SeqChunk([0] * n, 0, list(range(next_block, next_block + blocks))))
+        next_block += blocks
+        remaining -= n
+    return chunks
+
+
+def blocks_needed(chunks: list[SeqChunk]) -> int:
+    return sum(len(c.block_table) for c in chunks)
+
+
+def _run_dummy_prefill(runner: ModelRunner, chunks: list[SeqChunk]) -> None:
+    inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
+    logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
+    rows = [
+        SamplingRow(SamplingParams(do_sample=True, top_p=0.9, top_k=50), top_n=5) for _ in chunks
+    ]
+    sample(logits, rows)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int) -> int:
+    device = runner.device
+    temp_blocks = blocks_needed(chunks)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.bind_kv_cache(
+        allocate_kv_cache(runner.model_config, temp_blocks, runner.block_size, runner.dtype, device)
+    )
+    _run_dummy_prefill(runner, chunks)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    runner.kv_cache = []
+    for attn in runner.model.attention_layers():
+        attn.kv_cache = None
+    torch.cuda.empty_cache()
+    budget = (
+        int(total * runner.config.gpu_memory_fraction)
+        - non_torch
+        - (peak - temp_blocks * per_block)
+    )
+    runner.log.info(
+        "memory: total {:.2f} GiB, peak during warmup {:.2f} GiB, other {:.2f} GiB, KV budget {:.2f} GiB",
+        total / 2**30,
+        peak / 2**30,
+        non_torch / 2**30,
+        max(budget, 0) / 2**30,
+    )
+    return max(budget, 0) // per_block
+
+
+def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
+    """Allocate the KV cache and run the worst-case prefill through it.
+
+    Args:
+        max_batch_prefill_tokens: prefill token budget, in tokens (> 0).
+        max_total_tokens: longest request (prompt + generated), in tokens (> 0).
+
+    Returns:
+        the number of KV blocks allocated.
+
+    Raises:
+        ValueError: a budget is 0.
+        KVCacheTooSmallError: the cache cannot hold the worst-case prefill or one
+            request of max_total_tokens; the message names the flag to change.
+    """
+    if max_batch_prefill_tokens <= 0 or max_total_tokens <= 0:
+        raise ValueError("max_batch_prefill_tokens and max_total_tokens must be > 0")
+    per_block = bytes_per_block(
+        runner.model_config, runner.block_size, runner.dtype, runner.config.world_size
+    )
+    chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, runner.block_size)
+    if runner.device.type == "cuda":
+        num_blocks = _cuda_num_blocks(runner, chunks, per_block)
+        memory_flag = "--gpu-memory-fraction"
+    else:
+        num_blocks = runner.config.kv_cache_bytes // per_block
+        memory_flag = "--kv-cache-bytes"
+    need = max(blocks_needed(chunks), -(-max_total_tokens // runner.block_size))
+    if num_blocks < need:
+        raise KVCacheTooSmallError(
+            f"KV cache fits {num_blocks} blocks ({num_blocks * runner.block_size} tokens, {per_block} bytes per "
+            f"block) but warmup needs {need} blocks for max_batch_prefill_tokens={max_batch_prefill_tokens} and "
+            f"max_total_tokens={max_total_tokens}: raise {memory_flag} or lower --max-batch-prefill-tokens / "
+            f"--max-total-tokens"
+        )
+    runner.bind_kv_cache(
+        allocate_kv_cache(
+            runner.model_config, num_blocks, runner.block_size, runner.dtype, runner.device
+        )
+    )
+    _run_dummy_prefill(runner, chunks)
+    return num_blocks
