@@ -53,7 +53,8 @@ class ModelInputs:
 
 
 def slot(block_table: Sequence[int], position: int, block_size: int) -> int:
-    """Cache slot of token ``position``: ``block_table[position // block_size] * block_size + offset``."""
+    """Cache slot of token ``position``:
+    ``block_table[position // block_size] * block_size + position % block_size``."""
     return block_table[position // block_size] * block_size + position % block_size
 
 

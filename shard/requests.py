@@ -3,7 +3,7 @@ model runner (the servicer converts them to and from protobuf)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shard.sampling import SamplingParams
 
@@ -47,8 +47,8 @@ class RequestInput:
     input_ids: tuple[int, ...]
     cache_len: int
     block_ids: tuple[int, ...]
-    sampling: SamplingParams = SamplingParams()
-    stopping: StoppingParams = StoppingParams()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
     partial: bool = False
     top_n_tokens: int = 0
     prompt_logprobs: bool = False

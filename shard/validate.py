@@ -31,7 +31,8 @@ def validate_request(r: RequestInput, block_size: int, num_blocks: int, vocab_si
         raise ValueError(f"{where}: input_ids is empty")
     if not 0 <= r.cache_len < n:
         raise ValueError(
-            f"{where}: cache_len={r.cache_len} must be < len(input_ids)={n} (at least one token to compute)"
+            f"{where}: cache_len={r.cache_len} must be < len(input_ids)={n} "
+            "(at least one token must be computed)"
         )
     if r.num_generated > n:
         raise ValueError(f"{where}: num_generated={r.num_generated} > len(input_ids)={n}")

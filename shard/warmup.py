@@ -75,7 +75,7 @@ def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int
         - (peak - temp_blocks * per_block)
     )
     runner.log.info(
-        "memory: total {:.2f} GiB, peak during warmup {:.2f} GiB, other {:.2f} GiB, KV budget {:.2f} GiB",
+        "memory: total {:.2f} GiB, warmup peak {:.2f} GiB, other {:.2f} GiB, KV budget {:.2f} GiB",
         total / 2**30,
         peak / 2**30,
         non_torch / 2**30,
@@ -114,10 +114,11 @@ def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tok
     need = max(blocks_needed(chunks), -(-max_total_tokens // runner.block_size))
     if num_blocks < need:
         raise KVCacheTooSmallError(
-            f"KV cache fits {num_blocks} blocks ({num_blocks * runner.block_size} tokens, {per_block} bytes per "
-            f"block) but warmup needs {need} blocks for max_batch_prefill_tokens={max_batch_prefill_tokens} and "
-            f"max_total_tokens={max_total_tokens}: raise {memory_flag} or lower --max-batch-prefill-tokens / "
-            f"--max-total-tokens"
+            f"KV cache fits {num_blocks} blocks ({num_blocks * runner.block_size} tokens, "
+            f"{per_block} bytes per block) but warmup needs {need} blocks for "
+            f"max_batch_prefill_tokens={max_batch_prefill_tokens} and "
+            f"max_total_tokens={max_total_tokens}: raise {memory_flag} or lower "
+            "--max-batch-prefill-tokens / --max-total-tokens"
         )
     runner.bind_kv_cache(
         allocate_kv_cache(

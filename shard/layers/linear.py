@@ -150,7 +150,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         piece = _narrow(loaded, 0, self.tp_rank, self.tp_size)
         if target.shape != piece.shape:
             raise ValueError(
-                f"shape mismatch for shard {shard_id}: {tuple(target.shape)} vs {tuple(piece.shape)}"
+                f"shape mismatch for shard {shard_id}: "
+                f"{tuple(target.shape)} vs {tuple(piece.shape)}"
             )
         target.copy_(piece)
 

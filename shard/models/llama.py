@@ -182,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 → hidden [num_tokens, hidden_size] (model dtype)."""
+        """input_ids, positions: [num_tokens] int64 → hidden [num_tokens, hidden_size]
+        (model dtype)."""
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""Protobuf ↔ typed records (:mod:`shard.requests`). No logic beyond field mapping.
+
+NOTE proto3 zero values: an unset ``temperature``, ``top_p``, ``typical_p`` or
+``repetition_penalty`` arrives as 0.0, which is mapped to its "off" value (1.0).
+Greedy decoding is requested with ``do_sample=false``, never with temperature 0.
+"""
+
+from __future__ import annotations
+
+from shard.pb import shard_pb2 as pb
+from shard.requests import (
+    CachedBatchInfo,
+    Generation,
+    PrefillBatch,
+    RequestInput,
+    ShardInfo,
+    StepOutput,
+    StoppingParams,
+)
+from shard.sampling import SamplingParams
+
+
+def _one_if_zero(value: float) -> float:
+    return 1.0 if value == 0.0 else value
+
+
+def sampling_from_pb(p: pb.SamplingParameters) -> SamplingParams:
+    """Raises ValueError (naming the field) on an out-of-range value."""
+    return SamplingParams(
+        temperature=_one_if_zero(p.temperature),
+        top_k=p.top_k,
+        top_p=_one_if_zero(p.top_p),
+        typical_p=_one_if_zero(p.typical_p),
+        min_p=p.min_p,
+        do_sample=p.do_sample,
+        seed=p.seed,
+        repetition_penalty=_one_if_zero(p.repetition_penalty),
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+    )
+
+
+def request_from_pb(r: pb.Request) -> RequestInput:
+    try:
+        sampling = sampling_from_pb(r.sampling)
+    except ValueError as exc:
+        raise ValueError(f"request {r.id}: sampling: {exc}") from exc
+    return RequestInput(
+        request_id=r.id,
+        input_ids=tuple(r.input_ids),
+        cache_len=r.cache_len,
+        block_ids=tuple(r.block_ids),
+        sampling=sampling,
+        stopping=StoppingParams(
+            max_new_tokens=r.stopping.max_new_tokens,
+            stop_token_ids=tuple(r.stopping.stop_token_ids),
+            ignore_eos=r.stopping.ignore_eos,
+        ),
+        partial=r.partial,
+        top_n_tokens=r.top_n_tokens,
+        prompt_logprobs=r.prompt_logprobs,
+        num_generated=r.num_generated,
+    )
+
+
+def prefill_batch_from_pb(b: pb.Batch) -> PrefillBatch:
+    return PrefillBatch(batch_id=b.id, requests=tuple(request_from_pb(r) for r in b.requests))
+
+
+def block_appends_from_pb(appends: list[pb.BlockAppend]) -> list[tuple[int, list[int]]]:
+    return [(a.request_id, list(a.block_ids)) for a in appends]
+
+
+def cached_batch_to_pb(b: CachedBatchInfo) -> pb.CachedBatch:
+    return pb.CachedBatch(id=b.batch_id, request_ids=list(b.request_ids))
+
+
+def generation_to_pb(g: Generation) -> pb.Generation:
+    return pb.Generation(
+        request_id=g.request_id,
+        token_id=g.token_id,
+        logprob=g.logprob,
+        top_tokens=[pb.TopToken(token_id=t.token_id, logprob=t.logprob) for t in g.top_tokens],
+        prompt_logprobs=list(g.prompt_logprobs),
+    )
+
+
+def timings_to_pb(forward_ns: int, total_ns: int) -> pb.Timings:
+    return pb.Timings(forward_ns=forward_ns, total_ns=total_ns)
+
+
+def step_generations_to_pb(out: StepOutput) -> list[pb.Generation]:
+    return [generation_to_pb(g) for g in out.generations]
+
+
+def info_to_pb(i: ShardInfo) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        model_id=i.model_id,
+        dtype=i.dtype,
+        device=i.device,
+        rank=i.rank,
+        world_size=i.world_size,
+        block_size=i.block_size,
+        num_blocks=i.num_blocks,
+        attention_backend=i.attention_backend,
+        attention_backend_reason=i.attention_backend_reason,
+        max_position_embeddings=i.max_position_embeddings,
+        vocab_size=i.vocab_size,
+    )

@@ -1,0 +1,125 @@
+"""The gRPC servicer: protobuf → typed records → :class:`ModelRunner` → protobuf.
+
+Model work runs in a worker thread (``asyncio.to_thread``) under one lock, so Health
+and Info answer while a long forward is running. :func:`_status_for` is the one place
+that maps exceptions to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+from loguru import logger
+
+from shard import codec
+from shard.errors import NotWarmedUpError, UnknownBatchError
+from shard.model_runner import ModelRunner
+from shard.pb import shard_pb2 as pb
+from shard.pb import shard_pb2_grpc
+
+T = TypeVar("T")
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    """ValueError → INVALID_ARGUMENT, unknown batch → NOT_FOUND, no KV cache yet →
+    FAILED_PRECONDITION, anything else → INTERNAL."""
+    if isinstance(exc, UnknownBatchError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NotWarmedUpError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
+    """Implements ``shardserve.shard.v1.ShardService`` over one :class:`ModelRunner`."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.lock = asyncio.Lock()
+        self.log = logger.bind(rank=runner.config.rank)
+
+    async def _run(self, context: grpc.aio.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a worker thread under the lock; abort the RPC on error."""
+        try:
+            async with self.lock:
+                return await asyncio.to_thread(fn)
+        except Exception as exc:
+            code = _status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                self.log.exception("{} failed", rpc)
+                message = f"{rpc}: internal error: {type(exc).__name__}: {exc}"
+            else:
+                self.log.warning("{} rejected ({}): {}", rpc, code.name, exc)
+                message = f"{rpc}: {exc}"
+            await context.abort(code, message)
+            raise AssertionError("unreachable: context.abort raises") from exc
+
+    async def Info(
+        self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InfoResponse:
+        return codec.info_to_pb(self.runner.info())
+
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
+        return pb.HealthResponse()
+
+    async def Warmup(
+        self, request: pb.WarmupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WarmupResponse:
+        num_blocks = await self._run(
+            context,
+            "Warmup",
+            lambda: self.runner.warmup(request.max_batch_prefill_tokens, request.max_total_tokens),
+        )
+        return pb.WarmupResponse(num_blocks=num_blocks, block_size=self.runner.block_size)
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:
+        t0 = time.perf_counter_ns()
+        out = await self._run(
+            context,
+            "Prefill",
+            lambda: self.runner.prefill(codec.prefill_batch_from_pb(request.batch)),
+        )
+        return pb.PrefillResponse(
+            generations=codec.step_generations_to_pb(out),
+            batch=codec.cached_batch_to_pb(out.batch),
+            timings=codec.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
+        )
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DecodeResponse:
+        t0 = time.perf_counter_ns()
+        batch_ids = [b.id for b in request.batches]
+        appends = codec.block_appends_from_pb(list(request.block_appends))
+        out = await self._run(context, "Decode", lambda: self.runner.decode(batch_ids, appends))
+        return pb.DecodeResponse(
+            generations=codec.step_generations_to_pb(out),
+            batch=codec.cached_batch_to_pb(out.batch),
+            timings=codec.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
+        )
+
+    async def FilterBatch(
+        self, request: pb.FilterBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FilterBatchResponse:
+        ids = list(request.request_ids)
+        info = await self._run(
+            context, "FilterBatch", lambda: self.runner.filter_batch(request.batch_id, ids)
+        )
+        return pb.FilterBatchResponse(batch=codec.cached_batch_to_pb(info))
+
+    async def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        batch_id = request.batch_id if request.HasField("batch_id") else None
+        await self._run(context, "ClearCache", lambda: self.runner.clear_cache(batch_id))
+        return pb.ClearCacheResponse()

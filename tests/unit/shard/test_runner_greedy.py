@@ -1,0 +1,133 @@
+"""Greedy tokens through the model runner equal transformers ``generate`` — alone, in
+one batch, joining a running batch at different steps, with a cached prefix, with
+chunked prefill, and with permuted non-contiguous block tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.shard.conftest import NEW_TOKENS
+from tests.unit.shard.helpers import PROMPTS, BlockPool, DecodeDriver, make_runner, prefill, request
+
+
+@pytest.fixture
+def runner(llama):
+    return make_runner(llama[0])
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_each_prompt_alone(runner, expected_greedy, index: int) -> None:
+    pool = BlockPool(runner.num_blocks, seed=index)
+    prompt = PROMPTS[index]
+    tokens = [prefill(runner, 1, request(10, prompt, pool.for_tokens(len(prompt))))[10]]
+    driver = DecodeDriver(runner, pool)
+    while len(tokens) < NEW_TOKENS:
+        tokens.append(driver.step([1])[10])
+    assert tokens == expected_greedy[index]
+
+
+def test_all_prompts_in_one_batch(runner, expected_greedy) -> None:
+    pool = BlockPool(runner.num_blocks, seed=3)
+    reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(PROMPTS)]
+    got = {rid: [tok] for rid, tok in prefill(runner, 5, *reqs).items()}
+    driver = DecodeDriver(runner, pool)
+    for _ in range(NEW_TOKENS - 1):
+        for rid, tok in driver.step([5]).items():
+            got[rid].append(tok)
+    assert [got[i] for i in range(len(PROMPTS))] == expected_greedy
+
+
+def test_requests_join_and_leave_running_batch(runner, expected_greedy) -> None:
+    """Prefill A; decode 3; prefill B; Decode([A, B]); ...; C and D join later; requests
+    are filtered out once they have NEW_TOKENS tokens."""
+    pool = BlockPool(runner.num_blocks, seed=11)
+    driver = DecodeDriver(runner, pool)
+    got: dict[int, list[int]] = {}
+    join_at = {0: 0, 1: 3, 2: 4, 3: 9}  # request index -> decode step before which it joins
+    running: list[int] = []
+    step = 0
+    while len(got) < len(PROMPTS) or any(len(v) < NEW_TOKENS for v in got.values()):
+        for i, at in join_at.items():
+            if at == step:
+                batch_id = 100 + i
+                first = prefill(runner, batch_id, request(i, PROMPTS[i], pool.for_tokens(len(PROMPTS[i]))))
+                got[i] = [first[i]]
+                running.append(batch_id)
+        if running:
+            out = driver.step(running)
+            running = running[:1]  # concatenated under the first batch id
+            for rid, tok in out.items():
+                got[rid].append(tok)
+            done = [rid for rid, toks in got.items() if len(toks) >= NEW_TOKENS]
+            keep = [r for r in runner.batches.get(running[0]).request_ids if r not in done]
+            info = runner.filter_batch(running[0], keep)
+            assert list(info.request_ids) == keep
+            if not keep:
+                running = []
+        step += 1
+    assert [got[i][:NEW_TOKENS] for i in range(len(PROMPTS))] == expected_greedy
+
+
+@pytest.mark.parametrize("cache_len", [1, 4, 16, 39])
+def test_prefix_cache_hit(runner, expected_greedy, cache_len: int) -> None:
+    """Write the prefix via an earlier prefill into the same blocks; a later prefill with
+    cache_len computes only the rest and yields the same tokens."""
+    prompt = PROMPTS[3]  # 40 tokens
+    pool = BlockPool(runner.num_blocks, seed=cache_len)
+    blocks = pool.for_tokens(len(prompt))
+    prefill(runner, 1, request(1, prompt[:cache_len], blocks[: -(-cache_len // 4)]))
+    runner.clear_cache(1)
+    tokens = [prefill(runner, 2, request(2, prompt, blocks, cache_len=cache_len))[2]]
+    driver = DecodeDriver(runner, pool)
+    while len(tokens) < NEW_TOKENS:
+        tokens.append(driver.step([2])[2])
+    assert tokens == expected_greedy[3]
+
+
+def test_chunked_prefill_with_partial_chunks(runner, expected_greedy) -> None:
+    """Prompts prefilled in chunks (partial=True keeps no state) together with a
+    non-chunked request in the same batches."""
+    pool = BlockPool(runner.num_blocks, seed=21)
+    long_prompt, short_prompt = PROMPTS[3], PROMPTS[1]
+    blocks = pool.for_tokens(len(long_prompt))
+    out = runner.prefill(
+        _batch(1, request(3, long_prompt[:13], blocks[:4], partial=True))
+    )
+    assert out.generations == () and out.batch.request_ids == ()
+    assert 1 not in runner.batches
+    out = runner.prefill(
+        _batch(2, request(3, long_prompt[:30], blocks[:8], cache_len=13, partial=True),
+               request(1, short_prompt, pool.for_tokens(len(short_prompt))))
+    )
+    assert [g.request_id for g in out.generations] == [1] and out.batch.request_ids == (1,)
+    first = prefill(runner, 3, request(3, long_prompt, blocks, cache_len=30))
+    got = {1: [out.generations[0].token_id], 3: [first[3]]}
+    driver = DecodeDriver(runner, pool)
+    batch_ids = [2, 3]
+    for _ in range(NEW_TOKENS - 1):
+        for rid, tok in driver.step(batch_ids).items():
+            got[rid].append(tok)
+        batch_ids = [2]  # batch 3 was concatenated into batch 2
+    assert 3 not in runner.batches
+    assert got[1] == expected_greedy[1]
+    assert got[3] == expected_greedy[3]
+
+
+def test_recompute_after_preemption(runner, expected_greedy) -> None:
+    """A preempted request comes back with prompt + generated tokens and num_generated;
+    continuing from there gives the same tokens."""
+    pool = BlockPool(runner.num_blocks, seed=5)
+    prompt, expected = PROMPTS[2], expected_greedy[2]
+    k = 7
+    ids = prompt + expected[:k]
+    tokens = [prefill(runner, 1, request(1, ids, pool.for_tokens(len(ids)), num_generated=k))[1]]
+    driver = DecodeDriver(runner, pool)
+    while len(tokens) < NEW_TOKENS - k:
+        tokens.append(driver.step([1])[1])
+    assert tokens == expected[k:]
+
+
+def _batch(batch_id, *requests):
+    from shard.requests import PrefillBatch
+
+    return PrefillBatch(batch_id, tuple(requests))
