@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from loguru import logger
@@ -122,7 +122,7 @@ class Engine:
         self._wake.set()
         return seq
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         """Submit ``request`` and yield its events until it finishes or fails.
 
         Closing the iterator early (client gone) cancels the request and frees its

@@ -77,11 +77,13 @@ class ShardActor:
     async def start(self) -> str:
         """Load the model, start the gRPC server; return its ``host:port``."""
         import ray
-        from shard.server import build_config, parse_args, start_server
 
+        from shard.server import config_from_args, configure_logging, start_server
+
+        config, _, _ = config_from_args(self.args)
+        configure_logging(config.rank)
         host = ray.util.get_node_ip_address()
-        options = parse_args(self.args)
-        self._server, port = await start_server(build_config(options), host=host, port=0)
+        self._server, port = await start_server(config, host=host, port=0)
         return f"{host}:{port}"
 
     async def stop(self) -> None:

@@ -9,6 +9,9 @@ stop the engine and the shards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
@@ -23,6 +26,15 @@ from router.tokenizer import Tokenizer
 from router.validation import Validator
 
 SHARD_START_TIMEOUT_S = 1800.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: :func:`serve` installs handlers that
+    ask it to exit, so shutdown runs our clean-up instead of re-raising the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def package_version() -> str:
@@ -84,10 +96,14 @@ async def serve(config: ServerConfig) -> None:
         await client.wait_ready(SHARD_START_TIMEOUT_S)
         state = await build_state(config, client)
         state.engine.start()
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                           log_level="warning", timeout_graceful_shutdown=30)
+                           log_level="warning", timeout_graceful_shutdown=30,
+                           lifespan="off")
         )
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, _request_exit, server, signum)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         try:
             await server.serve()
@@ -98,6 +114,11 @@ async def serve(config: ServerConfig) -> None:
             await client.close()
         await executor.stop()
         logger.info("stopped")
+
+
+def _request_exit(server: uvicorn.Server, signum: int) -> None:
+    logger.info("received {}, shutting down", signal.Signals(signum).name)
+    server.should_exit = True
 
 
 def run(config: ServerConfig) -> None:

@@ -9,7 +9,7 @@ naming the field; a full queue is 429; a failure after acceptance is 500 (or an 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +127,8 @@ def create_app(state: ServerState) -> FastAPI:
         return EventSourceResponse(_stream(body, request, first, events))
 
     async def _stream(
-        body: GenerateRequest, request: GenerationRequest, first: Any, events: AsyncIterator[Any]
+        body: GenerateRequest, request: GenerationRequest, first: Any,
+        events: AsyncGenerator[Any, None],
     ) -> AsyncIterator[str]:
         prefix = body.inputs if body.parameters.return_full_text else ""
         texts: list[str] = []
