@@ -105,16 +105,24 @@ class ModelRunner:
             attn.kv_cache = cache
         self.kv_cache = kv_cache
 
+    def unbind_kv_cache(self) -> None:
+        """Detach and release the KV cache (num_blocks becomes 0)."""
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+        self.kv_cache = []
+
     @torch.inference_mode()
     def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
         """Size and allocate the KV cache, run a worst-case prefill through it and drop
-        all batches. Returns the number of KV blocks.
+        all batches (also on failure, which leaves no cache). Returns the number of KV
+        blocks.
 
         Raises:
             KVCacheTooSmallError: the cache cannot hold the budgets (names the flag).
             ValueError: a budget is 0.
         """
         self.batches.clear()
+        self.unbind_kv_cache()  # a failed warmup leaves the shard without a cache
         num_blocks = warmup_lib.run_warmup(self, max_batch_prefill_tokens, max_total_tokens)
         self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, self.block_size)
         return num_blocks

@@ -65,9 +65,7 @@ def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = total - free - torch.cuda.memory_reserved(device)
-    runner.kv_cache = []
-    for attn in runner.model.attention_layers():
-        attn.kv_cache = None
+    runner.unbind_kv_cache()
     torch.cuda.empty_cache()
     budget = (
         int(total * runner.config.gpu_memory_fraction)

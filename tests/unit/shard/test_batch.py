@@ -1,0 +1,61 @@
+"""BatchStore: concatenate, filter, clear."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard.batch import Batch, BatchStore, RequestState
+from shard.errors import UnknownBatchError
+from shard.sampling import SamplingParams
+
+
+def state(rid: int) -> RequestState:
+    return RequestState(rid, [rid], [1, 2, 3], 2, 1, SamplingParams())
+
+
+def store_with(*batches: tuple[int, list[int]]) -> BatchStore:
+    store = BatchStore()
+    for bid, rids in batches:
+        store.add(Batch(bid, [state(r) for r in rids]))
+    return store
+
+
+def test_concatenate_keeps_first_id_and_order() -> None:
+    store = store_with((7, [1, 2]), (3, [5]), (9, [4]))
+    batch = store.concatenate([7, 3, 9])
+    assert (batch.batch_id, batch.request_ids) == (7, (1, 2, 5, 4))
+    assert 7 in store and 3 not in store and 9 not in store and len(store) == 1
+
+
+def test_concatenate_errors_leave_store_unchanged() -> None:
+    store = store_with((1, [1]), (2, [2]), (3, [1]))
+    with pytest.raises(UnknownBatchError, match="unknown batch id 4"):
+        store.concatenate([1, 4])
+    with pytest.raises(ValueError, match="request id 1 appears in more than one batch"):
+        store.concatenate([1, 3])
+    with pytest.raises(ValueError, match="repeat"):
+        store.concatenate([1, 1])
+    assert len(store) == 3 and store.get(1).request_ids == (1,)
+
+
+def test_filter_and_clear() -> None:
+    store = store_with((1, [10, 11, 12]), (2, [20]))
+    assert store.filter(1, [12, 10]).request_ids == (10, 12)
+    with pytest.raises(ValueError, match=r"\[99\] are not in batch 1"):
+        store.filter(1, [99])
+    assert store.filter(1, []).request_ids == ()
+    assert 1 not in store
+    store.clear(1)  # idempotent
+    store.clear(2)
+    assert len(store) == 0
+    store = store_with((1, [1]), (2, [2]))
+    store.clear()
+    assert len(store) == 0
+    with pytest.raises(ValueError, match="already cached"):
+        store_with((1, [1]), (1, [2]))
+
+
+def test_request_state_append_token() -> None:
+    r = RequestState(1, [0], [5, 6, 7], seq_len=2, num_generated=1, sampling=SamplingParams())
+    r.append_token(9)
+    assert (r.seq_len, r.token_ids, r.num_generated, r.generated_tokens) == (3, [5, 6, 7, 9], 2, [7, 9])

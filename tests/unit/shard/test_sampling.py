@@ -1,0 +1,175 @@
+"""Sampling on fixed logits: greedy, truncation masks (checked against transformers'
+warpers), penalties, seeded reproducibility, logprobs and top-n."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from shard.penalties import apply_frequency_presence_penalties, apply_repetition_penalty
+from shard.sampling import (
+    SamplingParams,
+    SamplingRow,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    apply_typical_p,
+    row_seed,
+    sample,
+)
+
+NEG = float("-inf")
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 0.0, 0.0, 0.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0.1)), SamplingRow(SamplingParams())]
+    out = sample(logits, rows)
+    assert out.token_ids.tolist() == [1, 0]
+    expected = logits.log_softmax(-1)[[0, 1], [1, 0]]
+    torch.testing.assert_close(out.logprobs, expected)
+    assert out.top_token_ids is None
+
+
+def test_top_n_alternatives() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    out = sample(logits, [SamplingRow(SamplingParams(), top_n=3)])
+    assert out.top_token_ids is not None and out.top_logprobs is not None
+    assert out.top_token_ids.tolist() == [[1, 3, 0]]
+    torch.testing.assert_close(out.top_logprobs, logits.log_softmax(-1)[:, [1, 3, 0]])
+
+
+def test_top_k_1_is_greedy_whatever_the_seed() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    for seed in range(20):
+        row = SamplingRow(SamplingParams(do_sample=True, top_k=1, seed=seed, temperature=5.0))
+        assert sample(logits, [row]).token_ids.item() == logits.argmax().item()
+
+
+def test_seeded_row_reproducible_alone_and_in_any_batch() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 100, generator=gen)
+    target = SamplingRow(SamplingParams(do_sample=True, seed=42), step=3)
+    alone = sample(logits[2:3], [target]).token_ids.item()
+    others = [
+        SamplingRow(SamplingParams(do_sample=True, seed=7, top_p=0.5)),
+        SamplingRow(SamplingParams()),
+        target,
+        SamplingRow(SamplingParams(do_sample=True, seed=42), step=4),
+        SamplingRow(SamplingParams(do_sample=True, seed=1, top_k=3)),
+    ]
+    batched = sample(logits, others).token_ids.tolist()
+    assert batched[2] == alone
+    assert sample(logits[2:3], [target]).token_ids.item() == alone
+    # the step is mixed in: 30 steps of the same seed do not all pick the same token
+    picks = {sample(logits[2:3], [SamplingRow(target.params, step=s)]).token_ids.item() for s in range(30)}
+    assert len(picks) > 5
+
+
+def test_sampling_frequencies_follow_probabilities() -> None:
+    logits = logits_of([0.5, 0.3, 0.2])
+    counts = [0, 0, 0]
+    for seed in range(3000):
+        counts[sample(logits, [SamplingRow(SamplingParams(do_sample=True, seed=seed))]).token_ids.item()] += 1
+    freqs = [c / 3000 for c in counts]
+    assert freqs == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+
+
+def test_temperature_sharpens() -> None:
+    logits = logits_of([0.5, 0.3, 0.2])
+    picks = [
+        sample(logits, [SamplingRow(SamplingParams(do_sample=True, seed=s, temperature=0.05))]).token_ids.item()
+        for s in range(200)
+    ]
+    assert picks.count(0) >= 198
+
+
+def test_row_seed_depends_on_seed_and_step() -> None:
+    assert row_seed(1, 0) != row_seed(1, 1) != row_seed(2, 0)
+    assert row_seed(1, 5) == row_seed(1, 5) and 0 <= row_seed(2**64 - 1, 10**9) < 2**63
+
+
+def test_top_k_top_p_min_p_masks() -> None:
+    logits = logits_of([0.5, 0.3, 0.15, 0.05]).repeat(2, 1)
+    assert torch.isinf(apply_top_k(logits, torch.tensor([2, 0]))).tolist() == [
+        [False, False, True, True],
+        [False, False, False, False],
+    ]
+    assert torch.isinf(apply_top_p(logits, torch.tensor([0.75, 0.85]))).tolist() == [
+        [False, False, True, True],
+        [False, False, False, True],
+    ]
+    assert torch.isinf(apply_top_p(logits, torch.tensor([1.0, 0.01]))).tolist() == [
+        [False, False, False, False],
+        [False, True, True, True],
+    ]
+    assert torch.isinf(apply_min_p(logits, torch.tensor([0.2, 0.0]))).tolist() == [
+        [False, False, False, True],
+        [False, False, False, False],
+    ]
+
+
+@pytest.mark.parametrize("value", [0.3, 0.6, 0.9])
+def test_warpers_match_transformers(value: float) -> None:
+    gen = torch.Generator().manual_seed(int(value * 10))
+    logits = torch.randn(4, 64, generator=gen) * 2
+    v = torch.full((4,), value)
+    pairs = [
+        (apply_top_p(logits, v), TopPLogitsWarper(value)(None, logits.clone())),
+        (apply_min_p(logits, v), MinPLogitsWarper(value)(None, logits.clone())),
+        (apply_typical_p(logits, v), TypicalLogitsWarper(value)(None, logits.clone())),
+        (apply_top_k(logits, torch.full((4,), int(value * 10))), TopKLogitsWarper(int(value * 10))(None, logits.clone())),
+    ]
+    for ours, theirs in pairs:
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+
+
+def test_typical_p_off_keeps_everything() -> None:
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    assert not torch.isinf(apply_typical_p(logits, torch.tensor([1.0, 1.0]))).any()
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    out = apply_repetition_penalty(logits, torch.tensor([2.0, 1.0]), [[0, 1, 1], [0]])
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]]
+
+
+def test_frequency_and_presence_penalties() -> None:
+    logits = torch.zeros(2, 5)
+    out = apply_frequency_presence_penalties(
+        logits, torch.tensor([0.5, 0.0]), torch.tensor([1.0, 0.25]), [[2, 2, 3], [4]]
+    )
+    assert out.tolist() == [[0.0, 0.0, -2.0, -1.5, 0.0], [0.0, 0.0, 0.0, 0.0, -0.25]]
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    rep = SamplingRow(SamplingParams(repetition_penalty=1.5), seen_tokens=[0])
+    freq = SamplingRow(SamplingParams(frequency_penalty=0.2), seen_tokens=[0], generated_tokens=[0])
+    plain = SamplingRow(SamplingParams(), seen_tokens=[0], generated_tokens=[0])
+    out = sample(logits.repeat(3, 1), [rep, freq, plain])
+    assert out.token_ids.tolist() == [1, 1, 0]
+    # logprob stays the model's, not the penalized one
+    torch.testing.assert_close(out.logprobs[0], logits.log_softmax(-1)[0, 1])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("repetition_penalty", 0)],
+)
+def test_invalid_params_raise(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
