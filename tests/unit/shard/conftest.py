@@ -15,7 +15,9 @@ NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, PreTrainedModel]]:
+def tiny_models(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], tuple[Path, PreTrainedModel]]:
     """``get(variant) -> (folder, transformers model)``, cached per variant."""
     cache: dict[str, tuple[Path, PreTrainedModel]] = {}
 
@@ -29,7 +31,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tup
 
 
 @pytest.fixture(scope="session")
-def llama(tiny_models: Callable[[str], tuple[Path, PreTrainedModel]]) -> tuple[Path, PreTrainedModel]:
+def llama(
+    tiny_models: Callable[[str], tuple[Path, PreTrainedModel]],
+) -> tuple[Path, PreTrainedModel]:
     return tiny_models("llama")
 
 

@@ -50,13 +50,21 @@ LLAMA3_ROPE = {
 }
 VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
     "llama": (LlamaForCausalLM, LlamaConfig(**BASE, tie_word_embeddings=False)),
-    "llama_tied": (LlamaForCausalLM, LlamaConfig(**{**BASE, "vocab_size": 128}, tie_word_embeddings=True)),
+    "llama_tied": (
+        LlamaForCausalLM,
+        LlamaConfig(**{**BASE, "vocab_size": 128}, tie_word_embeddings=True),
+    ),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**BASE, tie_word_embeddings=False)),
-    "mistral": (MistralForCausalLM, MistralConfig(**BASE, tie_word_embeddings=False, sliding_window=None)),
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig(**BASE, tie_word_embeddings=False, sliding_window=None),
+    ),
     "llama3_rope": (LlamaForCausalLM, LlamaConfig(**BASE, rope_parameters=LLAMA3_ROPE)),
     "linear_rope": (
         LlamaForCausalLM,
-        LlamaConfig(**BASE, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}),
+        LlamaConfig(
+            **BASE, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}
+        ),
     ),
 }
 
@@ -101,10 +109,17 @@ def hf_logits(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0].float()
 
 
-def make_runner(folder: Path, kv_cache_bytes: int = 2 * 1024 * 1024, warmup: bool = True) -> ModelRunner:
+def make_runner(
+    folder: Path, kv_cache_bytes: int = 2 * 1024 * 1024, warmup: bool = True
+) -> ModelRunner:
     runner = ModelRunner(
-        ShardConfig(model_path=str(folder), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-                    kv_cache_bytes=kv_cache_bytes)
+        ShardConfig(
+            model_path=str(folder),
+            device="cpu",
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            kv_cache_bytes=kv_cache_bytes,
+        )
     )
     if warmup:
         runner.warmup(max_batch_prefill_tokens=64, max_total_tokens=128)
@@ -134,11 +149,23 @@ class BlockPool:
 
 
 def request(
-    rid: int, ids: list[int], blocks: list[int], cache_len: int = 0, partial: bool = False,
-    sampling: SamplingParams | None = None, **kw: Any,
+    rid: int,
+    ids: list[int],
+    blocks: list[int],
+    cache_len: int = 0,
+    partial: bool = False,
+    sampling: SamplingParams | None = None,
+    **kw: Any,
 ) -> RequestInput:
-    return RequestInput(rid, tuple(ids), cache_len, tuple(blocks), sampling or SamplingParams(),
-                        partial=partial, **kw)
+    return RequestInput(
+        rid,
+        tuple(ids),
+        cache_len,
+        tuple(blocks),
+        sampling or SamplingParams(),
+        partial=partial,
+        **kw,
+    )
 
 
 def prefill(runner: ModelRunner, batch_id: int, *requests: RequestInput) -> dict[int, int]:

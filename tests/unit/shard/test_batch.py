@@ -58,4 +58,9 @@ def test_filter_and_clear() -> None:
 def test_request_state_append_token() -> None:
     r = RequestState(1, [0], [5, 6, 7], seq_len=2, num_generated=1, sampling=SamplingParams())
     r.append_token(9)
-    assert (r.seq_len, r.token_ids, r.num_generated, r.generated_tokens) == (3, [5, 6, 7, 9], 2, [7, 9])
+    assert (r.seq_len, r.token_ids, r.num_generated, r.generated_tokens) == (
+        3,
+        [5, 6, 7, 9],
+        2,
+        [7, 9],
+    )

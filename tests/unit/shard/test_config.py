@@ -31,7 +31,12 @@ HF = {
 
 def test_shard_config_defaults_and_resolution() -> None:
     c = ShardConfig(model_path="m")
-    assert (c.block_size, c.kv_cache_bytes, c.gpu_memory_fraction, c.attention_backend) == (16, 512 << 20, 0.9, "torch")
+    assert (c.block_size, c.kv_cache_bytes, c.gpu_memory_fraction, c.attention_backend) == (
+        16,
+        512 << 20,
+        0.9,
+        "torch",
+    )
     assert (c.rank, c.world_size, c.load_format, c.served_model_id) == (0, 1, "safetensors", "m")
     cpu = ShardConfig(model_path="m", device="cpu")
     assert cpu.torch_device() == torch.device("cpu") and cpu.torch_dtype() == torch.float32
@@ -55,9 +60,17 @@ def test_shard_config_rejects_bad_fields(kwargs: dict, field: str) -> None:
 
 
 def test_env_overrides_are_typed_and_only_read_when_called() -> None:
-    env = {"SHARDSERVE_ATTENTION_BACKEND": "auto", "SHARDSERVE_BLOCK_SIZE": "32", "OTHER": "x",
-           "SHARDSERVE_GPU_MEMORY_FRACTION": "0.5"}
-    assert env_overrides(env) == {"attention_backend": "auto", "block_size": 32, "gpu_memory_fraction": 0.5}
+    env = {
+        "SHARDSERVE_ATTENTION_BACKEND": "auto",
+        "SHARDSERVE_BLOCK_SIZE": "32",
+        "OTHER": "x",
+        "SHARDSERVE_GPU_MEMORY_FRACTION": "0.5",
+    }
+    assert env_overrides(env) == {
+        "attention_backend": "auto",
+        "block_size": 32,
+        "gpu_memory_fraction": 0.5,
+    }
     with pytest.raises(ValueError, match="SHARDSERVE_BLOCK_SIZE"):
         env_overrides({"SHARDSERVE_BLOCK_SIZE": "big"})
 
@@ -65,12 +78,35 @@ def test_env_overrides_are_typed_and_only_read_when_called() -> None:
 def test_cli_flags_and_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDSERVE_KV_CACHE_BYTES", "1234")
     config, host, port = config_from_args(
-        ["--model", "/m", "--port", "5001", "--host", "0.0.0.0", "--block-size", "8", "--dtype", "float32",
-         "--load-format", "dummy", "--model-id", "x", "--attention-backend", "auto"]
+        [
+            "--model",
+            "/m",
+            "--port",
+            "5001",
+            "--host",
+            "0.0.0.0",
+            "--block-size",
+            "8",
+            "--dtype",
+            "float32",
+            "--load-format",
+            "dummy",
+            "--model-id",
+            "x",
+            "--attention-backend",
+            "auto",
+        ]
     )
     assert (host, port) == ("0.0.0.0", 5001)
-    assert config == ShardConfig(model_path="/m", block_size=8, dtype="float32", load_format="dummy",
-                                 model_id="x", attention_backend="auto", kv_cache_bytes=1234)
+    assert config == ShardConfig(
+        model_path="/m",
+        block_size=8,
+        dtype="float32",
+        load_format="dummy",
+        model_id="x",
+        attention_backend="auto",
+        kv_cache_bytes=1234,
+    )
     with pytest.raises(SystemExit):
         config_from_args(["--model", "/m", "--gpu-memory-fraction", "2"])
 
@@ -79,15 +115,24 @@ def test_model_config_transformers4_spelling() -> None:
     cfg = {**HF, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
     mc = ModelConfig.from_dict(cfg)
     assert mc.head_dim == 16 and mc.eos_token_ids == (2, 7) and mc.bos_token_id == 1
-    assert mc.rope == RopeConfig(rope_type="linear", theta=500000.0, factor=2.0,
-                                 original_max_position_embeddings=4096)
+    assert mc.rope == RopeConfig(
+        rope_type="linear", theta=500000.0, factor=2.0, original_max_position_embeddings=4096
+    )
     assert not mc.attention_bias and not mc.tie_word_embeddings
 
 
 def test_model_config_transformers5_spelling(tmp_path) -> None:
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    (tmp_path / "config.json").write_text(json.dumps({**HF, "head_dim": 32, "rope_parameters": rope}))
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps({**HF, "head_dim": 32, "rope_parameters": rope})
+    )
     mc = ModelConfig.from_pretrained(tmp_path)
     assert mc.head_dim == 32
     assert mc.rope == RopeConfig("llama3", 500000.0, 32.0, 1.0, 4.0, 8192)
@@ -96,19 +141,25 @@ def test_model_config_transformers5_spelling(tmp_path) -> None:
 def test_model_config_qwen2_bias_and_bad_rope() -> None:
     mc = ModelConfig.from_dict({**HF, "architectures": ["Qwen2ForCausalLM"]})
     assert mc.attention_bias and not mc.o_proj_bias
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'; supported: default, linear, llama3"):
+    with pytest.raises(
+        ValueError, match="unsupported rope_type 'yarn'; supported: default, linear, llama3"
+    ):
         ModelConfig.from_dict({**HF, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
 
 
 def test_model_registry_lists_supported() -> None:
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    ):
         get_model_class(ModelConfig.from_dict({**HF, "architectures": ["GPT2LMHeadModel"]}))
 
 
 def test_rope_scalings_change_frequencies() -> None:
     default = compute_inv_freq(16, RopeConfig())
     linear = compute_inv_freq(16, RopeConfig("linear", factor=4.0))
-    llama3 = compute_inv_freq(16, RopeConfig("llama3", factor=8.0, original_max_position_embeddings=32))
+    llama3 = compute_inv_freq(
+        16, RopeConfig("llama3", factor=8.0, original_max_position_embeddings=32)
+    )
     torch.testing.assert_close(linear, default / 4)
     assert llama3[0] == default[0] and llama3[-1] == default[-1] / 8  # high freq kept, low scaled
     assert default[1] / 8 < llama3[1] < default[1]  # medium band (wavelength 8..32) interpolated

@@ -50,7 +50,9 @@ def test_requests_join_and_leave_running_batch(runner, expected_greedy) -> None:
         for i, at in join_at.items():
             if at == step:
                 batch_id = 100 + i
-                first = prefill(runner, batch_id, request(i, PROMPTS[i], pool.for_tokens(len(PROMPTS[i]))))
+                first = prefill(
+                    runner, batch_id, request(i, PROMPTS[i], pool.for_tokens(len(PROMPTS[i])))
+                )
                 got[i] = [first[i]]
                 running.append(batch_id)
         if running:
@@ -90,14 +92,15 @@ def test_chunked_prefill_with_partial_chunks(runner, expected_greedy) -> None:
     pool = BlockPool(runner.num_blocks, seed=21)
     long_prompt, short_prompt = PROMPTS[3], PROMPTS[1]
     blocks = pool.for_tokens(len(long_prompt))
-    out = runner.prefill(
-        _batch(1, request(3, long_prompt[:13], blocks[:4], partial=True))
-    )
+    out = runner.prefill(_batch(1, request(3, long_prompt[:13], blocks[:4], partial=True)))
     assert out.generations == () and out.batch.request_ids == ()
     assert 1 not in runner.batches
     out = runner.prefill(
-        _batch(2, request(3, long_prompt[:30], blocks[:8], cache_len=13, partial=True),
-               request(1, short_prompt, pool.for_tokens(len(short_prompt))))
+        _batch(
+            2,
+            request(3, long_prompt[:30], blocks[:8], cache_len=13, partial=True),
+            request(1, short_prompt, pool.for_tokens(len(short_prompt))),
+        )
     )
     assert [g.request_id for g in out.generations] == [1] and out.batch.request_ids == (1,)
     first = prefill(runner, 3, request(3, long_prompt, blocks, cache_len=30))

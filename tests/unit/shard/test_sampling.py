@@ -74,7 +74,10 @@ def test_seeded_row_reproducible_alone_and_in_any_batch() -> None:
     assert batched[2] == alone
     assert sample(logits[2:3], [target]).token_ids.item() == alone
     # the step is mixed in: 30 steps of the same seed do not all pick the same token
-    picks = {sample(logits[2:3], [SamplingRow(target.params, step=s)]).token_ids.item() for s in range(30)}
+    picks = {
+        sample(logits[2:3], [SamplingRow(target.params, step=s)]).token_ids.item()
+        for s in range(30)
+    }
     assert len(picks) > 5
 
 
@@ -82,7 +85,11 @@ def test_sampling_frequencies_follow_probabilities() -> None:
     logits = logits_of([0.5, 0.3, 0.2])
     counts = [0, 0, 0]
     for seed in range(3000):
-        counts[sample(logits, [SamplingRow(SamplingParams(do_sample=True, seed=seed))]).token_ids.item()] += 1
+        counts[
+            sample(
+                logits, [SamplingRow(SamplingParams(do_sample=True, seed=seed))]
+            ).token_ids.item()
+        ] += 1
     freqs = [c / 3000 for c in counts]
     assert freqs == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
 
@@ -90,7 +97,9 @@ def test_sampling_frequencies_follow_probabilities() -> None:
 def test_temperature_sharpens() -> None:
     logits = logits_of([0.5, 0.3, 0.2])
     picks = [
-        sample(logits, [SamplingRow(SamplingParams(do_sample=True, seed=s, temperature=0.05))]).token_ids.item()
+        sample(
+            logits, [SamplingRow(SamplingParams(do_sample=True, seed=s, temperature=0.05))]
+        ).token_ids.item()
         for s in range(200)
     ]
     assert picks.count(0) >= 198
@@ -130,7 +139,10 @@ def test_warpers_match_transformers(value: float) -> None:
         (apply_top_p(logits, v), TopPLogitsWarper(value)(None, logits.clone())),
         (apply_min_p(logits, v), MinPLogitsWarper(value)(None, logits.clone())),
         (apply_typical_p(logits, v), TypicalLogitsWarper(value)(None, logits.clone())),
-        (apply_top_k(logits, torch.full((4,), int(value * 10))), TopKLogitsWarper(int(value * 10))(None, logits.clone())),
+        (
+            apply_top_k(logits, torch.full((4,), int(value * 10))),
+            TopKLogitsWarper(int(value * 10))(None, logits.clone()),
+        ),
     ]
     for ours, theirs in pairs:
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
@@ -168,7 +180,14 @@ def test_penalties_change_greedy_choice() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("repetition_penalty", 0)],
+    [
+        ("temperature", 0.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0),
+    ],
 )
 def test_invalid_params_raise(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):

@@ -17,8 +17,14 @@ from tests.unit.shard.helpers import BLOCK_SIZE, PROMPTS
 
 @pytest.fixture
 async def stub(llama) -> AsyncIterator[shard_pb2_grpc.ShardServiceStub]:
-    config = ShardConfig(model_path=str(llama[0]), model_id="tiny-llama", device="cpu", dtype="float32",
-                         block_size=BLOCK_SIZE, kv_cache_bytes=1024 * 1024)
+    config = ShardConfig(
+        model_path=str(llama[0]),
+        model_id="tiny-llama",
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=1024 * 1024,
+    )
     server, port = await start_server(config, "127.0.0.1", 0)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield shard_pb2_grpc.ShardServiceStub(channel)
@@ -26,14 +32,25 @@ async def stub(llama) -> AsyncIterator[shard_pb2_grpc.ShardServiceStub]:
 
 
 def req(rid: int, ids: list[int], blocks: list[int], **kw) -> pb.Request:
-    return pb.Request(id=rid, input_ids=ids, block_ids=blocks, sampling=pb.SamplingParameters(), **kw)
+    return pb.Request(
+        id=rid, input_ids=ids, block_ids=blocks, sampling=pb.SamplingParameters(), **kw
+    )
 
 
 async def test_info_health_and_not_warmed_up(stub) -> None:
     info = await stub.Info(pb.InfoRequest())
     assert (info.model_id, info.dtype, info.device, info.block_size, info.num_blocks) == (
-        "tiny-llama", "float32", "cpu", BLOCK_SIZE, 0)
-    assert (info.attention_backend, info.vocab_size, info.max_position_embeddings) == ("torch", 256, 512)
+        "tiny-llama",
+        "float32",
+        "cpu",
+        BLOCK_SIZE,
+        0,
+    )
+    assert (info.attention_backend, info.vocab_size, info.max_position_embeddings) == (
+        "torch",
+        256,
+        512,
+    )
     assert info.world_size == 1 and info.rank == 0 and "PyTorch" in info.attention_backend_reason
     await stub.Health(pb.HealthRequest())
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -49,20 +66,36 @@ async def test_full_session(stub, expected_greedy) -> None:
     assert (await stub.Info(pb.InfoRequest())).num_blocks == 512
 
     a, b = PROMPTS[1], PROMPTS[2]
-    resp = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[
-        req(10, a, [40, 3], top_n_tokens=2, prompt_logprobs=True)])))
+    resp = await stub.Prefill(
+        pb.PrefillRequest(
+            batch=pb.Batch(
+                id=1, requests=[req(10, a, [40, 3], top_n_tokens=2, prompt_logprobs=True)]
+            )
+        )
+    )
     assert [g.token_id for g in resp.generations] == [expected_greedy[1][0]]
     g = resp.generations[0]
     assert len(g.top_tokens) == 2 and g.top_tokens[0].token_id == g.token_id
     assert g.top_tokens[0].logprob == pytest.approx(g.logprob)
     assert len(g.prompt_logprobs) == len(a) - 1 and all(lp < 0 for lp in g.prompt_logprobs)
-    assert list(resp.batch.request_ids) == [10] and resp.timings.total_ns >= resp.timings.forward_ns > 0
+    assert (
+        list(resp.batch.request_ids) == [10]
+        and resp.timings.total_ns >= resp.timings.forward_ns > 0
+    )
 
-    resp = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=2, requests=[req(20, b, [7, 9, 11, 1, 2])])))
+    resp = await stub.Prefill(
+        pb.PrefillRequest(batch=pb.Batch(id=2, requests=[req(20, b, [7, 9, 11, 1, 2])]))
+    )
     tokens = {10: [expected_greedy[1][0]], 20: [resp.generations[0].token_id]}
-    dec = await stub.Decode(pb.DecodeRequest(
-        batches=[pb.CachedBatch(id=1, request_ids=[10]), pb.CachedBatch(id=2, request_ids=[20])],
-        block_appends=[pb.BlockAppend(request_id=10, block_ids=[100])]))
+    dec = await stub.Decode(
+        pb.DecodeRequest(
+            batches=[
+                pb.CachedBatch(id=1, request_ids=[10]),
+                pb.CachedBatch(id=2, request_ids=[20]),
+            ],
+            block_appends=[pb.BlockAppend(request_id=10, block_ids=[100])],
+        )
+    )
     assert dec.batch.id == 1 and list(dec.batch.request_ids) == [10, 20]
     for gen in dec.generations:
         tokens[gen.request_id].append(gen.token_id)
@@ -81,24 +114,71 @@ async def test_full_session(stub, expected_greedy) -> None:
     assert NEW_TOKENS > 3
 
 
-async def test_bad_requests_get_clear_status_and_server_keeps_serving(stub, expected_greedy) -> None:
+async def test_bad_requests_get_clear_status_and_server_keeps_serving(
+    stub, expected_greedy
+) -> None:
     await stub.Warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=128))
     cases = [
-        (pb.DecodeRequest(batches=[pb.CachedBatch(id=77)]), "Decode", grpc.StatusCode.NOT_FOUND, "unknown batch id 77"),
-        (pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, PROMPTS[2], [0, 1])])), "Prefill",
-         grpc.StatusCode.INVALID_ARGUMENT, "request 1: block_ids has 2 blocks but 17 tokens need 5"),
-        (pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, [5, 6], [5000])])), "Prefill",
-         grpc.StatusCode.INVALID_ARGUMENT, "out of range [0, 512)"),
-        (pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, [5, 6], [0], cache_len=2)])), "Prefill",
-         grpc.StatusCode.INVALID_ARGUMENT, "cache_len=2 must be < len(input_ids)=2"),
-        (pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, [5, 999], [0])])), "Prefill",
-         grpc.StatusCode.INVALID_ARGUMENT, "out of vocabulary"),
-        (pb.PrefillRequest(batch=pb.Batch(id=1, requests=[pb.Request(
-            id=1, input_ids=[5], block_ids=[0], sampling=pb.SamplingParameters(top_p=1.5))])), "Prefill",
-         grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
-        (pb.FilterBatchRequest(batch_id=5, request_ids=[1]), "FilterBatch", grpc.StatusCode.NOT_FOUND, "batch id 5"),
-        (pb.WarmupRequest(max_batch_prefill_tokens=10**6, max_total_tokens=128), "Warmup",
-         grpc.StatusCode.INVALID_ARGUMENT, "--kv-cache-bytes"),
+        (
+            pb.DecodeRequest(batches=[pb.CachedBatch(id=77)]),
+            "Decode",
+            grpc.StatusCode.NOT_FOUND,
+            "unknown batch id 77",
+        ),
+        (
+            pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, PROMPTS[2], [0, 1])])),
+            "Prefill",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request 1: block_ids has 2 blocks but 17 tokens need 5",
+        ),
+        (
+            pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, [5, 6], [5000])])),
+            "Prefill",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "out of range [0, 512)",
+        ),
+        (
+            pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, [5, 6], [0], cache_len=2)])),
+            "Prefill",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "cache_len=2 must be < len(input_ids)=2",
+        ),
+        (
+            pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req(1, [5, 999], [0])])),
+            "Prefill",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "out of vocabulary",
+        ),
+        (
+            pb.PrefillRequest(
+                batch=pb.Batch(
+                    id=1,
+                    requests=[
+                        pb.Request(
+                            id=1,
+                            input_ids=[5],
+                            block_ids=[0],
+                            sampling=pb.SamplingParameters(top_p=1.5),
+                        )
+                    ],
+                )
+            ),
+            "Prefill",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p must be in (0, 1]",
+        ),
+        (
+            pb.FilterBatchRequest(batch_id=5, request_ids=[1]),
+            "FilterBatch",
+            grpc.StatusCode.NOT_FOUND,
+            "batch id 5",
+        ),
+        (
+            pb.WarmupRequest(max_batch_prefill_tokens=10**6, max_total_tokens=128),
+            "Warmup",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "--kv-cache-bytes",
+        ),
     ]
     for message, method, code, text in cases:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -107,7 +187,9 @@ async def test_bad_requests_get_clear_status_and_server_keeps_serving(stub, expe
         assert text in err.value.details()
     # still serving: warm up again (the failed warmup dropped the cache) and generate
     await stub.Warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=128))
-    resp = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=3, requests=[req(1, PROMPTS[0], [8])])))
+    resp = await stub.Prefill(
+        pb.PrefillRequest(batch=pb.Batch(id=3, requests=[req(1, PROMPTS[0], [8])]))
+    )
     assert resp.generations[0].token_id == expected_greedy[0][0]
     # decode without the needed block append is rejected without losing the batch
     for _ in range(3):
@@ -115,6 +197,10 @@ async def test_bad_requests_get_clear_status_and_server_keeps_serving(stub, expe
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=3)]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "need 2" in err.value.details()
-    dec = await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=3)],
-                                             block_appends=[pb.BlockAppend(request_id=1, block_ids=[9])]))
+    dec = await stub.Decode(
+        pb.DecodeRequest(
+            batches=[pb.CachedBatch(id=3)],
+            block_appends=[pb.BlockAppend(request_id=1, block_ids=[9])],
+        )
+    )
     assert dec.generations[0].token_id == expected_greedy[0][4]

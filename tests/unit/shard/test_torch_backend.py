@@ -16,7 +16,9 @@ from shard.kv_cache import KVCacheLayer
 H, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 64
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [q_len, H, D] are the last q_len positions of k/v [seq_len, HKV, D]; causal."""
     q_len, seq_len = q.shape[0], k.shape[0]
     k = k.repeat_interleave(H // HKV, dim=1)
@@ -45,7 +47,11 @@ def test_matches_naive(seq_lens: list[int], q_lens: list[int], is_prefill: bool)
         k = torch.randn(s, HKV, D, generator=gen)
         v = torch.randn(s, HKV, D, generator=gen)
         # prefix already in the cache
-        prefix = build_inputs([SeqChunk([0] * (s - ql), 0, blocks)], BS, True, torch.device("cpu")) if s > ql else None
+        prefix = (
+            build_inputs([SeqChunk([0] * (s - ql), 0, blocks)], BS, True, torch.device("cpu"))
+            if s > ql
+            else None
+        )
         if prefix is not None:
             cache.write(k[: s - ql], v[: s - ql], prefix.metadata.slot_mapping)
         chunks.append(SeqChunk([0] * ql, s - ql, blocks))

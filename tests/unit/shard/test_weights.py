@@ -27,7 +27,9 @@ def test_missing_tensor_is_named(tmp_path, llama) -> None:
     _, hf = llama
     state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.down_proj" not in k}
     hf.save_pretrained(tmp_path, state_dict=state)
-    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.1\.mlp\.down_proj\.weight"):
+    with pytest.raises(
+        ValueError, match=r"lacks weights for: model\.layers\.1\.mlp\.down_proj\.weight"
+    ):
         make_runner(tmp_path, warmup=False)
 
 
@@ -39,8 +41,13 @@ def test_no_safetensors_suggests_dummy(tmp_path, llama) -> None:
 
 def test_dummy_weights_from_config_alone(tmp_path, llama) -> None:
     (tmp_path / "config.json").write_text((llama[0] / "config.json").read_text())
-    cfg = ShardConfig(model_path=str(tmp_path), device="cpu", load_format="dummy", block_size=4,
-                      kv_cache_bytes=1 << 20)
+    cfg = ShardConfig(
+        model_path=str(tmp_path),
+        device="cpu",
+        load_format="dummy",
+        block_size=4,
+        kv_cache_bytes=1 << 20,
+    )
     a, b = ModelRunner(cfg), ModelRunner(cfg)
     state_a, state_b = a.model.state_dict(), b.model.state_dict()
     for name, value in state_a.items():
