@@ -40,6 +40,9 @@ class SchedulerConfig:
         max_input_tokens: Longest accepted prompt.
         max_total_tokens: Longest prompt + generated sequence.
         max_concurrent_requests: Queued + running requests before HTTP 429.
+        prefix_caching: Reuse KV blocks of identical prompt prefixes.
+        chunked_prefill: Split prompts longer than the prefill budget over several
+            steps that also decode the running batch.
     """
 
     max_batch_prefill_tokens: int = 4096
@@ -47,6 +50,8 @@ class SchedulerConfig:
     max_input_tokens: int = 2048
     max_total_tokens: int = 4096
     max_concurrent_requests: int = 128
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,10 +65,10 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
-        if self.max_input_tokens > self.max_batch_prefill_tokens:
+        if not self.chunked_prefill and self.max_input_tokens > self.max_batch_prefill_tokens:
             raise ValueError(
                 "--max-input-tokens must not exceed --max-batch-prefill-tokens "
-                "(a prompt is prefilled in one step)"
+                "when chunked prefill is off (a prompt is prefilled in one step)"
             )
 
 

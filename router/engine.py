@@ -30,7 +30,7 @@ from router.request import (
     TokenEvent,
     TopToken,
 )
-from router.scheduler import Scheduler
+from router.scheduler import PrefillChunk, Scheduler
 from router.shard_client import ShardClient, ShardError
 from router.stop import StopSequenceChecker
 from router.tokenizer import Tokenizer
@@ -69,7 +69,7 @@ class Engine:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.healthy = True
         self._text: dict[int, _TextState] = {}
@@ -170,11 +170,16 @@ class Engine:
 
     async def _step(self) -> None:
         self._reap_cancelled()
-        new = self.scheduler.schedule_prefill()
-        if new:
-            batch = pb.Batch(id=next(self._batch_ids), requests=[self._to_proto(s) for s in new])
+        chunks = self.scheduler.schedule_prefill()
+        if chunks:
+            batch = pb.Batch(
+                id=next(self._batch_ids), requests=[self._to_proto(chunk) for chunk in chunks]
+            )
             prefill = await self.client.prefill(batch)
-            self._batches.append(prefill.batch)
+            for chunk in chunks:
+                self.scheduler.on_prefilled(chunk)
+            if prefill.batch.request_ids:
+                self._batches.append(prefill.batch)
             self._on_generations(prefill.generations)
         if self.scheduler.running:
             plan = self.scheduler.plan_decode()
@@ -188,14 +193,16 @@ class Engine:
         await self._sync_batches()
         self.healthy = True
 
-    def _to_proto(self, seq: Sequence) -> pb.Request:
+    def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
+        seq = chunk.seq
         sampling = seq.request.sampling
         stopping = seq.request.stopping
         return pb.Request(
             id=seq.id,
-            input_ids=seq.all_ids(),
-            cache_len=0,
-            block_ids=seq.block_ids,
+            input_ids=seq.all_ids()[: chunk.end],
+            cache_len=chunk.cache_len,
+            block_ids=seq.block_ids[: self.block_manager.blocks_for_tokens(chunk.end)],
+            partial=chunk.partial,
             sampling=pb.SamplingParameters(**sampling.__dict__),
             stopping=pb.StoppingParameters(
                 max_new_tokens=stopping.max_new_tokens,
@@ -221,7 +228,8 @@ class Engine:
         self._batches = kept
 
     def _reap_cancelled(self) -> None:
-        for seq in [s for s in self.scheduler.running if s.cancelled]:
+        admitted = [*self.scheduler.running, *self.scheduler.prefilling]
+        for seq in [s for s in admitted if s.cancelled]:
             self._finish(seq)
 
     def _on_generations(self, generations: list[pb.Generation]) -> None:

@@ -20,6 +20,7 @@ class Status(enum.Enum):
     """Where a sequence is in its life."""
 
     WAITING = "waiting"
+    PREFILLING = "prefilling"  # admitted, prompt partly prefilled (chunked prefill)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -124,6 +125,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
+    # Tokens of all_ids() whose K/V are in the cache (prefix hits + prefilled chunks);
+    # only meaningful while waiting or prefilling.
+    num_computed: int = 0
     cancelled: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -1,8 +1,10 @@
-"""Continuous-batching scheduler: admission, block reservation and preemption.
+"""Continuous-batching scheduler: admission, chunked prefill, block reservation and
+preemption.
 
-Pure logic, no I/O: the engine asks it which waiting sequences to prefill and which
-blocks running sequences need before a decode step, and reports finished ones. It owns
-the waiting queue and the running set; the block manager owns the blocks.
+Pure logic, no I/O: the engine asks it which prompt tokens to prefill this step and
+which blocks running sequences need before a decode step, and reports finished ones. It
+owns the waiting queue, the sequences being prefilled in chunks and the running set;
+the block manager owns the blocks and the prefix index.
 """
 
 from __future__ import annotations
@@ -13,6 +15,28 @@ from dataclasses import dataclass, field
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.request import Sequence, Status
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``all_ids()[cache_len:end]`` of ``seq`` to compute in this step.
+
+    ``end < seq.num_tokens`` marks an intermediate chunk: K/V are written, nothing is
+    sampled and the sequence keeps prefilling next step.
+    """
+
+    seq: Sequence
+    cache_len: int
+    end: int
+
+    @property
+    def partial(self) -> bool:
+        return self.end < self.seq.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by this chunk."""
+        return self.end - self.cache_len
 
 
 @dataclass
@@ -29,56 +53,92 @@ class DecodePlan:
 
 
 class Scheduler:
-    """Owns the waiting queue (FIFO) and the running sequences (in admission order)."""
+    """Owns the waiting queue (FIFO), the prefilling sequences and the running ones
+    (in admission order)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
 
     @property
     def num_requests(self) -> int:
-        """Waiting plus running sequences."""
-        return len(self.waiting) + len(self.running)
+        """Waiting, prefilling and running sequences."""
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule_prefill(self) -> list[Sequence]:
-        """Admit waiting sequences, in order, within the prefill token budget, the batch
-        size and the free blocks; allocate the blocks of their whole current sequence.
+    def schedule_prefill(self) -> list[PrefillChunk]:
+        """Pick prompt tokens to prefill within ``max_batch_prefill_tokens``.
 
-        Admission stops at the first sequence that does not fit, so the queue stays FIFO.
+        Sequences already being prefilled continue first; then waiting sequences are
+        admitted in order while the batch size and the free blocks allow. An admitted
+        sequence reuses its longest cached prefix and gets blocks for all its tokens.
+        With chunked prefill a prompt larger than the remaining budget is split;
+        without it, such a prompt waits for an otherwise empty prefill step.
         """
-        admitted: list[Sequence] = []
+        chunks: list[PrefillChunk] = []
         budget = self.config.max_batch_prefill_tokens
-        while self.waiting:
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].num_tokens
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.cancelled:
-                self.waiting.popleft()
-                seq.status = Status.FINISHED
-                continue
-            num_tokens = seq.num_tokens
-            if num_tokens > budget and admitted:
+            if not self.config.chunked_prefill and chunks and seq.num_tokens > budget:
                 break
-            if len(self.running) + len(admitted) >= self.config.max_batch_size:
+            if not self._admit(seq, reserve=len(self.running) + len(self.prefilling)):
                 break
-            needed = self.block_manager.blocks_for_tokens(num_tokens)
-            # Keep one block per running sequence in reserve so decodes can proceed.
-            reserve = len(self.running) + len(admitted)
-            if not self.block_manager.can_allocate(needed + reserve):
-                if self.running or admitted or not self.block_manager.can_allocate(needed):
-                    break
             self.waiting.popleft()
-            seq.block_ids = self.block_manager.allocate(needed)
+            self.prefilling.append(seq)
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].num_tokens
+        return chunks
+
+    def _admit(self, seq: Sequence, reserve: int) -> bool:
+        """Give ``seq`` its cached prefix and blocks for all its tokens, if they fit.
+
+        ``reserve`` blocks (one per sequence already admitted) stay free so running
+        sequences can keep decoding; an otherwise idle scheduler admits without it.
+        """
+        if len(self.running) + len(self.prefilling) >= self.config.max_batch_size:
+            return False
+        manager = self.block_manager
+        cached = manager.match_prefix(seq.all_ids())
+        needed = manager.blocks_for_tokens(seq.num_tokens) - len(cached)
+        cached_unowned = sum(1 for block in cached if manager.ref_count(block) == 0)
+        if not manager.can_allocate(needed + cached_unowned + reserve) and (
+            reserve or not manager.can_allocate(needed + cached_unowned)
+        ):
+            return False
+        manager.share(cached)
+        seq.block_ids = cached + manager.allocate(needed)
+        seq.num_computed = len(cached) * manager.block_size
+        manager.hit_tokens += seq.num_computed
+        seq.status = Status.PREFILLING
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
+        remaining = seq.num_tokens - seq.num_computed
+        size = min(remaining, budget) if self.config.chunked_prefill else remaining
+        return PrefillChunk(seq, seq.num_computed, seq.num_computed + size)
+
+    def on_prefilled(self, chunk: PrefillChunk) -> None:
+        """Record that ``chunk`` was computed: index its full blocks in the prefix cache;
+        a sequence whose prompt is complete joins the running batch."""
+        seq = chunk.seq
+        seq.num_computed = chunk.end
+        self.block_manager.register(seq.all_ids()[: chunk.end], seq.block_ids)
+        if not chunk.partial and seq in self.prefilling:
+            self.prefilling.remove(seq)
             seq.status = Status.RUNNING
-            admitted.append(seq)
-            budget -= num_tokens
-        self.running.extend(admitted)
-        return admitted
+            self.running.append(seq)
 
     def plan_decode(self) -> DecodePlan:
         """Make sure every running sequence has blocks for one more token.
@@ -110,18 +170,22 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
+        for group in (self.running, self.prefilling):
+            if seq in group:
+                group.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status = Status.FINISHED
 
     def drain(self) -> list[Sequence]:
         """Remove every sequence (after a shard failure); return them."""
-        sequences = [*self.running, *self.waiting]
-        for seq in self.running:
+        sequences = [*self.running, *self.prefilling, *self.waiting]
+        for seq in sequences:
             self._release(seq)
             seq.status = Status.FINISHED
         self.running.clear()
+        self.prefilling.clear()
         self.waiting.clear()
         return sequences
 
@@ -135,3 +199,4 @@ class Scheduler:
         if seq.block_ids:
             self.block_manager.free(seq.block_ids)
             seq.block_ids = []
+        seq.num_computed = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,16 +51,18 @@ def expected(tiny_model_dir: Path) -> list[list[int]]:
     ]
 
 
-async def make_engine(address: str, model_dir: Path, num_blocks: int | None = None) -> Engine:
+async def make_engine(
+    address: str, model_dir: Path, num_blocks: int | None = None, **config: Any
+) -> Engine:
     client = ShardClient([address])
     await client.wait_ready(30)
     warmed_up = await client.warmup(256, 512)
     num_blocks = min(num_blocks or warmed_up, warmed_up)
     info = (await client.info())[0]
-    config = SchedulerConfig(max_batch_prefill_tokens=256, max_input_tokens=128,
-                             max_total_tokens=512)
-    engine = Engine(client, Tokenizer.from_folder(model_dir), config, num_blocks,
-                    info.block_size)
+    budgets = {"max_batch_prefill_tokens": 256, "max_input_tokens": 128,
+               "max_total_tokens": 512, **config}
+    engine = Engine(client, Tokenizer.from_folder(model_dir), SchedulerConfig(**budgets),
+                    num_blocks, info.block_size)
     engine.start()
     return engine
 
@@ -139,6 +142,60 @@ async def test_all_together_with_preemption(
         assert results == [expected[i] for i in order]
         assert preempted, "the tiny KV budget should have forced a preemption"
         assert engine.kv_blocks_free == 4
+    finally:
+        await engine.stop()
+        await engine.client.close()
+
+
+SHARED = (
+    "You are a terse assistant. Answer in one short sentence, never more, and never ask "
+    "a question back. Use plain words, no lists, no markdown, no emoji, no quotes. If you "
+    "do not know, say so. Question: "
+)
+SUFFIXES = ["what is two plus two?", "name a colour.", "what is the capital of Spain?"]
+
+
+async def test_prefix_cache_hits_and_eviction_give_identical_tokens(
+    tiny_shard_address: str, tiny_model_dir: Path
+) -> None:
+    tokenizer = Tokenizer.from_folder(tiny_model_dir)
+    prompts = [SHARED + suffix for suffix in SUFFIXES]
+    want = [reference_tokens(tiny_model_dir, tokenizer.encode(p), 12) for p in prompts]
+    # 6 blocks: enough for one request at a time, so later ones evict cached blocks.
+    for prefix_caching in (True, False):
+        engine = await make_engine(tiny_shard_address, tiny_model_dir, num_blocks=6,
+                                   prefix_caching=prefix_caching)
+        try:
+            got = []
+            for prompt in [*prompts, *prompts[::-1]]:
+                got.append(await collect(engine, greedy_request(tokenizer, prompt, 12)))
+            assert got == [*want, *want[::-1]]
+            hits = engine.block_manager.hit_tokens
+            if prefix_caching:
+                assert hits >= 48 * (len(got) - 1), "the shared prefix should be reused"
+            else:
+                assert hits == 0
+            assert engine.kv_blocks_free == 6
+        finally:
+            await engine.stop()
+            await engine.client.close()
+
+
+async def test_chunked_prefill_gives_identical_tokens(
+    tiny_shard_address: str, tiny_model_dir: Path, expected: list[list[int]]
+) -> None:
+    # A 7-token prefill budget splits the longer prompts into several chunks, which
+    # share steps with the decodes of the requests already running.
+    engine = await make_engine(tiny_shard_address, tiny_model_dir,
+                               max_batch_prefill_tokens=7, max_input_tokens=64)
+    try:
+        requests = [
+            greedy_request(engine.tokenizer, p, n)
+            for p, n in zip(PROMPTS, MAX_NEW_TOKENS, strict=True)
+        ]
+        results = await asyncio.gather(*(collect(engine, r) for r in requests))
+        assert results == expected
+        assert engine.kv_blocks_free == engine.block_manager.num_blocks
     finally:
         await engine.stop()
         await engine.client.close()

@@ -1,44 +1,81 @@
-"""Scheduler admission, block reservation and preemption (no shards involved)."""
+"""Scheduler admission, chunked prefill, prefix reuse, block reservation and preemption
+(no shards involved)."""
 
 from __future__ import annotations
 
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.request import GenerationRequest, SamplingParams, Sequence, Status, StoppingParams
-from router.scheduler import Scheduler
+from router.scheduler import PrefillChunk, Scheduler
 
 
-def make_seq(seq_id: int, prompt_len: int) -> Sequence:
+def make_seq(seq_id: int, prompt_len: int, first_token: int = 1) -> Sequence:
     request = GenerationRequest(
-        input_ids=tuple(range(1, prompt_len + 1)),
+        input_ids=tuple(range(first_token, first_token + prompt_len)),
         sampling=SamplingParams(),
         stopping=StoppingParams(max_new_tokens=64),
     )
     return Sequence(id=seq_id, request=request)
 
 
-def make_scheduler(num_blocks: int, **budgets: int) -> Scheduler:
-    prefill = budgets.pop("prefill", 64)
-    config = SchedulerConfig(max_input_tokens=min(prefill, 64), max_total_tokens=128,
-                             max_batch_prefill_tokens=prefill, **budgets)
+def make_scheduler(num_blocks: int, prefill: int = 64, chunked: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_input_tokens=min(64, prefill), max_total_tokens=128,
+                             max_batch_prefill_tokens=prefill, chunked_prefill=chunked)
     return Scheduler(config, BlockManager(num_blocks, block_size=4))
 
 
+def prefill_all(scheduler: Scheduler) -> list[PrefillChunk]:
+    chunks = scheduler.schedule_prefill()
+    for chunk in chunks:
+        scheduler.on_prefilled(chunk)
+    return chunks
+
+
 def test_admission_respects_prefill_budget_and_is_fifo() -> None:
-    scheduler = make_scheduler(100, prefill=20)
-    seqs = [make_seq(i, 8) for i in range(4)]
+    scheduler = make_scheduler(100, prefill=20, chunked=False)
+    seqs = [make_seq(i, 8, first_token=10 * i) for i in range(4)]
     for seq in seqs:
         scheduler.add(seq)
-    assert scheduler.schedule_prefill() == seqs[:2]
+    assert [c.seq for c in prefill_all(scheduler)] == seqs[:2]
     assert [len(s.block_ids) for s in seqs[:2]] == [2, 2]
-    assert scheduler.schedule_prefill() == seqs[2:]
+    assert [c.seq for c in prefill_all(scheduler)] == seqs[2:]
+    assert scheduler.running == seqs
+
+
+def test_chunked_prefill_splits_long_prompts_across_steps() -> None:
+    scheduler = make_scheduler(100, prefill=16)
+    running, long = make_seq(0, 4), make_seq(1, 40, first_token=100)
+    scheduler.add(running)
+    prefill_all(scheduler)
+    scheduler.add(long)
+    spans = []
+    while long.status is not Status.RUNNING:
+        (chunk,) = prefill_all(scheduler)
+        spans.append((chunk.cache_len, chunk.end, chunk.partial))
+        running.output_ids.append(5)  # the running sequence decodes meanwhile
+        scheduler.plan_decode()
+    assert spans == [(0, 16, True), (16, 32, True), (32, 40, False)]
+    assert scheduler.running == [running, long]
+
+
+def test_prefix_blocks_are_reused() -> None:
+    scheduler = make_scheduler(100)
+    first, second = make_seq(0, 10), make_seq(1, 10)
+    scheduler.add(first)
+    prefill_all(scheduler)
+    scheduler.finish(first)
+    scheduler.add(second)
+    (chunk,) = prefill_all(scheduler)
+    # Two full blocks (8 tokens) are cached; the last partial block is recomputed.
+    assert chunk.cache_len == 8 and chunk.end == 10
+    assert scheduler.block_manager.hit_tokens == 8
 
 
 def test_blocks_allocated_on_demand() -> None:
     scheduler = make_scheduler(100)
     seq = make_seq(0, 4)
     scheduler.add(seq)
-    scheduler.schedule_prefill()
+    prefill_all(scheduler)
     assert len(seq.block_ids) == 1
     seq.output_ids.append(7)  # 5 tokens: the new one needs a second block
     plan = scheduler.plan_decode()
@@ -48,11 +85,11 @@ def test_blocks_allocated_on_demand() -> None:
 
 def test_newest_is_preempted_when_blocks_run_out() -> None:
     scheduler = make_scheduler(4)
-    old, new = make_seq(0, 8), make_seq(1, 4)
+    old, new = make_seq(0, 8), make_seq(1, 4, first_token=50)
     scheduler.add(old)
-    scheduler.schedule_prefill()
+    prefill_all(scheduler)
     scheduler.add(new)
-    assert scheduler.schedule_prefill() == [new]
+    assert [c.seq for c in prefill_all(scheduler)] == [new]
     assert scheduler.block_manager.num_free == 1
     old.output_ids.append(1)  # 9 tokens: needs a third block
     new.output_ids.extend([1, 2])  # 6 tokens: needs a second block
@@ -61,8 +98,9 @@ def test_newest_is_preempted_when_blocks_run_out() -> None:
     assert scheduler.waiting[0] is new and new.block_ids == []
     assert plan.block_appends == {0: old.block_ids[2:]}
     scheduler.finish(old)
-    assert scheduler.schedule_prefill() == [new]
-    assert len(new.block_ids) == 2  # recomputes prompt + output (6 tokens)
+    (chunk,) = prefill_all(scheduler)
+    assert chunk.seq is new and chunk.end == 6  # recomputes prompt + output
+    assert len(new.block_ids) == 2
     scheduler.finish(new)
     scheduler.block_manager.check_integrity()
     assert scheduler.block_manager.num_free == 4
