@@ -55,6 +55,10 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                  "max_total_tokens", "max_concurrent_requests"):
         budgets.add_argument("--" + name.replace("_", "-"), type=int,
                              default=getattr(defaults, name))
+    budgets.add_argument("--prefix-caching", default="on", choices=["on", "off"],
+                         help="reuse KV blocks of identical prompt prefixes")
+    budgets.add_argument("--chunked-prefill", default="on", choices=["on", "off"],
+                         help="split long prompts over steps shared with decodes")
     limits = ValidationLimits()
     for name in ("max_stop_sequences", "max_top_n_tokens", "max_best_of"):
         budgets.add_argument("--" + name.replace("_", "-"), type=int,
@@ -94,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens,
         max_concurrent_requests=args.max_concurrent_requests,
+        prefix_caching=args.prefix_caching == "on",
+        chunked_prefill=args.chunked_prefill == "on",
     )
     limits = ValidationLimits(
         max_stop_sequences=args.max_stop_sequences, max_top_n_tokens=args.max_top_n_tokens,

@@ -210,6 +210,8 @@ class Engine:
                 ignore_eos=stopping.ignore_eos,
             ),
             top_n_tokens=seq.request.top_n_tokens,
+            # Prompt logprobs are sent once, with the first token (not after a recompute).
+            prompt_logprobs=seq.request.prompt_logprobs and not seq.output_ids,
             num_generated=len(seq.output_ids),
         )
 
@@ -276,6 +278,7 @@ class Engine:
                 special=self.tokenizer.is_special(token_id),
                 top_tokens=tuple(TopToken(t.token_id, t.logprob) for t in generation.top_tokens),
                 finish=finish,
+                prompt_logprobs=tuple(generation.prompt_logprobs),
             )
         )
         if finish is not None:

@@ -91,6 +91,8 @@ class TokenEvent:
         text: Text released with this token: its own text, or '' while it may still be
             part of a stop string, or several tokens' held text at once.
         finish: Set on the last token of the sequence.
+        prompt_logprobs: On the first token of a request with ``prompt_logprobs``: the
+            logprob of every prompt token after the first (``len(prompt) - 1`` values).
     """
 
     id: int
@@ -99,6 +101,7 @@ class TokenEvent:
     special: bool
     top_tokens: tuple[TopToken, ...] = ()
     finish: Finish | None = None
+    prompt_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,9 @@ class Scheduler:
         if len(self.running) + len(self.prefilling) >= self.config.max_batch_size:
             return False
         manager = self.block_manager
-        cached = manager.match_prefix(seq.all_ids())
+        # Prompt logprobs need every prompt position computed: no prefix reuse.
+        wants_prompt_logprobs = seq.request.prompt_logprobs and not seq.output_ids
+        cached = [] if wants_prompt_logprobs else manager.match_prefix(seq.all_ids())
         needed = manager.blocks_for_tokens(seq.num_tokens) - len(cached)
         cached_unowned = sum(1 for block in cached if manager.ref_count(block) == 0)
         if not manager.can_allocate(needed + cached_unowned + reserve) and (
@@ -126,7 +128,11 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
         remaining = seq.num_tokens - seq.num_computed
-        size = min(remaining, budget) if self.config.chunked_prefill else remaining
+        # Prompt logprobs come back only from a whole-prompt prefill: never split those.
+        splittable = self.config.chunked_prefill and not (
+            seq.request.prompt_logprobs and not seq.output_ids
+        )
+        size = min(remaining, budget) if splittable else remaining
         return PrefillChunk(seq, seq.num_computed, seq.num_computed + size)
 
     def on_prefilled(self, chunk: PrefillChunk) -> None:
