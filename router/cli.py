@@ -68,6 +68,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=3000)
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
+    server.add_argument("--graceful-timeout", type=int, default=30,
+                        help="seconds running requests may take to finish after SIGTERM")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
         executor=args.executor, ray_address=args.ray_address, placement=args.placement,
+        graceful_timeout_s=args.graceful_timeout,
     )
 
 

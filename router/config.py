@@ -136,10 +136,13 @@ class ServerConfig:
     executor: str = "ray"
     ray_address: str | None = None
     placement: str = "pack"
+    graceful_timeout_s: int = 30
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):
             raise ValueError("--executor must be 'ray' or 'local'")
+        if self.graceful_timeout_s < 0:
+            raise ValueError("--graceful-timeout must be >= 0")
         if self.placement not in ("pack", "spread"):
             raise ValueError("--placement must be 'pack' or 'spread'")
         if not 0 <= self.port < 65536:

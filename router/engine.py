@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from loguru import logger
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.detokenizer import IncrementalDetokenizer
+from router.metrics import Metrics
 from router.request import (
     ErrorEvent,
     Event,
@@ -72,6 +74,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.healthy = True
+        self.draining = False
+        self.metrics = Metrics(self._metrics_state)
         self._text: dict[int, _TextState] = {}
         self._batches: list[pb.CachedBatch] = []
         self._ids = itertools.count()
@@ -98,6 +102,7 @@ class Engine:
             QueueFullError: ``max_concurrent_requests`` are already queued or running.
         """
         if self.scheduler.num_requests >= self.config.max_concurrent_requests:
+            self.metrics.requests.labels("rejected").inc()
             raise QueueFullError(
                 f"too many concurrent requests (max_concurrent_requests="
                 f"{self.config.max_concurrent_requests})"
@@ -144,14 +149,23 @@ class Engine:
         batch (and frees its blocks) at the next step."""
         seq.cancelled = True
         if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-            self._finish(seq)
+            self._finish(seq, "cancelled")
         self._wake.set()
 
     @property
     def kv_blocks_free(self) -> int:
         """KV blocks with no owner."""
         return self.block_manager.num_free
+
+    def _metrics_state(self) -> dict[str, float]:
+        manager = self.block_manager
+        return {
+            "queue_size": len(self.scheduler.waiting),
+            "running_batch_size": len(self.scheduler.running),
+            "kv_blocks_total": manager.num_blocks,
+            "kv_blocks_used": manager.num_blocks - manager.num_free,
+            "prefix_cache_hit_tokens": manager.hit_tokens,
+        }
 
     # ---- the loop ---------------------------------------------------------------
 
@@ -175,7 +189,9 @@ class Engine:
             batch = pb.Batch(
                 id=next(self._batch_ids), requests=[self._to_proto(chunk) for chunk in chunks]
             )
+            self._on_admitted([chunk.seq for chunk in chunks])
             prefill = await self.client.prefill(batch)
+            self.metrics.prefill_step.observe(prefill.timings.forward_ns / 1e9)
             for chunk in chunks:
                 self.scheduler.on_prefilled(chunk)
             if prefill.batch.request_ids:
@@ -187,7 +203,10 @@ class Engine:
                 logger.info("preempted request {} (out of KV blocks)", seq.id)
             await self._sync_batches()
             if self._batches:
+                started = time.perf_counter()
                 decode = await self.client.decode(self._batches, plan.block_appends)
+                self.metrics.decode_step_wall.observe(time.perf_counter() - started)
+                self.metrics.decode_step.observe(decode.timings.forward_ns / 1e9)
                 self._batches = [decode.batch]
                 self._on_generations(decode.generations)
         await self._sync_batches()
@@ -232,7 +251,15 @@ class Engine:
     def _reap_cancelled(self) -> None:
         admitted = [*self.scheduler.running, *self.scheduler.prefilling]
         for seq in [s for s in admitted if s.cancelled]:
-            self._finish(seq)
+            self._finish(seq, "cancelled")
+
+    def _on_admitted(self, sequences: list[Sequence]) -> None:
+        now = time.monotonic()
+        for seq in sequences:
+            if seq.admitted_time is None:  # not on a recompute after preemption
+                seq.admitted_time = now
+                self.metrics.queue_time.observe(now - seq.arrival_time)
+                self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     def _on_generations(self, generations: list[pb.Generation]) -> None:
         by_id = {seq.id: seq for seq in self.scheduler.running}
@@ -245,6 +272,14 @@ class Engine:
     def _on_token(self, seq: Sequence, generation: pb.Generation) -> None:
         token_id = generation.token_id
         seq.output_ids.append(token_id)
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - seq.arrival_time)
+        elif seq.last_token_time is not None:
+            self.metrics.inter_token_latency.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        self.metrics.generation_tokens.inc()
         state = self._text[seq.id]
         stopping = seq.request.stopping
         reason: FinishReason | None = None
@@ -282,11 +317,25 @@ class Engine:
             )
         )
         if finish is not None:
-            self._finish(seq)
+            self._finish(seq, "success", finish)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, outcome: str, finish: Finish | None = None) -> None:
+        """Free ``seq``'s blocks, count it and write its one log line."""
         self.scheduler.finish(seq)
         self._text.pop(seq.id, None)
+        now = time.monotonic()
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "success":
+            self.metrics.e2e_latency.observe(now - seq.arrival_time)
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        logger.bind(request_id=seq.id).info(
+            "request {} {}: prompt_tokens={} generated_tokens={} finish_reason={} "
+            "queue_s={:.3f} ttft_s={} e2e_s={:.3f}",
+            seq.id, outcome, len(seq.prompt_ids), len(seq.output_ids),
+            finish.reason.value if finish else None,
+            (seq.admitted_time or now) - seq.arrival_time,
+            None if ttft is None else round(ttft, 3), now - seq.arrival_time,
+        )
 
     def _fail_all(self, message: str) -> None:
         logger.error("failing all requests: {}", message)
@@ -294,4 +343,5 @@ class Engine:
         for seq in self.scheduler.drain():
             seq.events.put_nowait(ErrorEvent(message=message))
             self._text.pop(seq.id, None)
+            self.metrics.requests.labels("error").inc()
         self._batches = []

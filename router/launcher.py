@@ -98,12 +98,12 @@ async def serve(config: ServerConfig) -> None:
         state.engine.start()
         server = _Server(
             uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                           log_level="warning", timeout_graceful_shutdown=30,
-                           lifespan="off")
+                           log_level="warning", lifespan="off",
+                           timeout_graceful_shutdown=config.graceful_timeout_s)
         )
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, _request_exit, server, signum)
+            loop.add_signal_handler(signum, _request_exit, server, state.engine, signum)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         try:
             await server.serve()
@@ -116,8 +116,12 @@ async def serve(config: ServerConfig) -> None:
         logger.info("stopped")
 
 
-def _request_exit(server: uvicorn.Server, signum: int) -> None:
-    logger.info("received {}, shutting down", signal.Signals(signum).name)
+def _request_exit(server: uvicorn.Server, engine: Engine, signum: int) -> None:
+    """Stop admission: uvicorn closes its listening socket and waits up to
+    ``--graceful-timeout`` for open requests (streams included) to finish."""
+    logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
+                server.config.timeout_graceful_shutdown)
+    engine.draining = True
     server.should_exit = True
 
 

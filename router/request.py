@@ -133,7 +133,9 @@ class Sequence:
     num_computed: int = 0
     cancelled: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:

@@ -15,7 +15,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as SchemaValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 
 from router.api.schemas import (
@@ -166,7 +167,14 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(503, f"shards unhealthy: {error}", "unhealthy")
         if not state.engine.healthy:
             return _error(503, "the last generation step failed", "unhealthy")
+        if state.engine.draining:
+            return _error(503, "shutting down", "unhealthy")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text exposition (names listed in the README)."""
+        return PlainTextResponse(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/info", response_model=Info)
     async def info() -> Info:

@@ -1,0 +1,1 @@
+"""Generated stubs of the public generation service (``make proto``; do not edit)."""
