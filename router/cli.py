@@ -17,6 +17,7 @@ from router.config import (
     ServerConfig,
     ShardLaunchConfig,
     ValidationLimits,
+    derive_budgets,
     env_default,
 )
 from router.log import setup_logging
@@ -50,11 +51,15 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="share of GPU memory for weights, activations and KV cache")
 
     budgets = parser.add_argument_group("scheduling")
+    for name in _DERIVED_BUDGETS:
+        budgets.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                             help="default: derived from the model and the KV cache")
     defaults = SchedulerConfig()
-    for name in ("max_batch_prefill_tokens", "max_batch_size", "max_input_tokens",
-                 "max_total_tokens", "max_concurrent_requests"):
+    for name in ("max_batch_size", "max_concurrent_requests", "max_waiting_tokens"):
         budgets.add_argument("--" + name.replace("_", "-"), type=int,
                              default=getattr(defaults, name))
+    budgets.add_argument("--waiting-served-ratio", type=float,
+                         default=defaults.waiting_served_ratio)
     budgets.add_argument("--prefix-caching", default="on", choices=["on", "off"],
                          help="reuse KV blocks of identical prompt prefixes")
     budgets.add_argument("--chunked-prefill", default="on", choices=["on", "off"],
@@ -70,6 +75,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
     server.add_argument("--graceful-timeout", type=int, default=30,
                         help="seconds running requests may take to finish after SIGTERM")
+
+
+_DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,11 +103,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_fraction=args.gpu_memory_fraction, load_format=args.load_format,
     )
+    budget_flags = {name: getattr(args, name) for name in _DERIVED_BUDGETS}
+    # Validate the given budgets now (placeholders for the derived ones).
+    chunked = args.chunked_prefill == "on"
+    placeholders = derive_budgets(budget_flags, max_position_embeddings=1 << 30,
+                                  chunked_prefill=chunked)
     scheduler = SchedulerConfig(
-        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
-        max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
-        max_total_tokens=args.max_total_tokens,
+        **placeholders,
+        max_batch_size=args.max_batch_size,
         max_concurrent_requests=args.max_concurrent_requests,
+        waiting_served_ratio=args.waiting_served_ratio,
+        max_waiting_tokens=args.max_waiting_tokens,
         prefix_caching=args.prefix_caching == "on",
         chunked_prefill=args.chunked_prefill == "on",
     )
@@ -110,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
         executor=args.executor, ray_address=args.ray_address, placement=args.placement,
-        graceful_timeout_s=args.graceful_timeout,
+        graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
     )
 
 

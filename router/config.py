@@ -40,6 +40,10 @@ class SchedulerConfig:
         max_input_tokens: Longest accepted prompt.
         max_total_tokens: Longest prompt + generated sequence.
         max_concurrent_requests: Queued + running requests before HTTP 429.
+        waiting_served_ratio: While a batch is running, waiting requests are prefilled
+            once there are at least this many per running request ...
+        max_waiting_tokens: ... or once the running batch has decoded this many steps
+            since the last prefill (TGI's meaning of both).
         prefix_caching: Reuse KV blocks of identical prompt prefixes.
         chunked_prefill: Split prompts longer than the prefill budget over several
             steps that also decode the running batch.
@@ -50,6 +54,8 @@ class SchedulerConfig:
     max_input_tokens: int = 2048
     max_total_tokens: int = 4096
     max_concurrent_requests: int = 128
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
     prefix_caching: bool = True
     chunked_prefill: bool = True
 
@@ -63,6 +69,10 @@ class SchedulerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.waiting_served_ratio < 0:
+            raise ValueError("--waiting-served-ratio must be >= 0")
+        if self.max_waiting_tokens < 0:
+            raise ValueError("--max-waiting-tokens must be >= 0")
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
         if not self.chunked_prefill and self.max_input_tokens > self.max_batch_prefill_tokens:
@@ -70,6 +80,43 @@ class SchedulerConfig:
                 "--max-input-tokens must not exceed --max-batch-prefill-tokens "
                 "when chunked prefill is off (a prompt is prefilled in one step)"
             )
+
+
+def derive_budgets(
+    given: dict[str, int | None],
+    max_position_embeddings: int,
+    kv_capacity_tokens: int | None = None,
+    chunked_prefill: bool = True,
+) -> dict[str, int]:
+    """Token budgets from flags, filling unset ones (``None``) from the model and memory.
+
+    Defaults: ``max_total_tokens`` = min(max_position_embeddings, 4096, KV capacity);
+    ``max_input_tokens`` = max_total_tokens - 1; ``max_batch_prefill_tokens`` =
+    min(max_input_tokens + 1, 4096) (at least max_input_tokens without chunked prefill).
+
+    Args:
+        given: ``max_total_tokens``, ``max_input_tokens``, ``max_batch_prefill_tokens``
+            as passed on the command line (``None`` = derive).
+        max_position_embeddings: The model's context length, tokens.
+        kv_capacity_tokens: Tokens the KV cache holds (known after Warmup).
+
+    Raises:
+        ValueError: a given budget exceeds the model's context length (names the flag).
+    """
+    total = given.get("max_total_tokens")
+    if total is not None and total > max_position_embeddings:
+        raise ValueError(
+            f"--max-total-tokens {total} exceeds the model's context length "
+            f"(max_position_embeddings={max_position_embeddings})"
+        )
+    if total is None:
+        total = min(max_position_embeddings, 4096, kv_capacity_tokens or 4096)
+    inputs = given.get("max_input_tokens") or max(total - 1, 1)
+    prefill = given.get("max_batch_prefill_tokens") or (
+        min(inputs + 1, 4096) if chunked_prefill else inputs
+    )
+    return {"max_total_tokens": total, "max_input_tokens": inputs,
+            "max_batch_prefill_tokens": prefill}
 
 
 @dataclass(frozen=True)
@@ -137,6 +184,8 @@ class ServerConfig:
     ray_address: str | None = None
     placement: str = "pack"
     graceful_timeout_s: int = 30
+    # Token budgets as given on the command line (None = derive; see derive_budgets).
+    budget_flags: dict[str, int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
@@ -18,7 +19,7 @@ import uvicorn
 from loguru import logger
 
 from router.api.app import ServerState, create_app
-from router.config import ServerConfig
+from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
 from router.shard_client import ShardClient
@@ -55,20 +56,30 @@ def make_executor(config: ServerConfig) -> ShardExecutor:
 async def build_state(config: ServerConfig, client: ShardClient) -> ServerState:
     """Ask the shards for Info, run Warmup and build the engine and validator."""
     infos = await client.info()
-    num_blocks = await client.warmup(
-        config.scheduler.max_batch_prefill_tokens, config.scheduler.max_total_tokens
-    )
     first = infos[0]
+    max_position = first.max_position_embeddings
+    chunked = config.scheduler.chunked_prefill
+    before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked)
+    num_blocks = await client.warmup(before["max_batch_prefill_tokens"], before["max_total_tokens"])
+    budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
+                             chunked_prefill=chunked)
+    scheduler = dataclasses.replace(
+        config.scheduler,
+        max_total_tokens=budgets["max_total_tokens"],
+        max_input_tokens=budgets["max_input_tokens"],
+        max_batch_prefill_tokens=budgets["max_batch_prefill_tokens"],
+    )
+    logger.info("budgets: {}", budgets)
     logger.info(
         "shards ready: {} rank(s), {} on {}, attention {}, {} KV blocks of {} tokens",
         len(infos), first.dtype, first.device, first.attention_backend, num_blocks,
         first.block_size,
     )
     tokenizer = Tokenizer.from_folder(config.shard.model_path)
-    engine = Engine(client, tokenizer, config.scheduler, num_blocks, first.block_size)
+    engine = Engine(client, tokenizer, scheduler, num_blocks, first.block_size)
     validator = Validator(
         tokenizer=tokenizer,
-        scheduler=config.scheduler,
+        scheduler=scheduler,
         limits=config.limits,
         kv_capacity_tokens=num_blocks * first.block_size,
     )

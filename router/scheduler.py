@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.steps_since_prefill = 0
 
     @property
     def num_requests(self) -> int:
@@ -83,6 +84,8 @@ class Scheduler:
         without it, such a prompt waits for an otherwise empty prefill step.
         """
         chunks: list[PrefillChunk] = []
+        if not self._should_prefill():
+            return chunks
         budget = self.config.max_batch_prefill_tokens
         for seq in self.prefilling:
             if budget <= 0:
@@ -99,7 +102,21 @@ class Scheduler:
             self.prefilling.append(seq)
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1].num_tokens
+        if chunks:
+            self.steps_since_prefill = 0
         return chunks
+
+    def _should_prefill(self) -> bool:
+        """TGI's policy: with a batch running, admit newcomers once enough are waiting
+        (``waiting_served_ratio``) or the batch has decoded ``max_waiting_tokens`` steps;
+        a prompt already being prefilled in chunks always continues."""
+        if not self.running or self.prefilling:
+            return True
+        config = self.config
+        return (
+            len(self.waiting) >= config.waiting_served_ratio * len(self.running)
+            or self.steps_since_prefill >= config.max_waiting_tokens
+        )
 
     def _admit(self, seq: Sequence, reserve: int) -> bool:
         """Give ``seq`` its cached prefix and blocks for all its tokens, if they fit.
@@ -155,6 +172,7 @@ class Scheduler:
         seed and the step).
         """
         plan = DecodePlan()
+        self.steps_since_prefill += 1
         index = 0
         while index < len(self.running):
             seq = self.running[index]
