@@ -199,3 +199,23 @@ async def test_chunked_prefill_gives_identical_tokens(
     finally:
         await engine.stop()
         await engine.client.close()
+
+
+async def test_same_prompt_alone_and_in_batches_of_any_size_m6(
+    tiny_shard_address: str, tiny_model_dir: Path, expected: list[list[int]]
+) -> None:
+    engine = await make_engine(tiny_shard_address, tiny_model_dir)
+    target = greedy_request(engine.tokenizer, PROMPTS[1], MAX_NEW_TOKENS[1])
+    try:
+        for batch_size in (1, 3, 8):
+            neighbours = [
+                greedy_request(engine.tokenizer, PROMPTS[i % 4] + " x" * i, 10 + i)
+                for i in range(batch_size - 1)
+            ]
+            results = await asyncio.gather(
+                *(collect(engine, r) for r in [*neighbours, target, *neighbours])
+            )
+            assert results[len(neighbours)] == expected[1], f"batch of {2 * batch_size - 1}"
+    finally:
+        await engine.stop()
+        await engine.client.close()
