@@ -1,7 +1,7 @@
 """The ``shardserve`` command.
 
 Subcommands:
-    launch   start the shards (Ray by default) and serve the HTTP API
+    launch   start the shards (Ray by default) and serve the HTTP and gRPC APIs
     prepare  convert the default model into the cache folder (done by ``launch`` too)
 """
 
@@ -71,7 +71,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
-    server.add_argument("--port", type=int, default=3000)
+    server.add_argument("--port", type=int, default=3000, help="HTTP port")
+    server.add_argument("--grpc-port", type=int, default=3001,
+                        help="port of the public gRPC API (0 = off)")
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
     server.add_argument("--graceful-timeout", type=int, default=30,
                         help="seconds running requests may take to finish after SIGTERM")
@@ -123,7 +125,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     return ServerConfig(
         shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
-        executor=args.executor, ray_address=args.ray_address, placement=args.placement,
+        grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
+        placement=args.placement,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
     )
 

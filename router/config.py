@@ -180,6 +180,7 @@ class ServerConfig:
     limits: ValidationLimits = field(default_factory=ValidationLimits)
     host: str = "0.0.0.0"
     port: int = 3000
+    grpc_port: int = 3001  # public gRPC API; 0 = off
     executor: str = "ray"
     ray_address: str | None = None
     placement: str = "pack"
@@ -196,3 +197,5 @@ class ServerConfig:
             raise ValueError("--placement must be 'pack' or 'spread'")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError("--grpc-port must be in [0, 65535] (0 = no gRPC API)")

@@ -1,9 +1,9 @@
-"""``shardserve launch``: start the shard group, warm it up, then serve HTTP.
+"""``shardserve launch``: start the shard group, warm it up, then serve HTTP and gRPC.
 
 Order: resolve the model (converting the default one once) → start one shard per rank
 (Ray actors, or local processes) → wait for every gRPC server → ``Info`` and ``Warmup``
-(KV blocks = minimum over ranks) → build the engine → serve until SIGINT/SIGTERM →
-stop the engine and the shards.
+(KV blocks = minimum over ranks) → build the engine → serve HTTP (uvicorn) and the
+public gRPC API (``--grpc-port``) until SIGINT/SIGTERM → stop the engine and the shards.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from router.api.app import ServerState, create_app
 from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
+from router.grpc_api.server import start_grpc_server
 from router.shard_client import ShardClient
 from router.tokenizer import Tokenizer
 from router.validation import Validator
@@ -115,10 +116,16 @@ async def serve(config: ServerConfig) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, _request_exit, server, state.engine, signum)
+        grpc_server = None
+        if config.grpc_port:
+            grpc_server, grpc_port = await start_grpc_server(state, config.host, config.grpc_port)
+            logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         try:
             await server.serve()
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=5)
             await state.engine.stop()
     finally:
         if client is not None:

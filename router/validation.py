@@ -1,17 +1,33 @@
-"""Request validation beyond the schema: limits, tokenization, truncation.
+"""Request validation beyond the schema: limits, tokenization, truncation, seeds.
 
 Every failure raises :class:`RequestValidationError` naming the field, which the HTTP
-layer turns into a 422 (and the gRPC layer into INVALID_ARGUMENT).
+layer turns into a 422 (TGI) or 400 (OpenAI) and the gRPC layer into INVALID_ARGUMENT.
+All endpoints convert their parameters into :class:`GenerateParameters` first, so each
+parameter has one meaning everywhere.
+
+Seeds: the engine treats seed 0 as "none" (and draws one), so the seed sent to the
+shards is ``user seed + 1``; requests that sample without a seed get a random user seed
+here, which the API reports back (the same seed reproduces the text).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
-from router.api.schemas import GenerateParameters
+from pydantic import ValidationError
+
+from router.api.schemas import MAX_SEED, GenerateParameters
 from router.config import SchedulerConfig, ValidationLimits
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.tokenizer import Tokenizer
+
+# Below this temperature a request is greedy (OpenAI's temperature 0).
+GREEDY_TEMPERATURE = 1e-4
+# Smallest top_p / typical_p sent to the shards (float32 must not round them to 0).
+MIN_MASS = 1e-6
 
 
 class RequestValidationError(ValueError):
@@ -19,7 +35,48 @@ class RequestValidationError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
+
+
+def parameters_from(values: dict[str, Any], prefix: str = "") -> GenerateParameters:
+    """Build :class:`GenerateParameters` from converted values of another endpoint.
+
+    Raises:
+        RequestValidationError: a value is out of range (named by its field).
+    """
+    try:
+        return GenerateParameters.model_validate(values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first.get("loc", ())) or "body"
+        raise RequestValidationError(prefix + field, first.get("msg", "invalid")) from error
+
+
+def is_sampling(params: GenerateParameters) -> bool:
+    """TGI's rule: sample when asked to, or when any warper changes the distribution."""
+    if params.temperature is not None and params.temperature < GREEDY_TEMPERATURE:
+        return False
+    return (
+        params.do_sample
+        or (params.temperature is not None and params.temperature != 1.0)
+        or (params.top_k is not None and params.top_k > 0)
+        or (params.top_p is not None and params.top_p < 1.0)
+        or (params.typical_p is not None and params.typical_p < 1.0)
+        or (params.min_p is not None and params.min_p > 0.0)
+    )
+
+
+def public_seed(request: GenerationRequest) -> int | None:
+    """The seed to report for ``request`` (None when it is greedy)."""
+    if not request.sampling.do_sample:
+        return None
+    return request.sampling.seed - 1
+
+
+def with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
+    """``request`` sampling with user seed ``seed`` (shard seed ``seed + 1``)."""
+    return replace(request, sampling=replace(request.sampling, seed=seed + 1))
 
 
 @dataclass(frozen=True)
@@ -36,36 +93,39 @@ class Validator:
     limits: ValidationLimits
     kv_capacity_tokens: int
 
-    def validate(self, inputs: str, params: GenerateParameters) -> GenerationRequest:
-        """Tokenize ``inputs`` and build a :class:`GenerationRequest`.
+    def validate(
+        self, inputs: str | Sequence[int], params: GenerateParameters,
+        add_special_tokens: bool = True, field: str = "inputs",
+    ) -> GenerationRequest:
+        """Tokenize ``inputs`` (or take its token ids) and build a request.
+
+        Args:
+            inputs: Prompt text, or prompt token ids.
+            params: Parameters, already schema-validated.
+            add_special_tokens: Let the tokenizer add BOS etc. (False for chat prompts
+                whose template writes them).
+            field: Name of the prompt field in error messages.
 
         Raises:
             RequestValidationError: a limit is exceeded or a value is unsupported.
         """
         if not inputs:
-            raise RequestValidationError("inputs", "must not be empty")
-        self._check_limits(params)
-        input_ids = self.tokenizer.encode(inputs)
+            raise RequestValidationError(field, "must not be empty")
+        self.check_limits(params)
+        if isinstance(inputs, str):
+            input_ids = self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
+        else:
+            input_ids = list(inputs)
+            self._check_ids(input_ids, field)
         if params.truncate is not None and len(input_ids) > params.truncate:
             input_ids = input_ids[-params.truncate :]
         if not input_ids:
-            raise RequestValidationError("inputs", "tokenizes to zero tokens")
-        self._check_lengths(len(input_ids), params)
-        do_sample = params.do_sample
+            raise RequestValidationError(field, "tokenizes to zero tokens")
+        self._check_lengths(len(input_ids), params, field)
+        sampling = self._sampling(params)
         return GenerationRequest(
             input_ids=tuple(input_ids),
-            sampling=SamplingParams(
-                do_sample=do_sample,
-                temperature=params.temperature if params.temperature is not None else 1.0,
-                top_k=params.top_k if params.top_k is not None and params.top_k > 0 else 0,
-                top_p=params.top_p if params.top_p is not None else 1.0,
-                typical_p=params.typical_p if params.typical_p is not None else 1.0,
-                min_p=params.min_p or 0.0,
-                repetition_penalty=params.repetition_penalty or 1.0,
-                frequency_penalty=params.frequency_penalty or 0.0,
-                presence_penalty=params.presence_penalty or 0.0,
-                seed=params.seed or 0,
-            ),
+            sampling=sampling,
             stopping=StoppingParams(
                 max_new_tokens=params.max_new_tokens,
                 stop_sequences=tuple(params.stop),
@@ -76,7 +136,30 @@ class Validator:
             prompt_logprobs=params.decoder_input_details,
         )
 
-    def _check_limits(self, params: GenerateParameters) -> None:
+    def fan_out(self, request: GenerationRequest, n: int) -> list[GenerationRequest]:
+        """``n`` copies of ``request``; sampled copy i uses user seed ``seed + i``."""
+        if not request.sampling.do_sample:
+            return [request] * n
+        seed = public_seed(request)
+        assert seed is not None
+        return [with_seed(request, (seed + i) % (MAX_SEED + 1)) for i in range(n)]
+
+    def check_n(self, n: int, field: str) -> None:
+        """Reject more than ``--max-best-of`` sequences per request."""
+        if n < 1:
+            raise RequestValidationError(field, "must be >= 1")
+        if n > self.limits.max_best_of:
+            raise RequestValidationError(
+                field, f"must be <= {self.limits.max_best_of} (--max-best-of)"
+            )
+
+    def check_limits(self, params: GenerateParameters) -> None:
+        """Limits of ``--max-stop-sequences``, ``--max-top-n-tokens``, ``--max-best-of``
+        and the vocabulary.
+
+        Raises:
+            RequestValidationError: a limit is exceeded.
+        """
         limits = self.limits
         if len(params.stop) > limits.max_stop_sequences:
             raise RequestValidationError(
@@ -91,22 +174,45 @@ class Validator:
             raise RequestValidationError(
                 "top_n_tokens", f"must be <= {limits.max_top_n_tokens} (--max-top-n-tokens)"
             )
-        if (params.best_of or 1) > 1:
-            if (params.best_of or 1) > limits.max_best_of:
-                raise RequestValidationError(
-                    "best_of", f"must be <= {limits.max_best_of} (--max-best-of)"
-                )
-            raise RequestValidationError("best_of", "values above 1 are not supported yet")
-        vocab = self.tokenizer.vocab_size
-        for token_id in params.stop_token_ids:
-            if not 0 <= token_id < vocab:
-                raise RequestValidationError("stop_token_ids", f"{token_id} not in [0, {vocab})")
+        best_of = params.best_of or 1
+        if best_of > 1:
+            self.check_n(best_of, "best_of")
+            if not is_sampling(params):
+                raise RequestValidationError("best_of", "best_of > 1 needs sampling (do_sample)")
+        self._check_ids(params.stop_token_ids, "stop_token_ids")
 
-    def _check_lengths(self, num_input: int, params: GenerateParameters) -> None:
+    def _check_ids(self, ids: Sequence[int], field: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        for token_id in ids:
+            if not 0 <= token_id < vocab:
+                raise RequestValidationError(field, f"token id {token_id} not in [0, {vocab})")
+
+    def _sampling(self, params: GenerateParameters) -> SamplingParams:
+        do_sample = is_sampling(params)
+        seed = 0
+        if do_sample:
+            user_seed = params.seed if params.seed is not None else random.getrandbits(62)
+            seed = user_seed + 1
+        temperature = params.temperature if params.temperature is not None else 1.0
+        return SamplingParams(
+            do_sample=do_sample,
+            temperature=temperature if do_sample else 1.0,
+            top_k=min(params.top_k, self.tokenizer.vocab_size)
+            if params.top_k is not None and params.top_k > 0 else 0,
+            top_p=max(params.top_p, MIN_MASS) if params.top_p is not None else 1.0,
+            typical_p=max(params.typical_p, MIN_MASS) if params.typical_p is not None else 1.0,
+            min_p=params.min_p or 0.0,
+            repetition_penalty=params.repetition_penalty or 1.0,
+            frequency_penalty=params.frequency_penalty or 0.0,
+            presence_penalty=params.presence_penalty or 0.0,
+            seed=seed,
+        )
+
+    def _check_lengths(self, num_input: int, params: GenerateParameters, field: str) -> None:
         budgets = self.scheduler
         if num_input > budgets.max_input_tokens:
             raise RequestValidationError(
-                "inputs",
+                field,
                 f"{num_input} tokens, more than max_input_tokens={budgets.max_input_tokens}; "
                 "pass `truncate` to keep only the last tokens",
             )

@@ -1,183 +1,132 @@
-"""The HTTP server: TGI-compatible routes on FastAPI.
+"""The HTTP server: TGI-compatible and OpenAI-compatible routes on FastAPI.
 
-Routes: ``POST /generate``, ``POST /generate_stream`` (server-sent events), ``GET /health``,
-``GET /info``. Validation errors are 422 with ``{"error", "error_type": "validation"}``
-naming the field; a full queue is 429; a failure after acceptance is 500 (or an SSE
-``error`` event when streaming).
+Routes: TGI ``POST /generate``, ``/generate_stream``, ``/``, ``/tokenize`` (router/api/tgi.py);
+OpenAI ``POST /v1/completions``, ``/v1/chat/completions``, ``GET /v1/models``
+(router/api/openai.py); ``GET /health``, ``GET /info``, ``GET /metrics`` (Prometheus);
+the OpenAPI document at ``/openapi.json`` and its viewer at ``/docs``.
+
+Errors: on TGI routes a bad request is 422 ``{"error", "error_type": "validation"}``
+naming the field; on ``/v1/*`` it is 400 ``{"error": {"message", "type", "param",
+"code"}}`` (OpenAI's shape). A full queue is 429, a failure after acceptance 500 (or an
+error event when streaming). No input reaches a 5xx: anything unexpected is logged and
+answered 500 with a JSON body, and the server keeps serving.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as SchemaValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST
-from sse_starlette.sse import EventSourceResponse
 
-from router.api.schemas import (
-    Details,
-    ErrorResponse,
-    GenerateRequest,
-    GenerateResponse,
-    Info,
-    StreamDetails,
-    StreamResponse,
-    Token,
-)
-from router.engine import Engine, QueueFullError
-from router.request import ErrorEvent, Finish, GenerationRequest, TokenEvent
-from router.validation import RequestValidationError, Validator
+from router.api.generation import GenerationFailed
+from router.api.openai import openai_routes
+from router.api.schemas import ErrorResponse, Info
+from router.api.state import ServerState
+from router.api.tgi import tgi_routes
+from router.chat_template import ChatTemplateError
+from router.engine import QueueFullError
+from router.validation import RequestValidationError
+
+__all__ = ["ServerState", "create_app"]
 
 
-@dataclass
-class ServerState:
-    """What the routes need: the engine, the validator and static model facts."""
-
-    engine: Engine
-    validator: Validator
-    model_id: str
-    dtype: str
-    device_type: str
-    num_shard: int
-    attention_backend: str
-    version: str
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
 
 
-class GenerationFailed(RuntimeError):
-    """A request failed after it was accepted."""
-
-
-def _error(status: int, message: str, error_type: str) -> JSONResponse:
+def _error(
+    request: Request, status: int, message: str, error_type: str, param: str | None = None
+) -> JSONResponse:
+    """An error body in the shape of the route's API (TGI or OpenAI)."""
+    if _is_openai(request):
+        openai_type = {
+            400: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+        }.get(status, "server_error")
+        content: dict[str, Any] = {
+            "error": {"message": message, "type": openai_type, "param": param, "code": None}
+        }
+        return JSONResponse(status_code=400 if status == 422 else status, content=content)
     return JSONResponse(
         status_code=status, content=ErrorResponse(error=message, error_type=error_type).model_dump()
     )
 
 
-def _describe_schema_errors(errors: list[Any]) -> str:
-    parts = []
+def _describe_schema_errors(errors: list[Any]) -> tuple[str, str | None]:
+    """Message naming each offending field, and the first field."""
+    parts: list[str] = []
+    fields: list[str] = []
     for error in errors:
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
         field = ".".join(loc) if loc else "body"
         if error.get("type") == "json_invalid":
             field = "body"
+        fields.append(field)
         parts.append(f"{field}: {error.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
-def _token(event: TokenEvent) -> Token:
-    return Token(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
+    return "; ".join(parts), (fields[0] if fields else None)
 
 
 def create_app(state: ServerState) -> FastAPI:
     """Build the FastAPI application serving ``state``."""
-    app = FastAPI(title="shardserve", version=state.version)
+    app = FastAPI(
+        title="shardserve",
+        version=state.version,
+        description="LLM text generation: TGI-compatible and OpenAI-compatible APIs.",
+    )
 
     @app.exception_handler(SchemaValidationError)
-    async def _schema_error(_: Request, exc: SchemaValidationError) -> JSONResponse:
-        return _error(422, _describe_schema_errors(list(exc.errors())), "validation")
+    async def _schema_error(request: Request, exc: SchemaValidationError) -> JSONResponse:
+        message, field = _describe_schema_errors(list(exc.errors()))
+        return _error(request, 422, message, "validation", field)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, str(exc), "validation")
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(request, 422, str(exc), "validation", exc.field)
+
+    @app.exception_handler(ChatTemplateError)
+    async def _template_error(request: Request, exc: ChatTemplateError) -> JSONResponse:
+        return _error(request, 422, f"messages: {exc}", "validation", "messages")
 
     @app.exception_handler(QueueFullError)
-    async def _overloaded(_: Request, exc: QueueFullError) -> JSONResponse:
-        return _error(429, str(exc), "overloaded")
+    async def _overloaded(request: Request, exc: QueueFullError) -> JSONResponse:
+        return _error(request, 429, str(exc), "overloaded")
 
     @app.exception_handler(GenerationFailed)
-    async def _failed(_: Request, exc: GenerationFailed) -> JSONResponse:
-        return _error(500, str(exc), "generation")
+    async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
+        return _error(request, 500, str(exc), "generation")
 
-    def validate(body: GenerateRequest) -> GenerationRequest:
-        return state.validator.validate(body.inputs, body.parameters)
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.opt(exception=exc).error("unhandled error on {}", request.url.path)
+        return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
 
-    @app.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
-    async def generate(body: GenerateRequest) -> GenerateResponse:
-        request = validate(body)
-        tokens: list[TokenEvent] = []
-        async for event in state.engine.generate(request):
-            if isinstance(event, ErrorEvent):
-                raise GenerationFailed(event.message)
-            tokens.append(event)
-        finish: Finish | None = tokens[-1].finish if tokens else None
-        assert finish is not None, "a generation ended without a finish"
-        text = "".join(token.text for token in tokens)
-        if body.parameters.return_full_text:
-            text = body.inputs + text
-        details = None
-        if body.parameters.details:
-            details = Details(
-                finish_reason=finish.reason.value,
-                generated_tokens=finish.generated_tokens,
-                seed=request.sampling.seed if request.sampling.do_sample else None,
-                tokens=[_token(token) for token in tokens],
-            )
-        return GenerateResponse(generated_text=text, details=details)
+    app.include_router(tgi_routes(state))
+    app.include_router(openai_routes(state))
 
-    @app.post("/generate_stream")
-    async def generate_stream(body: GenerateRequest) -> EventSourceResponse:
-        request = validate(body)
-        # Submit now so a full queue is a 429 before the stream starts.
-        events = state.engine.generate(request)
-        first = await anext(events)
-        return EventSourceResponse(_stream(body, request, first, events))
-
-    async def _stream(
-        body: GenerateRequest, request: GenerationRequest, first: Any,
-        events: AsyncGenerator[Any, None],
-    ) -> AsyncIterator[str]:
-        prefix = body.inputs if body.parameters.return_full_text else ""
-        texts: list[str] = []
-
-        async def all_events() -> AsyncIterator[Any]:
-            yield first
-            async for event in events:
-                yield event
-
-        try:
-            index = 0
-            async for event in all_events():
-                if isinstance(event, ErrorEvent):
-                    yield json.dumps({"error": event.message, "error_type": "generation"})
-                    return
-                index += 1
-                texts.append(event.text)
-                response = StreamResponse(index=index, token=_token(event))
-                if event.finish is not None:
-                    response.generated_text = prefix + "".join(texts)
-                    response.details = StreamDetails(
-                        finish_reason=event.finish.reason.value,
-                        generated_tokens=event.finish.generated_tokens,
-                        seed=request.sampling.seed if request.sampling.do_sample else None,
-                    )
-                yield response.model_dump_json()
-        finally:
-            await events.aclose()
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    @app.get("/health", tags=["TGI"])
+    async def health(request: Request) -> JSONResponse:
+        """200 when every shard answers and the last step succeeded, else 503."""
         try:
             await state.engine.client.health()
         except Exception as error:
-            return _error(503, f"shards unhealthy: {error}", "unhealthy")
+            return _error(request, 503, f"shards unhealthy: {error}", "unhealthy")
         if not state.engine.healthy:
-            return _error(503, "the last generation step failed", "unhealthy")
+            return _error(request, 503, "the last generation step failed", "unhealthy")
         if state.engine.draining:
-            return _error(503, "shutting down", "unhealthy")
+            return _error(request, 503, "shutting down", "unhealthy")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["TGI"])
     async def metrics() -> PlainTextResponse:
         """Prometheus text exposition (names listed in the README)."""
         return PlainTextResponse(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/info", response_model=Info)
+    @app.get("/info", response_model=Info, tags=["TGI"])
     async def info() -> Info:
+        """Model, shards, KV cache and request limits."""
         engine = state.engine
         budgets = engine.config
         limits = state.validator.limits

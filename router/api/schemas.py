@@ -6,22 +6,36 @@ sampling parameter is documented on its field and is the same on every endpoint.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_SEED = 2**63 - 1
+# NOTE: sampling parameters travel to the shards as float32; these bounds keep every
+# accepted value finite and non-zero there (a penalty of 1e-300 would become 0.0).
+MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3
+MAX_TEMPERATURE = 100.0
 
 
 class GenerateParameters(BaseModel):
-    """Generation parameters of ``/generate`` and ``/generate_stream``."""
+    """Generation parameters of ``/generate`` and ``/generate_stream`` (and, converted,
+    of every other endpoint). Source: TGI's ``GenerateParameters``.
+
+    Sampling is on when ``do_sample`` is true or any warper is active (temperature != 1,
+    top_k > 0, top_p < 1, typical_p < 1, min_p > 0) — TGI's rule. A temperature below
+    1e-4 means greedy. Logprobs are always those of the model's distribution: before
+    penalties, temperature and truncation (see shard/sampling.py).
+    """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     do_sample: bool = Field(False, description="Sample; false = greedy (argmax).")
-    max_new_tokens: int = Field(100, ge=1, description="Most tokens to generate (>= 1).")
+    max_new_tokens: int = Field(
+        100, ge=1, description="Most tokens to generate (>= 1; 0 is a 422)."
+    )
     temperature: float | None = Field(
-        None, gt=0.0, description="Divide logits by this (> 0); null or 1.0 = unchanged."
+        None, gt=0.0, le=MAX_TEMPERATURE,
+        description="Divide logits by this, in (0, 100]; null or 1.0 = unchanged.",
     )
     top_k: int | None = Field(
         None, ge=-1, description="Keep the k most likely tokens; null, 0 or -1 = off."
@@ -36,16 +50,27 @@ class GenerateParameters(BaseModel):
         None, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability; 0 = off."
     )
     repetition_penalty: float | None = Field(
-        None, gt=0.0, description="Penalty (> 0) on prompt and generated tokens; 1.0 = off."
+        None, ge=MIN_PENALTY, le=MAX_PENALTY,
+        description="CTRL/HF penalty over the prompt and generated tokens: positive logits "
+        "are divided by it, negative ones multiplied; in [0.001, 1000]; 1.0 = off.",
     )
     frequency_penalty: float | None = Field(
-        None, ge=-2.0, le=2.0, description="Subtract this x count of each generated token."
+        None, ge=-2.0, le=2.0,
+        description="OpenAI: subtract this x (count of the token among generated tokens).",
     )
     presence_penalty: float | None = Field(
-        None, ge=-2.0, le=2.0, description="Subtract this from every token generated once."
+        None, ge=-2.0, le=2.0,
+        description="OpenAI: subtract this once from every token generated at least once.",
     )
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Random seed of sampling.")
-    stop: list[str] = Field(default_factory=list, description="Stop sequences.")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED,
+        description="Random seed of sampling; the same seed gives the same text whatever "
+        "else is in the batch. With best_of/n > 1, sequence i uses seed + i.",
+    )
+    stop: list[str] = Field(
+        default_factory=list, description="Stop sequences; /generate's text ends with the one "
+        "that matched (TGI), the OpenAI endpoints leave it out.",
+    )
     stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     truncate: int | None = Field(
@@ -55,8 +80,12 @@ class GenerateParameters(BaseModel):
     details: bool = Field(False, description="Return tokens, logprobs and finish reason.")
     decoder_input_details: bool = Field(False, description="Return prompt tokens.")
     top_n_tokens: int | None = Field(None, ge=0, description="Alternatives per token.")
-    best_of: int | None = Field(None, ge=1, description="Sequences to generate, best returned.")
+    best_of: int | None = Field(
+        None, ge=1, description="Sample this many sequences and return the one with the "
+        "highest total logprob (others in details.best_of_sequences); needs sampling.",
+    )
     watermark: bool = Field(False, description="Accepted for compatibility; must be false.")
+    grammar: Any | None = Field(None, description="Accepted for compatibility; must be null.")
 
     @field_validator("stop")
     @classmethod
@@ -64,6 +93,13 @@ class GenerateParameters(BaseModel):
         if any(stop == "" for stop in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
+
+    @field_validator("grammar")
+    @classmethod
+    def _no_grammar(cls, grammar: Any) -> None:
+        if grammar is not None:
+            raise ValueError("grammar-constrained generation is not supported")
+        return None
 
     @field_validator("watermark")
     @classmethod
@@ -76,7 +112,7 @@ class GenerateParameters(BaseModel):
 class GenerateRequest(BaseModel):
     """Body of ``POST /generate`` and ``POST /generate_stream``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     inputs: str = Field(..., min_length=1, description="The prompt (non-empty).")
     parameters: GenerateParameters = Field(default_factory=lambda: GenerateParameters())
@@ -84,6 +120,8 @@ class GenerateRequest(BaseModel):
 
 
 class Token(BaseModel):
+    """A generated token; ``logprob`` is under the model's distribution."""
+
     id: int
     text: str
     logprob: float | None = None
@@ -91,6 +129,8 @@ class Token(BaseModel):
 
 
 class PrefillToken(BaseModel):
+    """A prompt token; the first one has no logprob (nothing precedes it)."""
+
     id: int
     text: str
     logprob: float | None = None
@@ -99,13 +139,28 @@ class PrefillToken(BaseModel):
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
 
 
-class Details(BaseModel):
+class BestOfSequence(BaseModel):
+    """One of the other ``best_of - 1`` sequences of a best_of request."""
+
+    generated_text: str
     finish_reason: FinishReasonName
     generated_tokens: int
     seed: int | None = None
     prefill: list[PrefillToken] = Field(default_factory=list)
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class Details(BaseModel):
+    """``details`` of a /generate response (TGI shape)."""
+
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[PrefillToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+    best_of_sequences: list[BestOfSequence] | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -128,8 +183,28 @@ class StreamResponse(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """TGI error body."""
+
     error: str
     error_type: str
+
+
+class TokenizeRequest(BaseModel):
+    """Body of ``POST /tokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    inputs: str = Field(..., description="Text to tokenize.")
+    add_special_tokens: bool = Field(True, description="Add BOS/EOS as the model does.")
+
+
+class TokenInfo(BaseModel):
+    """One token of ``/tokenize``: id, text and character offsets ``[start, stop)``."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
 
 
 class Info(BaseModel):

@@ -1,0 +1,146 @@
+"""Protocol-neutral generation: run one or several requests on the engine.
+
+Every API (TGI HTTP, OpenAI HTTP, public gRPC) validates into
+:class:`~router.request.GenerationRequest` and then uses these helpers, so results and
+failures mean the same everywhere. ``n`` / ``best_of`` run as independent requests
+(one per sequence) submitted together, so they share prefill through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from router.engine import Engine
+from router.request import ErrorEvent, Event, Finish, FinishReason, GenerationRequest, TokenEvent
+from router.validation import public_seed
+
+
+class GenerationFailed(RuntimeError):
+    """A request failed after it was accepted (a shard failed)."""
+
+
+@dataclass
+class Completion:
+    """One finished sequence.
+
+    Attributes:
+        request: The request that produced it.
+        tokens: Every token event, in order.
+        finish: Why it ended (on the last token).
+    """
+
+    request: GenerationRequest
+    tokens: list[TokenEvent] = field(default_factory=list)
+    finish: Finish | None = None
+
+    @property
+    def text(self) -> str:
+        """Generated text; ends with the matched stop sequence (TGI semantics)."""
+        return "".join(token.text for token in self.tokens)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed to report (None when greedy)."""
+        return public_seed(self.request)
+
+    @property
+    def prompt_logprobs(self) -> tuple[float, ...]:
+        """Logprobs of prompt tokens 1.. (``len(prompt) - 1`` values) when requested."""
+        return self.tokens[0].prompt_logprobs if self.tokens else ()
+
+    @property
+    def logprob_sum(self) -> float:
+        """Total logprob of the generated tokens (best_of ranks by it)."""
+        return sum(token.logprob for token in self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens."""
+        return self.finish.generated_tokens if self.finish is not None else len(self.tokens)
+
+
+def text_without_stop(text: str, finish: Finish | None) -> str:
+    """OpenAI semantics: ``text`` without the stop sequence (or stop token) that ended it."""
+    if finish is None or finish.reason is not FinishReason.STOP_SEQUENCE:
+        return text
+    stop = finish.stop_sequence
+    if stop and text.endswith(stop):
+        return text[: -len(stop)]
+    return text
+
+
+async def run_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[Completion]:
+    """Run ``requests`` concurrently to completion; results in the same order.
+
+    Raises:
+        QueueFullError: the engine refused one (the others are cancelled).
+        GenerationFailed: one failed after acceptance.
+    """
+    completions = [Completion(request) for request in requests]
+    async with MergedStream(engine, requests) as stream:
+        async for index, event in stream:
+            completions[index].tokens.append(event)
+            if event.finish is not None:
+                completions[index].finish = event.finish
+    return completions
+
+
+class MergedStream:
+    """Events of several requests, interleaved as they come: ``(index, TokenEvent)``.
+
+    Use as an async context manager: leaving it (for example a client disconnecting)
+    cancels every request still running, which frees its KV blocks within a step.
+    Iteration raises :class:`GenerationFailed` on an :class:`ErrorEvent` and
+    ``QueueFullError`` when the engine refuses a request.
+    """
+
+    def __init__(self, engine: Engine, requests: Sequence[GenerationRequest]) -> None:
+        self._engine = engine
+        self._requests = list(requests)
+        self._queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._open = len(self._requests)
+
+    async def __aenter__(self) -> MergedStream:
+        self._tasks = [
+            asyncio.create_task(self._pump(index, request))
+            for index, request in enumerate(self._requests)
+        ]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel every request still running."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pump(self, index: int, request: GenerationRequest) -> None:
+        events = self._engine.generate(request)
+        try:
+            async for event in events:
+                self._queue.put_nowait((index, event))
+        except Exception as error:  # handed to the reader, which raises it
+            self._queue.put_nowait((index, error))
+        finally:
+            await events.aclose()
+            self._queue.put_nowait((index, None))
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        while self._open:
+            index, item = await self._queue.get()
+            if item is None:
+                self._open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            elif isinstance(item, ErrorEvent):
+                raise GenerationFailed(item.message)
+            else:
+                yield index, item

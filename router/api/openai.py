@@ -1,0 +1,311 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Source: the OpenAI API reference. Choices are independent requests (``n`` of them, choice
+i seeded with ``seed + i``); the stop text is not part of a choice (finish_reason
+``stop``, as for EOS); streams are server-sent events ending with ``data: [DONE]``, with
+a last ``usage`` chunk when ``stream_options.include_usage`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter
+from sse_starlette.sse import EventSourceResponse
+
+from router.api.generation import Completion, MergedStream, run_all, text_without_stop
+from router.api.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from router.api.schemas import GenerateParameters
+from router.api.state import ServerState
+from router.api.tgi import token_text
+from router.chat_template import encode_chat_prompt, render_chat
+from router.request import Finish, FinishReason, GenerationRequest, TokenEvent
+from router.tokenizer import Tokenizer
+from router.validation import RequestValidationError, parameters_from
+
+# Chat requests without max_tokens generate at most this many tokens.
+DEFAULT_CHAT_MAX_TOKENS = 100
+
+
+def finish_reason(finish: Finish | None) -> str | None:
+    """OpenAI's name: ``length`` or ``stop`` (EOS, stop string or stop token)."""
+    if finish is None:
+        return None
+    return "length" if finish.reason is FinishReason.LENGTH else "stop"
+
+
+def _parameters(body: SamplingFields, max_tokens: int, top_n: int) -> GenerateParameters:
+    if body.logit_bias:
+        raise RequestValidationError("logit_bias", "is not supported")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    values: dict[str, Any] = {
+        "do_sample": temperature > 0.0,
+        "temperature": temperature if temperature > 0.0 else None,
+        "max_new_tokens": max_tokens,
+        "stop": stops,
+        "seed": body.seed,
+        "top_n_tokens": top_n or None,
+        "stop_token_ids": body.stop_token_ids or [],
+        "ignore_eos": body.ignore_eos,
+        "truncate": body.truncate,
+    }
+    for name in ("top_p", "top_k", "min_p", "typical_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty"):
+        values[name] = getattr(body, name)
+    return parameters_from(values)
+
+
+def _usage(prompt_tokens: int, completions: list[Completion]) -> Usage:
+    generated = sum(c.num_generated for c in completions)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
+                 total_tokens=prompt_tokens + generated)
+
+
+def _chat_logprobs(tokenizer: Tokenizer, events: list[TokenEvent]) -> ChoiceLogprobs:
+    content = []
+    for event in events:
+        text = token_text(tokenizer, event.id)
+        tops = [
+            TopLogprob(token=(t := token_text(tokenizer, top.id)), logprob=top.logprob,
+                       bytes=list(t.encode()))
+            for top in event.top_tokens
+        ]
+        content.append(TokenLogprob(token=text, logprob=event.logprob, bytes=list(text.encode()),
+                                    top_logprobs=tops))
+    return ChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(
+    tokenizer: Tokenizer, events: list[TokenEvent], offset: int
+) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for event in events:
+        text = token_text(tokenizer, event.id)
+        result.tokens.append(text)
+        result.token_logprobs.append(event.logprob)
+        result.top_logprobs.append(
+            {token_text(tokenizer, top.id): top.logprob for top in event.top_tokens}
+        )
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def openai_routes(state: ServerState) -> APIRouter:
+    """Build the OpenAI routes over ``state``."""
+    router = APIRouter(prefix="/v1", tags=["OpenAI"])
+    tokenizer = state.engine.tokenizer
+    validator = state.validator
+
+    def _check_n(body: SamplingFields, best_of: int | None) -> int:
+        validator.check_n(body.n, "n")
+        if best_of is not None:
+            validator.check_n(best_of, "best_of")
+            if best_of < body.n:
+                raise RequestValidationError("best_of", "must be >= n")
+            if body.stream and best_of != body.n:
+                raise RequestValidationError("best_of", "must equal n when streaming")
+        return best_of or body.n
+
+    def _top_n(value: int, field: str) -> int:
+        if value > validator.limits.max_top_n_tokens:
+            raise RequestValidationError(
+                field, f"must be <= {validator.limits.max_top_n_tokens} (--max-top-n-tokens)"
+            )
+        return value
+
+    @router.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        """The one model served (OpenAI ``GET /v1/models``)."""
+        return ModelList(data=[ModelCard(id=state.model_id, created=0,
+                                         max_model_len=state.engine.config.max_total_tokens)])
+
+    @router.post("/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest) -> Any:
+        """Text completion (OpenAI ``POST /v1/completions``)."""
+        if body.suffix:
+            raise RequestValidationError("suffix", "is not supported")
+        width = _check_n(body, body.best_of)
+        top_n = _top_n(body.logprobs or 0, "logprobs")
+        params = _parameters(body, body.max_tokens or 16, top_n)
+        prompts: list[Any]
+        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+            prompts = [body.prompt]
+        else:
+            prompts = list(body.prompt)
+        if not prompts:
+            raise RequestValidationError("prompt", "must not be empty")
+        if len(prompts) * width > validator.limits.max_best_of * 4:
+            raise RequestValidationError("prompt", "too many prompts x choices in one request")
+        requests: list[GenerationRequest] = []
+        for prompt in prompts:
+            request = validator.validate(prompt, params, field="prompt")
+            requests += validator.fan_out(request, width)
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        prompt_tokens = sum(len(r.input_ids) for r in requests[::width])
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def choice(index: int, events: list[TokenEvent], finish: Finish | None,
+                   text: str) -> CompletionChoice:
+            return CompletionChoice(
+                index=index, text=text, finish_reason=finish_reason(finish),
+                logprobs=(_completion_logprobs(tokenizer, events, 0)
+                          if body.logprobs is not None else None),
+            )
+
+        if body.stream:
+            def chunk(index: int, event: TokenEvent) -> str:
+                prefix = texts[index // width] if body.echo and event is first_of[index] else ""
+                text = prefix + text_without_stop(event.text, event.finish)
+                return CompletionChunk(
+                    id=ident, created=created, model=state.model_id,
+                    choices=[choice(index, [event], event.finish, text)],
+                ).model_dump_json(exclude_none=True)
+
+            first_of: dict[int, TokenEvent] = {}
+
+            def on_event(index: int, event: TokenEvent) -> list[str]:
+                first_of.setdefault(index, event)
+                return [chunk(index, event)]
+
+            def usage_chunk(done: list[Completion]) -> str:
+                return CompletionChunk(
+                    id=ident, created=created, model=state.model_id, choices=[],
+                    usage=_usage(prompt_tokens, done),
+                ).model_dump_json()
+
+            return await _sse(state, requests, [], on_event, usage_chunk, body)
+
+        done = await run_all(state.engine, requests)
+        chosen: list[Completion] = []
+        result = []
+        for p, text in enumerate(texts):
+            group = done[p * width : (p + 1) * width]
+            if width > body.n:
+                group = sorted(group, key=lambda c: c.logprob_sum, reverse=True)[: body.n]
+            for j, c in enumerate(group):
+                chosen.append(c)
+                out = (text if body.echo else "") + text_without_stop(c.text, c.finish)
+                result.append(choice(p * body.n + j, c.tokens, c.finish, out))
+        return CompletionResponse(id=ident, created=created, model=state.model_id,
+                                  choices=result, usage=_usage(prompt_tokens, done))
+
+    @router.post("/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        """Chat completion with the model's chat template (``POST /v1/chat/completions``)."""
+        if body.tools:
+            raise RequestValidationError("tools", "tool calls are not supported")
+        if body.top_logprobs and not body.logprobs:
+            raise RequestValidationError("top_logprobs", "needs logprobs: true")
+        _check_n(body, None)
+        top_n = _top_n(body.top_logprobs or 0, "top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+        params = _parameters(body, max_tokens, top_n)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = encode_chat_prompt(tokenizer, render_chat(tokenizer, messages))
+        request = validator.validate(prompt_ids, params, field="messages")
+        requests = validator.fan_out(request, body.n)
+        prompt_tokens = len(request.input_ids)
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return ChatCompletionChunk(
+                id=ident, created=created, model=state.model_id, choices=choices, usage=usage,
+            ).model_dump_json(exclude_none=usage is None)
+
+        if body.stream:
+            opening = [chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                       for i in range(body.n)]
+
+            def on_event(index: int, event: TokenEvent) -> list[str]:
+                logprobs = _chat_logprobs(tokenizer, [event]) if body.logprobs else None
+                delta = Delta(content=text_without_stop(event.text, event.finish))
+                return [chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                               finish_reason=finish_reason(event.finish))])]
+
+            def usage_chunk(done: list[Completion]) -> str:
+                return chunk([], usage=_usage(prompt_tokens, done))
+
+            return await _sse(state, requests, opening, on_event, usage_chunk, body)
+
+        done = await run_all(state.engine, requests)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=text_without_stop(c.text, c.finish)),
+                logprobs=_chat_logprobs(tokenizer, c.tokens) if body.logprobs else None,
+                finish_reason=finish_reason(c.finish),
+            )
+            for i, c in enumerate(done)
+        ]
+        return ChatCompletionResponse(id=ident, created=created, model=state.model_id,
+                                      choices=choices, usage=_usage(prompt_tokens, done))
+
+    return router
+
+
+async def _sse(
+    state: ServerState, requests: list[GenerationRequest], opening: list[str],
+    on_event: Callable[[int, TokenEvent], list[str]],
+    usage_chunk: Callable[[list[Completion]], str], body: SamplingFields,
+) -> EventSourceResponse:
+    """Stream ``requests`` as OpenAI chunks; ``[DONE]`` last. The first token (or a 429)
+    comes before the response starts."""
+    stream = MergedStream(state.engine, requests)
+    await stream.__aenter__()
+    events = aiter(stream)
+    try:
+        first = await anext(events)
+    except BaseException:
+        await stream.aclose()
+        raise
+    done = [Completion(r) for r in requests]
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            for line in opening:
+                yield line
+            item: tuple[int, TokenEvent] | None = first
+            while item is not None:
+                index, event = item
+                done[index].tokens.append(event)
+                done[index].finish = event.finish or done[index].finish
+                for line in on_event(index, event):
+                    yield line
+                item = await anext(events, None)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield usage_chunk(done)
+            yield "[DONE]"
+        except Exception as error:
+            message = f"generation failed: {error}"
+            yield json.dumps({"error": {"message": message, "type": "server_error",
+                                        "param": None, "code": None}})
+        finally:
+            await stream.aclose()
+
+    return EventSourceResponse(lines())

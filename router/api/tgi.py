@@ -1,0 +1,188 @@
+"""TGI-compatible routes: ``POST /generate``, ``/generate_stream``, ``/`` and ``/tokenize``.
+
+Shapes follow Hugging Face Text Generation Inference (its OpenAPI document and the
+``text-generation`` Python client): ``/generate`` returns ``{"generated_text",
+"details"}``; ``/generate_stream`` sends one server-sent event per token, the last
+with ``generated_text`` and ``details``; ``POST /`` is ``/generate`` wrapped in a list
+(or the stream when ``"stream": true``), which is what the ``text-generation`` client
+calls. ``generated_text`` ends with the stop sequence that ended it (TGI semantics).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from sse_starlette.sse import EventSourceResponse
+
+from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
+from router.api.schemas import (
+    BestOfSequence,
+    Details,
+    GenerateRequest,
+    GenerateResponse,
+    PrefillToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+    TokenInfo,
+    TokenizeRequest,
+)
+from router.api.state import ServerState
+from router.request import GenerationRequest, TokenEvent
+from router.tokenizer import Tokenizer
+from router.validation import RequestValidationError
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """Text of one token decoded alone (special tokens kept), as TGI reports it."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_tokens(tokenizer: Tokenizer, event: TokenEvent) -> list[Token]:
+    """The alternatives of one generated token, most likely first."""
+    return [
+        Token(id=top.id, text=token_text(tokenizer, top.id), logprob=top.logprob,
+              special=tokenizer.is_special(top.id))
+        for top in event.top_tokens
+    ]
+
+
+def prefill_tokens(tokenizer: Tokenizer, completion: Completion) -> list[PrefillToken]:
+    """One entry per prompt token; the first has no logprob (CASES A1)."""
+    ids = completion.request.input_ids
+    logprobs: list[float | None] = [None, *completion.prompt_logprobs]
+    logprobs += [None] * (len(ids) - len(logprobs))
+    return [
+        PrefillToken(id=token_id, text=token_text(tokenizer, token_id), logprob=logprob)
+        for token_id, logprob in zip(ids, logprobs, strict=False)
+    ]
+
+
+def _sequence_fields(
+    tokenizer: Tokenizer, completion: Completion, prefix: str, with_prefill: bool
+) -> dict[str, object]:
+    assert completion.finish is not None, "a generation ended without a finish"
+    return {
+        "generated_text": prefix + completion.text,
+        "finish_reason": completion.finish.reason.value,
+        "generated_tokens": completion.num_generated,
+        "seed": completion.seed,
+        "prefill": prefill_tokens(tokenizer, completion) if with_prefill else [],
+        "tokens": [
+            Token(id=e.id, text=e.text, logprob=e.logprob, special=e.special)
+            for e in completion.tokens
+        ],
+        "top_tokens": (
+            [top_tokens(tokenizer, e) for e in completion.tokens]
+            if completion.request.top_n_tokens else []
+        ),
+    }
+
+
+def tgi_routes(state: ServerState) -> APIRouter:
+    """Build the TGI routes over ``state``."""
+    router = APIRouter(tags=["TGI"])
+    tokenizer = state.engine.tokenizer
+
+    def validate(body: GenerateRequest) -> GenerationRequest:
+        return state.validator.validate(body.inputs, body.parameters)
+
+    @router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
+    async def generate(body: GenerateRequest) -> GenerateResponse:
+        """Generate text (TGI ``POST /generate``)."""
+        request = validate(body)
+        best_of = body.parameters.best_of or 1
+        completions = await run_all(state.engine, state.validator.fan_out(request, best_of))
+        # best_of: the sequence with the highest total logprob, as TGI does.
+        completions.sort(key=lambda c: c.logprob_sum, reverse=True)
+        params = body.parameters
+        prefix = body.inputs if params.return_full_text else ""
+        best = _sequence_fields(tokenizer, completions[0], prefix, params.decoder_input_details)
+        details = None
+        if params.details or params.decoder_input_details:
+            others = [
+                BestOfSequence.model_validate(
+                    _sequence_fields(tokenizer, c, prefix, params.decoder_input_details)
+                )
+                for c in completions[1:]
+            ]
+            fields = {k: v for k, v in best.items() if k != "generated_text"}
+            details = Details.model_validate(
+                {**fields, "best_of_sequences": others if best_of > 1 else None}
+            )
+        return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
+
+    @router.post("/generate_stream", response_class=EventSourceResponse)
+    async def generate_stream(body: GenerateRequest) -> EventSourceResponse:
+        """Generate text as server-sent events (TGI ``POST /generate_stream``)."""
+        if (body.parameters.best_of or 1) > 1:
+            raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
+        request = validate(body)
+        stream = MergedStream(state.engine, [request])
+        await stream.__aenter__()
+        events = aiter(stream)
+        try:
+            # The first token (or a 429) before the response starts.
+            first = await anext(events)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return EventSourceResponse(_stream(body, request, first, stream, events))
+
+    async def _stream(
+        body: GenerateRequest, request: GenerationRequest, first: tuple[int, TokenEvent],
+        stream: MergedStream, events: AsyncIterator[tuple[int, TokenEvent]],
+    ) -> AsyncIterator[str]:
+        prefix = body.inputs if body.parameters.return_full_text else ""
+        completion = Completion(request)
+
+        async def all_events() -> AsyncIterator[tuple[int, TokenEvent]]:
+            yield first
+            async for item in events:
+                yield item
+
+        try:
+            async for _, event in all_events():
+                completion.tokens.append(event)
+                response = StreamResponse(
+                    index=len(completion.tokens),
+                    token=Token(id=event.id, text=event.text, logprob=event.logprob,
+                                special=event.special),
+                    top_tokens=top_tokens(tokenizer, event),
+                )
+                if event.finish is not None:
+                    completion.finish = event.finish
+                    response.generated_text = prefix + completion.text
+                    response.details = StreamDetails(
+                        finish_reason=event.finish.reason.value,
+                        generated_tokens=event.finish.generated_tokens,
+                        seed=completion.seed,
+                    )
+                yield response.model_dump_json()
+        except GenerationFailed as error:
+            yield json.dumps({"error": str(error), "error_type": "generation"})
+        finally:
+            await stream.aclose()
+
+    @router.post("/", response_model=None)
+    async def compat_generate(
+        body: GenerateRequest,
+    ) -> list[GenerateResponse] | EventSourceResponse:
+        """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
+        if body.stream:
+            return await generate_stream(body)
+        return [await generate(body)]
+
+    @router.post("/tokenize", response_model=list[TokenInfo])
+    async def tokenize(body: TokenizeRequest) -> list[TokenInfo]:
+        """Tokenize ``inputs``: ids, texts and character offsets (TGI ``POST /tokenize``)."""
+        encoding = tokenizer.backend.encode(body.inputs, add_special_tokens=body.add_special_tokens)
+        return [
+            TokenInfo(id=token_id, text=body.inputs[start:stop] or token_text(tokenizer, token_id),
+                      start=start, stop=stop)
+            for token_id, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
+        ]
+
+    return router

@@ -1,0 +1,1 @@
+"""The public gRPC service (proto/generate.proto), with health and reflection."""

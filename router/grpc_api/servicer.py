@@ -1,0 +1,180 @@
+"""``TextGeneration`` servicer: proto message → validated request → engine → proto message.
+
+Parameters mean what they mean on the HTTP API: a proto ``Parameters`` becomes the same
+:class:`~router.api.schemas.GenerateParameters` and goes through the same validator.
+One place (:func:`_call`) maps exceptions to status codes: bad input INVALID_ARGUMENT
+naming the field, a full queue RESOURCE_EXHAUSTED, a failed generation INTERNAL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import grpc
+
+from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
+from router.api.state import ServerState
+from router.api.tgi import token_text
+from router.engine import QueueFullError
+from router.pb import generate_pb2 as pb
+from router.pb import generate_pb2_grpc
+from router.request import FinishReason, GenerationRequest, TokenEvent
+from router.validation import RequestValidationError, parameters_from
+
+T = TypeVar("T")
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+
+
+def parameters_dict(message: pb.Parameters) -> dict[str, Any]:
+    """The fields set in ``message`` (unset optionals take the HTTP defaults)."""
+    values: dict[str, Any] = {
+        field.name: value for field, value in message.ListFields()
+    }
+    return values
+
+
+async def _call(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except RequestValidationError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    except QueueFullError as error:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    except GenerationFailed as error:
+        await context.abort(grpc.StatusCode.INTERNAL, str(error))
+    raise AssertionError("context.abort returns only by raising")
+
+
+class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
+    """Serves ``shardserve.generate.v1.TextGeneration`` over ``state``."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.tokenizer = state.engine.tokenizer
+
+    def _validate(self, request: pb.GenerateRequest) -> tuple[GenerationRequest, int]:
+        params = parameters_from(parameters_dict(request.parameters), prefix="parameters.")
+        validated = self.state.validator.validate(request.inputs, params)
+        return validated, params.best_of or 1
+
+    def _token(self, event: TokenEvent) -> pb.Token:
+        return pb.Token(id=event.id, text=event.text, logprob=event.logprob,
+                        special=event.special)
+
+    def _tops(self, event: TokenEvent) -> list[pb.Token]:
+        return [pb.Token(id=t.id, text=token_text(self.tokenizer, t.id), logprob=t.logprob,
+                         special=self.tokenizer.is_special(t.id)) for t in event.top_tokens]
+
+    def _prefill(self, completion: Completion) -> list[pb.Token]:
+        if not completion.request.prompt_logprobs:
+            return []
+        ids = completion.request.input_ids
+        logprobs = completion.prompt_logprobs
+        tokens = [pb.Token(id=ids[0], text=token_text(self.tokenizer, ids[0]))]
+        for i, token_id in enumerate(ids[1:]):
+            token = pb.Token(id=token_id, text=token_text(self.tokenizer, token_id))
+            if i < len(logprobs):
+                token.logprob = logprobs[i]
+            tokens.append(token)
+        return tokens
+
+    def _sequence(self, completion: Completion, prefix: str) -> pb.Sequence:
+        assert completion.finish is not None, "a generation ended without a finish"
+        sequence = pb.Sequence(
+            generated_text=prefix + completion.text,
+            finish_reason=_FINISH[completion.finish.reason],
+            generated_tokens=completion.num_generated,
+            prefill=self._prefill(completion),
+            tokens=[self._token(e) for e in completion.tokens],
+        )
+        if completion.request.top_n_tokens:
+            sequence.top_tokens.extend(pb.TopTokens(tokens=self._tops(e))
+                                       for e in completion.tokens)
+        if completion.seed is not None:
+            sequence.seed = completion.seed
+        return sequence
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        """One completion; best_of > 1 returns the most likely of best_of samples."""
+
+        async def work() -> pb.GenerateResponse:
+            validated, best_of = self._validate(request)
+            requests = self.state.validator.fan_out(validated, best_of)
+            done = await run_all(self.state.engine, requests)
+            done.sort(key=lambda c: c.logprob_sum, reverse=True)
+            prefix = request.inputs if request.parameters.return_full_text else ""
+            return pb.GenerateResponse(
+                sequence=self._sequence(done[0], prefix),
+                best_of_sequences=[self._sequence(c, prefix) for c in done[1:]],
+            )
+
+        return await _call(context, work())
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """One message per generated token; the last carries the text and finish."""
+        validated, best_of = await _call(context, _now(lambda: self._validate(request)))
+        if best_of > 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "parameters.best_of: best_of > 1 is not supported when streaming")
+        prefix = request.inputs if request.parameters.return_full_text else ""
+        completion = Completion(validated)
+        async with MergedStream(self.state.engine, [validated]) as stream:
+            events = aiter(stream)
+            while (item := await _call(context, anext(events, None))) is not None:
+                event = item[1]
+                completion.tokens.append(event)
+                message = pb.GenerateStreamResponse(token=self._token(event),
+                                                    top_tokens=self._tops(event))
+                if len(completion.tokens) == 1:
+                    message.prefill.extend(self._prefill(completion))
+                if event.finish is not None:
+                    completion.finish = event.finish
+                    message.generated_text = prefix + completion.text
+                    message.finish_reason = _FINISH[event.finish.reason]
+                    message.generated_tokens = event.finish.generated_tokens
+                    if completion.seed is not None:
+                        message.seed = completion.seed
+                yield message
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        """Token ids, texts and character offsets of ``inputs``."""
+        encoding = self.tokenizer.backend.encode(
+            request.inputs, add_special_tokens=request.add_special_tokens
+        )
+        return pb.TokenizeResponse(
+            tokens=[pb.Token(id=i, text=token_text(self.tokenizer, i),
+                             special=self.tokenizer.is_special(i)) for i in encoding.ids],
+            starts=[start for start, _ in encoding.offsets],
+            stops=[stop for _, stop in encoding.offsets],
+        )
+
+    async def ModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfoResponse:
+        """Model and limits, as ``GET /info``."""
+        state = self.state
+        limits = state.validator.limits
+        return pb.ModelInfoResponse(
+            model_id=state.model_id, model_dtype=state.dtype,
+            model_device_type=state.device_type, num_shard=state.num_shard,
+            max_input_tokens=state.engine.config.max_input_tokens,
+            max_total_tokens=state.engine.config.max_total_tokens,
+            max_best_of=limits.max_best_of, max_stop_sequences=limits.max_stop_sequences,
+            max_top_n_tokens=limits.max_top_n_tokens, version=state.version,
+        )
+
+
+async def _now(function: Any) -> Any:
+    return function()
