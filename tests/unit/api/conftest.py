@@ -1,0 +1,67 @@
+"""The HTTP app over the real engine and tokenizer with a scripted shard group."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import httpx
+import pytest
+
+from router.api.app import ServerState, create_app
+from router.config import SchedulerConfig, ValidationLimits
+from router.engine import Engine
+from router.tokenizer import Tokenizer
+from router.validation import Validator
+from tests.unit.api.scripted import Script, ScriptedShardClient
+
+AppFactory = Callable[..., Awaitable[tuple[httpx.AsyncClient, ScriptedShardClient, Engine]]]
+
+
+def text_script(tokenizer: Tokenizer, text: str) -> Script:
+    """A script emitting the tokens of ``text`` for every prompt, then EOS."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    eos = min(tokenizer.eos_token_ids)
+    return lambda _prompt: [*ids, eos]
+
+
+def ids_script(ids: Sequence[int]) -> Script:
+    """A script emitting ``ids`` (cycling) for every prompt."""
+    return lambda _prompt: list(ids)
+
+
+@pytest.fixture
+async def make_app(tokenizer: Tokenizer) -> AsyncIterator[AppFactory]:
+    """Factory: ``await make_app(script, **scheduler_budgets)`` → (client, shard, engine)."""
+    engines: list[Engine] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def factory(
+        script: Script, limits: ValidationLimits | None = None, **budgets: int
+    ) -> tuple[httpx.AsyncClient, ScriptedShardClient, Engine]:
+        shard = ScriptedShardClient(script)
+        config = SchedulerConfig(**{"max_input_tokens": 64, "max_total_tokens": 256,
+                                    "max_batch_prefill_tokens": 256, **budgets})
+        engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                        shard.block_size)
+        engine.start()
+        engines.append(engine)
+        validator = Validator(tokenizer, config, limits or ValidationLimits(),
+                              kv_capacity_tokens=shard.num_blocks * shard.block_size)
+        state = ServerState(engine=engine, validator=validator, model_id="scripted/model",
+                            dtype="float32", device_type="cpu", num_shard=1,
+                            attention_backend="torch", version="test")
+        transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+        client = httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
+        clients.append(client)
+        return client, shard, engine
+
+    yield factory
+    for client in clients:
+        await client.aclose()
+    for engine in engines:
+        await engine.stop()
+
+
+def sse_data(body: str) -> list[str]:
+    """The ``data:`` payloads of a server-sent event stream, in order."""
+    return [line[len("data:"):].strip() for line in body.splitlines() if line.startswith("data:")]
