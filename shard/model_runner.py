@@ -77,7 +77,8 @@ class ModelRunner:
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        """Tokens per KV block: the configured size raised to what the backend needs."""
+        return self.backend.kv_block_size(self.config.block_size)
 
     def info(self) -> ShardInfo:
         """Static facts for ``Info``."""

@@ -1,14 +1,27 @@
 """Attention backends behind a registry: adding one is a new file plus one line in
-:data:`ATTENTION_BACKENDS`."""
+:data:`ATTENTION_BACKENDS`.
+
+Every backend module imports without its optional package (flash-attn, FlashInfer,
+Triton); a backend whose package is missing reports that from ``supports`` and ``auto``
+skips it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 from shard.attention.base import AttentionBackend, AttentionSpec
+from shard.attention.flash_attn_backend import FlashAttnBackend
+from shard.attention.flashinfer_backend import FlashInferBackend
 from shard.attention.metadata import AttentionMetadata
 from shard.attention.torch_backend import TorchAttentionBackend
+from shard.attention.triton_backend import TritonAttentionBackend
 
 # Order matters for "auto": the first that supports the spec wins.
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    FlashAttnBackend.name: FlashAttnBackend,
+    FlashInferBackend.name: FlashInferBackend,
+    TritonAttentionBackend.name: TritonAttentionBackend,
     TorchAttentionBackend.name: TorchAttentionBackend,
 }
 
@@ -36,20 +49,32 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
 
 
 def _check(cls: type[AttentionBackend], spec: AttentionSpec) -> tuple[bool, str]:
-    if spec.block_size % cls.block_size_multiple != 0:
-        return False, f"block_size={spec.block_size} is not a multiple of {cls.block_size_multiple}"
-    return cls.supports(spec)
+    """Whether ``cls`` runs ``spec`` at the block size it would use (see
+    :meth:`AttentionBackend.kv_block_size`). Any exception from a backend's probe counts
+    as "cannot run" so a broken optional install never crashes start-up."""
+    block_size = cls.kv_block_size(spec.block_size)
+    try:
+        ok, reason = cls.supports(dataclasses.replace(spec, block_size=block_size))
+    except Exception as exc:  # NOTE: a probe of an optional package may raise anything
+        return False, f"probe failed: {type(exc).__name__}: {exc}"
+    if ok and block_size != spec.block_size:
+        reason += f"; block size {spec.block_size} raised to {block_size}"
+    return ok, reason
 
 
 def select_backend(name: str, spec: AttentionSpec) -> tuple[AttentionBackend, str]:
-    """Instantiate the named backend, or with ``"auto"`` the first that supports ``spec``.
+    """Instantiate the named backend, or with ``"auto"`` the first of
+    :data:`ATTENTION_BACKENDS` (flash_attn → flashinfer → triton → torch) that imports and
+    supports ``spec`` (device, dtype, heads, head size, block size).
+
+    The block size the chosen backend needs is ``backend.kv_block_size(spec.block_size)``.
 
     Returns:
         (backend, reason): reason says why it was chosen and why earlier ones were skipped.
 
     Raises:
-        ValueError: unknown name, or the named backend does not support ``spec``, or
-            (auto) none does.
+        ValueError: unknown name, or the named backend cannot run ``spec`` (a start-up
+            error, never a silent switch), or (auto) none can.
     """
     if name != "auto":
         cls = get_backend_class(name)

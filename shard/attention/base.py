@@ -37,12 +37,23 @@ class AttentionSpec:
 class AttentionBackend(abc.ABC):
     """Writes new K/V into the paged cache and attends over each sequence's context.
 
-    Subclasses set :attr:`name` and :attr:`block_size_multiple` (the block size must be
-    a multiple of it), implement :meth:`supports` and :meth:`forward`.
+    Subclasses set :attr:`name` and :attr:`block_size_multiple` (the KV block size the
+    backend needs is a multiple of it: flash-attn's paged API needs 256, ours any), and
+    implement :meth:`supports` and :meth:`forward`. ``supports`` is also where a backend
+    checks that its optional package imports, so a missing package means "skipped".
     """
 
     name: ClassVar[str]
     block_size_multiple: ClassVar[int] = 1
+
+    @classmethod
+    def kv_block_size(cls, requested: int) -> int:
+        """The KV block size (tokens) this backend runs with when ``requested`` is
+        configured: the smallest multiple of :attr:`block_size_multiple` that is
+        >= ``requested``. The shard reports it in ``Info``/``Warmup`` and the router's
+        block manager allocates blocks of that size."""
+        m = cls.block_size_multiple
+        return -(-requested // m) * m
 
     @classmethod
     @abc.abstractmethod

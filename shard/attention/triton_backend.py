@@ -1,0 +1,95 @@
+"""Our Triton backend: paged split-KV decode, paged varlen prefill and the
+slot-mapping cache write (see :mod:`shard.attention.triton_kernels`). Any CUDA GPU with
+Triton; any block size."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from shard.attention.base import AttentionBackend, AttentionSpec
+from shard.attention.metadata import AttentionMetadata
+from shard.kv_cache import KVCacheLayer
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def import_triton() -> tuple[ModuleType | None, str]:
+    """(triton module or None, reason). Any import failure counts as "unavailable"."""
+    try:
+        return importlib.import_module("triton"), "ok"
+    except ImportError as exc:
+        return None, f"triton is not importable ({exc})"
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through our Triton kernels.
+
+    Prefill: :func:`~shard.attention.triton_kernels.prefill_attention`; decode:
+    :func:`~shard.attention.triton_kernels.decode_attention`; both read every key from
+    the paged cache after the new tokens are written by slot mapping.
+    """
+
+    name = "triton"
+    block_size_multiple: ClassVar[int] = 1
+
+    def __init__(self) -> None:
+        # NOTE: imported here, not at module import, so the registry imports without
+        # Triton and TRITON_INTERPRET is read only when a backend is built.
+        self._kernels = importlib.import_module("shard.attention.triton_kernels")
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        triton, reason = import_triton()
+        if triton is None:
+            return False, reason
+        if spec.device.type != "cuda":
+            return False, f"needs a CUDA device, got {spec.device.type}"
+        if spec.dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {spec.dtype} not in {SUPPORTED_DTYPES}"
+        if spec.head_dim > MAX_HEAD_DIM:
+            return False, f"head_dim={spec.head_dim} > {MAX_HEAD_DIM}"
+        if spec.num_heads % spec.num_kv_heads != 0:
+            return False, (
+                f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
+            )
+        return True, f"our Triton paged kernels (triton {triton.__version__})"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        kern = self._kernels
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        kern.write_kv_cache(k, v, kv_cache.key, kv_cache.value, metadata.slot_mapping)
+        if metadata.is_prefill:
+            out: torch.Tensor = kern.prefill_attention(
+                q,
+                kv_cache.key,
+                kv_cache.value,
+                metadata.block_tables,
+                metadata.cu_seqlens_q,
+                metadata.seq_lens,
+                metadata.max_seqlen_q,
+                scale,
+            )
+            return out
+        out = kern.decode_attention(
+            q,
+            kv_cache.key,
+            kv_cache.value,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.max_seqlen_k,
+            scale,
+        )
+        return out

@@ -1,0 +1,22 @@
+"""Our Triton kernels for paged attention (import only where ``triton`` is installed).
+
+- :mod:`.cache_write`: write new K/V into the paged cache by slot mapping.
+- :mod:`.decode`: split-KV ("flash-decoding") decode over the paged cache.
+- :mod:`.prefill`: variable-length causal prefill over a paged prefix plus new tokens.
+
+All kernels read the cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]``
+(PagedAttention, Kwon et al. 2023) and run on CUDA, or on CPU tensors under
+``TRITON_INTERPRET=1`` (tests).
+"""
+
+from shard.attention.triton_kernels.cache_write import write_kv_cache
+from shard.attention.triton_kernels.decode import DecodeConfig, decode_attention
+from shard.attention.triton_kernels.prefill import PrefillConfig, prefill_attention
+
+__all__ = [
+    "DecodeConfig",
+    "PrefillConfig",
+    "decode_attention",
+    "prefill_attention",
+    "write_kv_cache",
+]

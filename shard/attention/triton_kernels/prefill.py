@@ -1,0 +1,219 @@
+"""Variable-length causal prefill over a paged KV cache.
+
+Algorithm: FlashAttention-2 (Dao 2023) forward — tiles of queries, online softmax over
+tiles of keys, one normalisation at the end — with keys/values read through block
+tables (PagedAttention, Kwon et al. 2023). Sequence ``i`` has ``q_len_i`` new tokens,
+the last of its ``seq_lens[i]`` context tokens; the first ``seq_lens[i] - q_len_i`` are a
+prefix already in the cache. The new tokens' K/V must be in the cache too (write them
+first), so every key is read from the cache.
+
+The causal mask is bottom-right aligned: query ``j`` sits at position
+``seq_lens[i] - q_len_i + j`` and sees keys ``0..`` that position. Key tiles entirely
+below a query tile's first position run unmasked; only the tiles on the diagonal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shard.attention.triton_kernels.decode import LOG2E
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel.
+
+    Attributes:
+        block_m: query tokens per program (power of two >= 16).
+        block_n: key tokens per tile (power of two >= 16).
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, start, k_cache_ptr, v_cache_ptr, bt_row, kvh, qpos, seq_len, d, dmask,
+    scale_log2, stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys ``[start, start + BLOCK_N)``."""
+    n = start + tl.arange(0, BLOCK_N)
+    nmask = n < seq_len
+    page = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    kv_off = (
+        page[:, None] * stride_cb + (n % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch
+        + d[None, :]
+    )
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_tile = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    qpos = prefix + rows
+    d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
+    tok = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=rmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    # Key range: [0, full_end) is visible to every row of this tile (no mask);
+    # [full_end, hi) straddles the diagonal. An empty tile (m_tile * BLOCK_M >= q_len)
+    # runs no iteration and stores nothing.
+    valid = m_tile * BLOCK_M < q_len
+    first_pos = prefix + m_tile * BLOCK_M
+    full_end = tl.where(valid, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
+    hi = tl.where(valid, tl.minimum(seq_len, prefix + (m_tile + 1) * BLOCK_M), 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, k_cache_ptr, v_cache_ptr, bt_row, kvh, qpos, seq_len, d,
+            dmask, scale_log2, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, k_cache_ptr, v_cache_ptr, bt_row, kvh, qpos, seq_len, d,
+            dmask, scale_log2, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=rmask[:, None] & dmask[None, :],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened batch of new tokens over their paged contexts.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim], fp16/bf16/fp32, last dim contiguous; the
+            new tokens of all sequences, concatenated in batch order.
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's
+            dtype; already holds every context token, the new ones included.
+        value_cache: like ``key_cache``.
+        block_tables: [batch, max_blocks] int32.
+        cu_seqlens_q: [batch + 1] int32 prefix sums of the new-token counts.
+        seq_lens: [batch] int32 context lengths in tokens (cached prefix + new tokens).
+        max_seqlen_q: max new tokens of one sequence (host int; sizes the grid).
+        scale: softmax scale.
+        out: optional [num_tokens, num_heads, head_dim] output buffer.
+        config: launch parameters (defaults: :class:`PrefillConfig`).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    config = config or PrefillConfig()
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    batch = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "cache must be contiguous"
+    assert q.stride(-1) == 1, "q's last dim must be contiguous"
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
+    _prefill_kernel[grid](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out

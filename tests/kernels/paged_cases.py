@@ -1,0 +1,100 @@
+"""Random paged attention problems shared by the kernel tests (CPU interpreter and GPU)
+and the benchmark: ragged lengths, randomly permuted block tables, partly filled last
+blocks, a cached prefix already in the cache and new tokens still to be written."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shard.attention.metadata import AttentionMetadata
+from shard.attention.torch_backend import TorchAttentionBackend
+from shard.inputs import SeqChunk, build_inputs
+from shard.kv_cache import KVCacheLayer
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    """One forward's inputs.
+
+    Attributes:
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+            new keys/values, not yet in the cache.
+        cache: KV cache holding every sequence's cached prefix (other slots random).
+        metadata: the batch layout (block tables permuted at random).
+        scale: softmax scale.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cache: KVCacheLayer
+    metadata: AttentionMetadata
+    scale: float
+
+    def fresh_cache(self) -> KVCacheLayer:
+        """A copy of the cache, so each backend writes into its own."""
+        return KVCacheLayer(self.cache.key.clone(), self.cache.value.clone())
+
+
+def make_case(
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> PagedCase:
+    """Build a case: sequence ``i`` has ``seq_lens[i]`` context tokens, the last
+    ``q_lens[i]`` of them new. Decode when every q_len is 1 and ``seq_lens`` > 1 is
+    not required (``is_prefill`` is False iff all q_lens are 1)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key = torch.randn(shape, generator=gen).to(dtype)
+    value = torch.randn(shape, generator=gen).to(dtype)
+    cache = KVCacheLayer(key.to(device), value.to(device))
+    chunks = []
+    for s, ql, nb in zip(seq_lens, q_lens, blocks_per_seq, strict=True):
+        blocks, perm = perm[:nb], perm[nb:]
+        chunks.append(SeqChunk([0] * ql, s - ql, blocks))
+    is_prefill = any(ql != 1 for ql in q_lens)
+    metadata = build_inputs(chunks, block_size, is_prefill, device).metadata
+    t = metadata.num_tokens
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen).to(dtype).to(device)
+
+    return PagedCase(
+        q=rand(t, num_heads, head_dim),
+        k=rand(t, num_kv_heads, head_dim),
+        v=rand(t, num_kv_heads, head_dim),
+        cache=cache,
+        metadata=metadata,
+        scale=1 / math.sqrt(head_dim),
+    )
+
+
+def reference(case: PagedCase) -> tuple[torch.Tensor, KVCacheLayer]:
+    """The ``torch`` backend in float32 on the case's device: (out [num_tokens,
+    num_heads, head_dim] float32, the cache after the write, float32)."""
+    cache = KVCacheLayer(case.cache.key.float(), case.cache.value.float())
+    out = TorchAttentionBackend().forward(
+        case.q.float(), case.k.float(), case.v.float(), cache, case.metadata, case.scale
+    )
+    return out, cache
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (NaN if out has any NaN)."""
+    out64, ref64 = out.double(), ref.double()
+    return float(torch.linalg.vector_norm(out64 - ref64) / torch.linalg.vector_norm(ref64))
