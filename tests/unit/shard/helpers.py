@@ -3,11 +3,13 @@ transformers references."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import (
     LlamaConfig,
@@ -24,6 +26,10 @@ from shard.model_runner import ModelRunner
 from shard.requests import PrefillBatch, RequestInput
 from shard.sampling import SamplingParams
 
+# NOTE: the shard tests run on CPU; SHARD_TEST_DEVICE=cuda runs the model tests on a GPU
+# (used by hand on the GPU machine; CI is CPU-only).
+DEVICE = os.environ.get("SHARD_TEST_DEVICE", "cpu")
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks CPU KV sizing")
 BLOCK_SIZE = 4
 VOCAB = 256
 BASE: dict[str, Any] = dict(
@@ -115,10 +121,11 @@ def make_runner(
     runner = ModelRunner(
         ShardConfig(
             model_path=str(folder),
-            device="cpu",
+            device=DEVICE,
             dtype="float32",
             block_size=BLOCK_SIZE,
             kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_fraction=0.3,
         )
     )
     if warmup:
@@ -136,7 +143,7 @@ class BlockPool:
     free: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.free = list(range(self.num_blocks))
+        self.free = list(range(min(self.num_blocks, 4096)))  # GPU caches are huge
         random.Random(self.seed).shuffle(self.free)
 
     def take(self, n: int) -> list[int]:

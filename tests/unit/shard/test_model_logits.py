@@ -24,7 +24,7 @@ def test_logits_match_transformers_batched(tiny_models, variant: str) -> None:
     cu = inputs.metadata.cu_seqlens_q.tolist()
     for i, prompt in enumerate(PROMPTS):
         ref = hf_logits(hf, prompt)
-        torch.testing.assert_close(logits[cu[i] : cu[i + 1]], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[cu[i] : cu[i + 1]].cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_long_positions_llama3_rope(tiny_models) -> None:
@@ -37,7 +37,7 @@ def test_long_positions_llama3_rope(tiny_models) -> None:
     with torch.inference_mode():
         _, hidden = runner.run_chunks([chunk], is_prefill=True)
         logits = runner.model.compute_logits(hidden)
-    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits.cpu(), hf_logits(hf, prompt), atol=1e-5, rtol=1e-5)
 
 
 def test_qwen2_bias_is_loaded(tiny_models) -> None:
@@ -47,7 +47,7 @@ def test_qwen2_bias_is_loaded(tiny_models) -> None:
     assert qkv.bias is not None
     hf_attn = hf.model.layers[0].self_attn
     expected = torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias])
-    assert torch.equal(qkv.bias, expected)
+    assert torch.equal(qkv.bias.cpu(), expected)
     assert runner.model.model.layers[0].self_attn.o_proj.bias is None
 
 

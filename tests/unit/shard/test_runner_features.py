@@ -13,6 +13,7 @@ from tests.unit.shard.helpers import (
     PROMPTS,
     BlockPool,
     DecodeDriver,
+    cpu_only,
     hf_logits,
     make_runner,
     prefill,
@@ -110,6 +111,7 @@ def test_repetition_penalty_matches_transformers(runner, llama) -> None:
     assert tokens == expected
 
 
+@cpu_only
 def test_warmup_sizes_cache_and_names_flags(llama) -> None:
     runner = make_runner(llama[0], kv_cache_bytes=64 * 1024, warmup=False)
     with pytest.raises(NotWarmedUpError):

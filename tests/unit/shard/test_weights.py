@@ -20,7 +20,7 @@ def test_sharded_checkpoint_loads_same_weights(tmp_path, llama) -> None:
     ref = make_runner(folder, warmup=False).model.state_dict()
     assert ours.keys() == ref.keys()
     for name in ref:
-        assert torch.equal(ours[name], ref[name]), name
+        assert torch.equal(ours[name], ref[name]), name  # same device
 
 
 def test_missing_tensor_is_named(tmp_path, llama) -> None:
