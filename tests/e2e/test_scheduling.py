@@ -1,0 +1,154 @@
+"""Scheduling through the real HTTP server on a tiny model: cancellation, many short
+requests, and KV limits (CASES M1-M3)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import launch, stop
+
+pytestmark = pytest.mark.e2e
+
+TINY_ARGS = ["--executor", "local", "--max-total-tokens", "512", "--max-concurrent-requests",
+             "256", "--kv-cache-bytes", str(4 * 1024 * 1024)]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("tiny") / "server.log"
+    base_url, process = launch(["--model", str(tiny_model_dir), *TINY_ARGS], log_path)
+    yield base_url
+    stop(process)
+
+
+def kv_blocks_free(base_url: str) -> int:
+    return int(httpx.get(f"{base_url}/info", timeout=30).json()["kv_blocks_free"])
+
+
+def wait_for_free_blocks(base_url: str, expected: int, timeout_s: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    free = kv_blocks_free(base_url)
+    while free != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        free = kv_blocks_free(base_url)
+    return free
+
+
+async def cancelled_stream(client: httpx.AsyncClient, base_url: str, index: int) -> int:
+    """Open a long stream, read two tokens, then disconnect."""
+    body = {"inputs": f"Story number {index}:",
+            "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
+    received = 0
+    async with client.stream("POST", f"{base_url}/generate_stream", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                received += 1
+                if received == 2:
+                    break
+    return received
+
+
+def test_500_cancelled_streams_free_every_block_m1(tiny_server: str) -> None:
+    baseline = kv_blocks_free(tiny_server)
+
+    async def rounds() -> list[int]:
+        received: list[int] = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            for round_index in range(10):
+                received += await asyncio.gather(
+                    *(cancelled_stream(client, tiny_server, 50 * round_index + i)
+                      for i in range(50))
+                )
+        return received
+
+    assert asyncio.run(rounds()) == [2] * 500
+    assert wait_for_free_blocks(tiny_server, baseline) == baseline
+    metrics = httpx.get(f"{tiny_server}/metrics", timeout=30).text
+    cancelled = [line for line in metrics.splitlines()
+                 if line.startswith('shardserve_requests_total{outcome="cancelled"}')]
+    assert cancelled and float(cancelled[0].split()[-1]) == 500
+
+
+def test_2000_short_requests_leave_no_leak_m2(tiny_server: str) -> None:
+    baseline = kv_blocks_free(tiny_server)
+
+    async def run_all() -> list[int]:
+        semaphore = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def one(index: int) -> int:
+                body = {"inputs": f"Request {index}", "parameters": {"max_new_tokens": 2}}
+                async with semaphore:
+                    response = await client.post(f"{tiny_server}/generate", json=body)
+                return response.status_code
+
+            return list(await asyncio.gather(*(one(i) for i in range(2000))))
+
+    assert asyncio.run(run_all()) == [200] * 2000
+    assert wait_for_free_blocks(tiny_server, baseline) == baseline
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The tiny model with 8 KV blocks of 16 tokens (512 B per token: 64 KiB)."""
+    log_path = tmp_path_factory.mktemp("small-kv") / "server.log"
+    args = ["--model", str(tiny_model_dir), "--executor", "local", "--kv-cache-bytes",
+            str(64 * 1024), "--max-total-tokens", "128", "--max-input-tokens", "100",
+            "--max-batch-prefill-tokens", "128"]
+    base_url, process = launch(args, log_path)
+    yield base_url
+    stop(process)
+
+
+def test_prompt_that_can_never_fit_is_rejected_m3(small_kv_server: str) -> None:
+    info = httpx.get(f"{small_kv_server}/info", timeout=30).json()
+    assert info["kv_blocks_total"] == 8
+    body = {"inputs": "word " * 90, "parameters": {"max_new_tokens": 60}}
+    response = httpx.post(f"{small_kv_server}/generate", json=body, timeout=30)
+    assert response.status_code == 422
+    assert "128" in response.json()["error"]
+    body = {"inputs": "word " * 150, "parameters": {"max_new_tokens": 5}}
+    response = httpx.post(f"{small_kv_server}/generate", json=body, timeout=30)
+    assert response.status_code == 422 and "max_input_tokens=100" in response.json()["error"]
+
+
+def test_two_prompts_that_fit_one_at_a_time_are_both_served_m3(small_kv_server: str) -> None:
+    # 48 + 60 = 108 tokens = 7 blocks each: only one fits in the 8 blocks at a time.
+    bodies = [
+        {"inputs": ("alpha " if i == 0 else "beta ") * 48,
+         "parameters": {"max_new_tokens": 60, "ignore_eos": True, "details": True}}
+        for i in range(2)
+    ]
+    alone = [httpx.post(f"{small_kv_server}/generate", json=b, timeout=120).json() for b in bodies]
+
+    async def together() -> list[dict[str, object]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            responses = await asyncio.wait_for(
+                asyncio.gather(*(client.post(f"{small_kv_server}/generate", json=b)
+                                 for b in bodies)),
+                timeout=120,
+            )
+        assert [r.status_code for r in responses] == [200, 200]
+        return [json.loads(r.text) for r in responses]
+
+    both = asyncio.run(together())
+    for served, reference in zip(both, alone, strict=True):
+        assert served["generated_text"] == reference["generated_text"]
+        tokens = served["details"]["tokens"]  # type: ignore[index]
+        reference_tokens = reference["details"]["tokens"]
+        assert [t["id"] for t in tokens] == [t["id"] for t in reference_tokens]
+        # Logprobs may differ in the last bits between batch compositions.
+        assert [t["logprob"] for t in tokens] == pytest.approx(
+            [t["logprob"] for t in reference_tokens], abs=1e-4
+        )
+    assert kv_blocks_free(small_kv_server) == 8
