@@ -36,8 +36,14 @@ def wait_healthy(base_url: str, process: subprocess.Popen[bytes], timeout_s: flo
 
 
 def launch(args: list[str], log_path: Path) -> tuple[str, subprocess.Popen[bytes]]:
-    """Start ``shardserve launch`` with ``args`` on a free port; return (url, process)."""
+    """Start ``shardserve launch`` with ``args`` on a free port; return (url, process).
+
+    The public gRPC API is off unless ``args`` pass ``--grpc-port`` (so servers started
+    side by side never fight over its default port).
+    """
     port = free_port()
+    if "--grpc-port" not in args:
+        args = [*args, "--grpc-port", "0"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -68,11 +74,26 @@ def stop(process: subprocess.Popen[bytes]) -> int:
 
 
 @pytest.fixture(scope="session")
+def grpc_port() -> int:
+    """Port of the public gRPC API of :func:`ray_server`."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def grpc_address(ray_server: str, grpc_port: int) -> str:
+    """``host:port`` of the public gRPC API of the session server."""
+    return f"127.0.0.1:{grpc_port}"
+
+
+@pytest.fixture(scope="session")
 def ray_server(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, grpc_port: int
 ) -> Iterator[str]:
-    """Base URL of the default model served through Ray (one shard)."""
+    """Base URL of the default model served through Ray (one shard), with its public
+    gRPC API on :func:`grpc_port`."""
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    base_url, process = launch(["--executor", "ray", *SMALL_BUDGETS], log_path)
+    base_url, process = launch(
+        ["--executor", "ray", "--grpc-port", str(grpc_port), *SMALL_BUDGETS], log_path
+    )
     yield base_url
     stop(process)
