@@ -56,13 +56,15 @@ def make_case(
     not required (``is_prefill`` is False iff all q_lens are 1)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
+    # NOTE: the cache is drawn on the device itself: a GPU benchmark's cache is GBs
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key = torch.randn(shape, generator=gen).to(dtype)
-    value = torch.randn(shape, generator=gen).to(dtype)
-    cache = KVCacheLayer(key.to(device), value.to(device))
+    key = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    value = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    cache = KVCacheLayer(key, value)
     chunks = []
     for s, ql, nb in zip(seq_lens, q_lens, blocks_per_seq, strict=True):
         blocks, perm = perm[:nb], perm[nb:]
