@@ -6,7 +6,6 @@ import argparse
 import re
 import shlex
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import yaml
@@ -94,12 +93,14 @@ def split_entrypoint(entrypoint: str) -> list[str]:
 def router_paths() -> set[str]:
     """Every HTTP path the router's FastAPI app declares.
 
-    ``create_app`` only keeps the state for the request handlers (it reads ``version``
-    while building), so a stand-in state is enough to list the routes.
+    ``create_app`` only keeps the state for the request handlers (it reads a few
+    attributes while building), so a stand-in state is enough to list the routes.
     """
+    from unittest.mock import MagicMock
+
     from router.api.app import create_app
 
-    app = create_app(SimpleNamespace(version="0"))  # type: ignore[arg-type]
+    app = create_app(MagicMock(version="0"))
     return {route.path for route in app.routes if hasattr(route, "path")}
 
 
