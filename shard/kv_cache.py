@@ -45,6 +45,9 @@ class KVCacheLayer:
             v: [num_tokens, num_kv_heads, head_dim].
             slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset.
                 Entries < 0 are skipped (tokens whose K/V are already cached).
+
+        NOTE: checking for negative slots syncs with a GPU; fast backends use a fused
+        cache-write kernel that skips them instead.
         """
         key = self.key.view(-1, *self.key.shape[2:])
         value = self.value.view(-1, *self.value.shape[2:])

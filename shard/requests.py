@@ -39,7 +39,9 @@ class RequestInput:
             nothing, keep no state.
         top_n_tokens: alternatives to return with each generated token.
         prompt_logprobs: return the logprob of every computed prompt token after the
-            first (aligned with ``input_ids[max(cache_len, 1):]``).
+            first (aligned with ``input_ids[max(cache_len, 1):]``). A partial chunk
+            returns no Generation, so with chunked prefill only the final chunk's
+            prompt logprobs come back.
         num_generated: how many trailing tokens of input_ids were generated (penalties).
     """
 
