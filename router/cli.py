@@ -145,11 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("{}", error)
         return 2
     from router.launcher import run
+    from router.shard_client import ShardError
 
     try:
         run(config)
     except KeyboardInterrupt:
         pass
+    except ShardError as error:
+        # Start-up failures (e.g. Warmup out of memory) name the flag to change.
+        logger.error("start-up failed: {}", error)
+        return 1
     return 0
 
 

@@ -152,3 +152,16 @@ def test_two_prompts_that_fit_one_at_a_time_are_both_served_m3(small_kv_server: 
             [t["logprob"] for t in reference_tokens], abs=1e-4
         )
     assert kv_blocks_free(small_kv_server) == 8
+
+
+def test_warmup_out_of_memory_names_the_flag(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "launch", "--model", str(tiny_model_dir),
+         "--executor", "local", "--kv-cache-bytes", "4096", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "--kv-cache-bytes" in result.stderr
