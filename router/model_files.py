@@ -45,18 +45,39 @@ def prepare_default_model(cache_dir: Path | None = None) -> ModelFiles:
     return ModelFiles(path=dest, model_id=DEFAULT_MODEL_ID)
 
 
+def from_hf_cache(repo_id: str) -> Path | None:
+    """The snapshot folder of ``repo_id`` in the local Hugging Face cache, offline.
+
+    Honours ``HF_HOME`` / ``HF_HUB_CACHE``; never downloads.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
+
 def resolve_model(model: str | None, model_id: str | None = None) -> ModelFiles:
-    """The folder to serve: ``model`` if given, else the default model.
+    """The folder to serve: ``model`` as a folder (e.g. a mounted volume) or as a
+    repository id already in the Hugging Face cache; the default model when ``None``.
 
     Raises:
-        FileNotFoundError: ``model`` is not a folder with a ``config.json``.
+        FileNotFoundError: ``model`` is neither a folder with a ``config.json`` nor a
+            repository in the local Hugging Face cache.
     """
     if model is None:
         files = prepare_default_model()
         return ModelFiles(files.path, model_id or files.model_id)
-    path = Path(model).expanduser().resolve()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"--model {model}: expected a Hugging Face model folder with config.json"
-        )
-    return ModelFiles(path=path, model_id=model_id or path.name)
+    path = Path(model).expanduser()
+    if (path / "config.json").exists():
+        return ModelFiles(path=path.resolve(), model_id=model_id or path.resolve().name)
+    if not path.exists() and model.count("/") == 1:
+        snapshot = from_hf_cache(model)
+        if snapshot is not None and (snapshot / "config.json").exists():
+            return ModelFiles(path=snapshot, model_id=model_id or model)
+    raise FileNotFoundError(
+        f"--model {model}: expected a Hugging Face model folder with config.json, or a "
+        "repository id present in the local Hugging Face cache (downloads are not made)"
+    )
