@@ -139,6 +139,8 @@ def create_app(state: ServerState) -> FastAPI:
             block_size=engine.block_manager.block_size,
             kv_blocks_total=engine.block_manager.num_blocks,
             kv_blocks_free=engine.kv_blocks_free,
+            kv_blocks_used=engine.block_manager.num_blocks - engine.kv_blocks_free,
+            prefix_cache_hit_tokens=engine.block_manager.hit_tokens,
             max_input_tokens=budgets.max_input_tokens,
             max_total_tokens=budgets.max_total_tokens,
             max_batch_prefill_tokens=budgets.max_batch_prefill_tokens,

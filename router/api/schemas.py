@@ -216,6 +216,8 @@ class Info(BaseModel):
     block_size: int
     kv_blocks_total: int
     kv_blocks_free: int
+    kv_blocks_used: int
+    prefix_cache_hit_tokens: int
     max_input_tokens: int
     max_total_tokens: int
     max_batch_prefill_tokens: int

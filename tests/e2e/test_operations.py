@@ -72,10 +72,12 @@ def test_metrics_are_consistent_with_requests_sent(local_server: tuple[str, obje
     assert total(samples, "shardserve_prefill_step_duration_seconds_count") >= 1
     info = httpx.get(f"{base_url}/info", timeout=30).json()
     assert total(samples, "shardserve_kv_blocks_total") == info["kv_blocks_total"]
-    assert total(samples, "shardserve_kv_blocks_used") == 0
+    assert total(samples, "shardserve_kv_blocks_used") == 0 == info["kv_blocks_used"]
     assert total(samples, "shardserve_queue_size") == 0
     # The same prompt three more times: its full blocks come from the prefix cache.
-    assert total(samples, "shardserve_prefix_cache_hit_tokens_total") >= 16 * (sent - 1)
+    hits = total(samples, "shardserve_prefix_cache_hit_tokens_total")
+    assert hits >= 16 * (sent - 1)
+    assert info["prefix_cache_hit_tokens"] == hits
 
 
 def test_finished_requests_log_one_json_line(local_server: tuple[str, object, Path]) -> None:
