@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.config import default_cache_dir
+from shard.convert import DEFAULT_MODEL_ID, is_converted  # torch-free at import
 
-DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
-_CONVERTED_MARKER = "shardserve-converted.json"
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ def prepare_default_model(cache_dir: Path | None = None) -> ModelFiles:
         RuntimeError: the conversion failed (its output says why).
     """
     dest = default_model_dir(cache_dir)
-    if not (dest / _CONVERTED_MARKER).exists():
+    if not is_converted(dest):
         result = subprocess.run([sys.executable, "-m", "shard.convert", str(dest)], check=False)
         if result.returncode != 0:
             raise RuntimeError(f"converting the default model into {dest} failed")

@@ -82,7 +82,9 @@ def convert(dest: Path) -> Path:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        (staging / _MARKER).write_text(json.dumps({"source": source.name, "model_id": DEFAULT_MODEL_ID}))
+        (staging / _MARKER).write_text(
+            json.dumps({"source": source.name, "model_id": DEFAULT_MODEL_ID})
+        )
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)
