@@ -31,14 +31,15 @@ class DecodeConfig:
         num_warps: warps per program.
         num_stages: software-pipelining depth of the KV loop.
         target_programs: split the context until batch * num_kv_heads * splits reaches
-            this many programs (about two per SM on an H200's 132 SMs).
+            this many programs (four per SM on an H200's 132 SMs: chosen on the H200,
+            see benchmarks/results/attention-h200.md).
         max_splits: upper bound on splits per sequence.
     """
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
-    target_programs: int = 264
+    num_stages: int = 3
+    target_programs: int = 528
     max_splits: int = 64
 
 
