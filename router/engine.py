@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -106,17 +105,6 @@ class Engine:
             raise QueueFullError(
                 f"too many concurrent requests (max_concurrent_requests="
                 f"{self.config.max_concurrent_requests})"
-            )
-        if request.sampling.do_sample and request.sampling.seed == 0:
-            sampling = request.sampling.__class__(
-                **{**request.sampling.__dict__, "seed": random.getrandbits(63) or 1}
-            )
-            request = GenerationRequest(
-                input_ids=request.input_ids,
-                sampling=sampling,
-                stopping=request.stopping,
-                top_n_tokens=request.top_n_tokens,
-                prompt_logprobs=request.prompt_logprobs,
             )
         seq = Sequence(id=next(self._ids), request=request)
         self._text[seq.id] = _TextState(

@@ -42,7 +42,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    seed: int = 0
+    seed: int = 0  # the API layer assigns one to every sampling request
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,8 @@ layer turns into a 422 (TGI) or 400 (OpenAI) and the gRPC layer into INVALID_ARG
 All endpoints convert their parameters into :class:`GenerateParameters` first, so each
 parameter has one meaning everywhere.
 
-Seeds: the engine treats seed 0 as "none" (and draws one), so the seed sent to the
-shards is ``user seed + 1``; requests that sample without a seed get a random user seed
-here, which the API reports back (the same seed reproduces the text).
+Seeds: every sampling request gets a seed here (the user's, or a random one), which
+the API reports back: the same seed reproduces the text.
 """
 
 from __future__ import annotations
@@ -71,12 +70,12 @@ def public_seed(request: GenerationRequest) -> int | None:
     """The seed to report for ``request`` (None when it is greedy)."""
     if not request.sampling.do_sample:
         return None
-    return request.sampling.seed - 1
+    return request.sampling.seed
 
 
 def with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
-    """``request`` sampling with user seed ``seed`` (shard seed ``seed + 1``)."""
-    return replace(request, sampling=replace(request.sampling, seed=seed + 1))
+    """``request`` sampling with seed ``seed``."""
+    return replace(request, sampling=replace(request.sampling, seed=seed))
 
 
 @dataclass(frozen=True)
@@ -191,8 +190,7 @@ class Validator:
         do_sample = is_sampling(params)
         seed = 0
         if do_sample:
-            user_seed = params.seed if params.seed is not None else random.getrandbits(62)
-            seed = user_seed + 1
+            seed = params.seed if params.seed is not None else random.getrandbits(62)
         temperature = params.temperature if params.temperature is not None else 1.0
         return SamplingParams(
             do_sample=do_sample,
