@@ -45,6 +45,9 @@ class ShardConfig:
         world_size: Tensor-parallel world size.
         load_format: ``"safetensors"`` reads the checkpoint; ``"dummy"`` fills
             random weights from config.json alone (benchmarks).
+        master_addr: IP of rank 0, where the process group meets (world_size > 1).
+        master_port: Free TCP port on ``master_addr`` for the rendezvous; 0 = unset
+            (required when world_size > 1).
 
     Raises:
         ValueError: on any invalid field, naming it.
@@ -61,6 +64,8 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     load_format: LoadFormat = "safetensors"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -83,6 +88,10 @@ class ShardConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.world_size > 1 and self.master_port == 0:
+            raise ValueError("master_port must be set when world_size > 1")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
@@ -94,10 +103,16 @@ class ShardConfig:
         return self.model_id or self.model_path
 
     def torch_device(self) -> torch.device:
-        """Resolve ``device`` ("auto" → cuda when available, else cpu)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """Resolve ``device`` ("auto" → cuda when available, else cpu; with several
+        visible GPUs and world_size > 1, rank r takes ``cuda:r``)."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and self.world_size > 1 and torch.cuda.device_count() > 1:
+            # Plain processes on one host see every GPU: one per rank. (Ray actors see
+            # only their own GPU, so they stay on cuda:0.)
+            return torch.device(f"cuda:{self.rank % torch.cuda.device_count()}")
+        return torch.device(device)
 
     def torch_dtype(self) -> torch.dtype:
         """Resolve ``dtype`` ("auto" → bfloat16 on CUDA, float32 on CPU)."""
@@ -134,7 +149,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, object]
             continue
         raw = env[key]
         try:
-            if field.name in ("block_size", "kv_cache_bytes", "rank", "world_size"):
+            if field.name in ("block_size", "kv_cache_bytes", "rank", "world_size", "master_port"):
                 out[field.name] = int(raw)
             elif field.name == "gpu_memory_fraction":
                 out[field.name] = float(raw)

@@ -19,9 +19,11 @@ from shard import warmup as warmup_lib
 from shard.attention import AttentionSpec, select_backend
 from shard.batch import Batch, BatchStore, RequestState
 from shard.config import ShardConfig, dtype_name
+from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer
+from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
 from shard.requests import (
@@ -44,23 +46,28 @@ class ModelRunner:
         config: shard configuration.
 
     Raises:
-        ValueError: unsupported model/backend/world size (see :func:`build_model`).
+        ValueError: unsupported model/backend, or a world size that cannot split the
+            model's heads (the message names the valid shard counts).
+        RuntimeError: the tensor-parallel rendezvous failed (world_size > 1).
     """
 
     def __init__(self, config: ShardConfig) -> None:
-        if config.world_size > 1:
-            raise ValueError("tensor parallelism (world_size > 1) is not implemented yet")
         self.config = config
         self.log = logger.bind(rank=config.rank)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         mc = self.model_config
+        tp = config.world_size
+        check_tp_size(mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, tp)
+        init_distributed(
+            config.rank, tp, config.master_addr, config.master_port, self.device
+        )
         spec = AttentionSpec(
             device=self.device,
             dtype=self.dtype,
-            num_heads=mc.num_attention_heads // config.world_size,
-            num_kv_heads=mc.num_key_value_heads // config.world_size,
+            num_heads=mc.num_attention_heads // tp,
+            num_kv_heads=kv_heads_per_rank(mc.num_key_value_heads, tp),
             head_dim=mc.head_dim,
             block_size=config.block_size,
         )

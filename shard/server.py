@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--world-size", type=int, default=d.world_size)
     p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "dummy"])
+    p.add_argument("--master-addr", default=d.master_addr, help="rank 0's IP (world size > 1)")
+    p.add_argument(
+        "--master-port", type=int, default=d.master_port, help="rendezvous port on rank 0"
+    )
     return p
 
 

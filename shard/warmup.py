@@ -59,7 +59,10 @@ def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     runner.bind_kv_cache(
-        allocate_kv_cache(runner.model_config, temp_blocks, runner.block_size, runner.dtype, device)
+        allocate_kv_cache(
+            runner.model_config, temp_blocks, runner.block_size, runner.dtype, device,
+            runner.config.world_size,
+        )
     )
     _run_dummy_prefill(runner, chunks)
     peak = torch.cuda.max_memory_allocated(device)
@@ -120,7 +123,8 @@ def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tok
         )
     runner.bind_kv_cache(
         allocate_kv_cache(
-            runner.model_config, num_blocks, runner.block_size, runner.dtype, runner.device
+            runner.model_config, num_blocks, runner.block_size, runner.dtype, runner.device,
+            runner.config.world_size,
         )
     )
     _run_dummy_prefill(runner, chunks)

@@ -1,19 +1,24 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded with
 ``model.safetensors.index.json``) into a model whose parameters carry weight loaders,
-or fill dummy weights from the config alone."""
+or fill dummy weights from the config alone.
+
+Tensors are handed to the loaders as lazy safetensors slices, so a tensor-parallel rank
+reads only its own rows or columns from disk (see :mod:`shard.layers.linear`)."""
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from loguru import logger
 from safetensors import safe_open
 from torch import nn
 
-from shard.layers.linear import get_weight_loader
+from shard.layers.linear import get_checkpoint_shapes, get_weight_loader
 from shard.models.llama import LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,13 +44,18 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of every file (on CPU)."""
+def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, lazy slice)`` for every tensor of every file.
+
+    A lazy slice (safetensors ``PySafeSlice``) has ``get_shape()`` and reads from disk
+    (to CPU) only the range it is indexed with, e.g. ``s[0:128]`` or ``s[:, 64:128]``;
+    it is valid until the next item is requested.
+    """
     for i, file in enumerate(files):
         logger.info("loading weights file {}/{}: {}", i + 1, len(files), file.name)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def load_weights(model: LlamaForCausalLM, path: str | Path) -> int:
@@ -90,14 +100,25 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> int:
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for benchmarks: norms = 1, biases = 0, others ~ N(0, std²).
 
-    Seeded on CPU so every rank and device gets the same values.
+    Each full (unsharded) checkpoint tensor is drawn from a generator seeded by
+    ``seed`` and its name on the parameter's device, then passed through the
+    parameter's ``weight_loader``: every rank of a shard group gets its slice of the
+    same full model, so TP=N dummy weights equal TP=1's on the same device type.
     """
-    gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        elif name.endswith(".bias"):
+            continue
+        if name.endswith(".bias"):
             param.data.zero_()
-        else:
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-            param.data.copy_(values.to(param.dtype))
+            continue
+        loader = get_weight_loader(param)
+        for shard_id, shape in get_checkpoint_shapes(param):
+            key = f"{name}:{shard_id}".encode()
+            gen = torch.Generator(device=param.device).manual_seed(seed + zlib.crc32(key))
+            full = torch.randn(shape, generator=gen, dtype=param.dtype, device=param.device)
+            full.mul_(std)
+            if shard_id is None:
+                loader(param, full)
+            else:
+                loader(param, full, shard_id)

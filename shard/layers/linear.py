@@ -1,17 +1,16 @@
-"""Tensor-parallel-shaped linear layers whose parameters load themselves.
+"""Tensor-parallel linear layers whose parameters load themselves.
 
-Every parameter carries ``weight_loader(param, loaded_tensor[, shard_id])`` so loading
-a checkpoint is a short loop (see :mod:`shard.weights`). Layers hold ``tp_rank`` /
-``tp_size`` and slice the checkpoint tensor for their rank in the loader:
+Layout from Megatron-LM (Shoeybi et al. 2019, §3): in each block a column-parallel
+layer (q/k/v, gate/up: output features split) feeds a row-parallel one (o_proj,
+down_proj: input features split) whose partial sums are all-reduced, so one block costs
+one all-reduce and the model code never sees a rank. Embedding and LM head split the
+vocabulary; the LM head all-gathers the logits so every rank samples the same tokens.
 
-- column parallel: output features split across ranks (weight rows),
-- row parallel: input features split across ranks (weight columns), outputs summed
-  with an all-reduce,
-- vocab parallel: embedding rows split across ranks.
-
-NOTE: only ``tp_size == 1`` is exercised today. The slicing below is written for any
-``tp_size``; the collectives (:func:`_all_reduce`, :func:`_all_gather`) raise until
-tensor parallelism is wired up, so model code never has to change.
+Every parameter carries ``weight_loader(param, loaded[, shard_id])``; ``loaded`` is a
+``torch.Tensor`` or a lazy safetensors slice (``get_shape()`` + ``[a:b]`` indexing), so
+each rank reads only its own rows/columns from the checkpoint (see :mod:`shard.weights`).
+Every parameter also carries ``checkpoint_shapes``: the full (unsharded) checkpoint
+shape per shard id, used to fill dummy weights sharded exactly like real ones.
 """
 
 from __future__ import annotations
@@ -23,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard.distributed import all_gather_last_dim, all_reduce
+from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
+
 WeightLoader = Callable[..., None]
+# (shard id or None, full checkpoint shape)
+CheckpointShapes = list[tuple[Any, tuple[int, ...]]]
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
@@ -37,37 +41,64 @@ def get_weight_loader(param: nn.Parameter) -> WeightLoader:
     return loader
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def set_checkpoint_shapes(param: nn.Parameter, shapes: CheckpointShapes) -> None:
+    """Record the full checkpoint tensors ``param`` is loaded from (see module doc)."""
+    param.checkpoint_shapes = shapes  # type: ignore[attr-defined]
+
+
+def get_checkpoint_shapes(param: nn.Parameter) -> CheckpointShapes:
+    """``param.checkpoint_shapes``, or ``[(None, param.shape)]`` for unsharded ones."""
+    shapes: CheckpointShapes = getattr(param, "checkpoint_shapes", [(None, tuple(param.shape))])
+    return shapes
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a lazy safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def read_range(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """``loaded[start:start+size]`` along ``dim`` (0 or 1), read from disk only for that
+    range when ``loaded`` is a lazy slice. Rows past the end are not read (the result
+    may be shorter than ``size``)."""
+    end = min(start + size, loaded_shape(loaded)[dim])
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, max(end - start, 0))
+    index = (slice(start, end),) if dim == 0 else (slice(None), slice(start, end))
+    out: torch.Tensor = loaded[index]
+    return out
+
+
+def read_all(loaded: Any) -> torch.Tensor:
+    """The whole tensor (for unsharded parameters such as norms)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    out: torch.Tensor = loaded[:]
+    return out
+
+
+def _copy(target: torch.Tensor, piece: torch.Tensor, what: str) -> None:
+    if target.shape != piece.shape:
+        raise ValueError(
+            f"shape mismatch for {what}: parameter {tuple(target.shape)} vs "
+            f"checkpoint slice {tuple(piece.shape)}"
+        )
+    target.copy_(piece)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any) -> None:
     """Copy a full (unsharded) tensor into ``param``.
 
     Raises:
         ValueError: on a shape mismatch.
     """
-    if param.shape != loaded.shape:
+    if tuple(param.shape) != loaded_shape(loaded):
         raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {loaded_shape(loaded)}"
         )
-    param.data.copy_(loaded)
-
-
-def _narrow(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's contiguous 1/tp_size slice of ``loaded`` along ``dim``."""
-    if tp_size == 1:
-        return loaded
-    size = loaded.shape[dim] // tp_size
-    return loaded.narrow(dim, tp_rank * size, size)
-
-
-def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    if tp_size == 1:
-        return x
-    raise NotImplementedError("tensor parallelism (tp_size > 1) is not wired up yet")
-
-
-def _all_gather(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    if tp_size == 1:
-        return x
-    raise NotImplementedError("tensor parallelism (tp_size > 1) is not wired up yet")
+    param.data.copy_(read_all(loaded))
 
 
 def _check_divisible(value: int, tp_size: int, what: str) -> None:
@@ -91,12 +122,19 @@ class _ParallelLinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
+    def _record_shapes(self, shapes: Sequence[tuple[Any, int]], input_size: int) -> None:
+        """Checkpoint shapes from ``(shard_id, full output size)`` pairs."""
+        set_checkpoint_shapes(self.weight, [(s, (out, input_size)) for s, out in shapes])
+        if self.bias is not None:
+            set_checkpoint_shapes(self.bias, [(s, (out,)) for s, out in shapes])
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
         raise NotImplementedError
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
-    """``y = x W^T + b`` with W's rows (output features) split across ranks.
+    """``y = x W^T + b`` with W's rows (output features) split across ranks; no
+    communication.
 
     Args:
         input_size: input features (full).
@@ -115,9 +153,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
     ):
         _check_divisible(output_size, tp_size, "output_size")
         super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
+        self._record_shapes([(None, output_size)], input_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
-        default_weight_loader(param, _narrow(loaded, 0, self.tp_rank, self.tp_size))
+    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
+        rows = param.shape[0]
+        _copy(param.data, read_range(loaded, 0, self.tp_rank * rows, rows), "column slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -126,7 +166,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul
     (e.g. gate_proj + up_proj). Checkpoint tensors load by ``shard_id`` (index into
-    ``output_sizes``); each is split across ranks independently.
+    ``output_sizes``); each is split across ranks independently, so a rank holds
+    ``[gate_local | up_local]``.
     """
 
     def __init__(
@@ -141,26 +182,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _check_divisible(size, tp_size, "output_size")
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        self._record_shapes(list(enumerate(output_sizes)), input_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
         (shard_id,) = args
         sizes = [s // self.tp_size for s in self.output_sizes]
-        offset = sum(sizes[: int(shard_id)])
-        target = param.data.narrow(0, offset, sizes[int(shard_id)])
-        piece = _narrow(loaded, 0, self.tp_rank, self.tp_size)
-        if target.shape != piece.shape:
-            raise ValueError(
-                f"shape mismatch for shard {shard_id}: "
-                f"{tuple(target.shape)} vs {tuple(piece.shape)}"
-            )
-        target.copy_(piece)
+        index = int(shard_id)
+        offset = sum(sizes[:index])
+        target = param.data.narrow(0, offset, sizes[index])
+        piece = read_range(loaded, 0, self.tp_rank * sizes[index], sizes[index])
+        _copy(target, piece, f"shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; heads are split across ranks.
+    """Fused q/k/v projection; query heads split across ranks, KV heads split or, when
+    fewer than ranks, replicated (see :mod:`shard.layers.tp_layout`).
 
-    Output layout per rank: ``[q (num_heads_local * head_dim) | k | v]``.
-    Checkpoint tensors load with ``shard_id`` in ``{"q", "k", "v"}``.
+    Output layout per rank: ``[q (num_heads_local * head_dim) | k | v]`` with
+    ``num_kv_heads_local * head_dim`` each for k and v. Checkpoint tensors load with
+    ``shard_id`` in ``{"q", "k", "v"}``.
     """
 
     def __init__(
@@ -174,27 +214,28 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size: int = 1,
     ):
         _check_divisible(num_heads, tp_size, "num_heads")
-        _check_divisible(num_kv_heads, tp_size, "num_kv_heads")
+        if num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} cannot be split over {tp_size} ranks")
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
-        self.num_kv_heads = num_kv_heads // tp_size
-        total = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, total, bias, tp_rank, tp_size)
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp_size)
+        self.first_kv_head = first_kv_head(num_kv_heads, tp_rank, tp_size)
+        # The local width is what this rank holds (KV heads may be replicated).
+        total_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, total_local * tp_size, bias, tp_rank, tp_size)
+        q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
+        self._record_shapes([("q", q_full), ("k", kv_full), ("v", kv_full)], hidden_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
         (shard_id,) = args
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
-            shard_id
-        ]
-        target = param.data.narrow(0, offset, size)
-        piece = _narrow(loaded, 0, self.tp_rank, self.tp_size)
-        if target.shape != piece.shape:
-            raise ValueError(
-                f"shape mismatch for {shard_id}: {tuple(target.shape)} vs {tuple(piece.shape)}"
-            )
-        target.copy_(piece)
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, self.first_kv_head * self.head_dim
+        _copy(param.data.narrow(0, offset, size), read_range(loaded, 0, start, size), shard_id)
 
 
 class RowParallelLinear(_ParallelLinearBase):
@@ -214,18 +255,25 @@ class RowParallelLinear(_ParallelLinearBase):
     ):
         _check_divisible(input_size, tp_size, "input_size")
         super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+        self._record_shapes([(None, output_size)], input_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
-        piece = loaded if param.dim() == 1 else _narrow(loaded, 1, self.tp_rank, self.tp_size)
-        default_weight_loader(param, piece)
+    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
+        if param.dim() == 1:
+            default_weight_loader(param, loaded)
+            return
+        cols = param.shape[1]
+        _copy(param.data, read_range(loaded, 1, self.tp_rank * cols, cols), "row slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(F.linear(x, self.weight), self.tp_size)
+        y = all_reduce(F.linear(x, self.weight), self.tp_size)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding with vocabulary rows split across ranks.
+    """Token embedding with vocabulary rows split across ranks: rank r holds rows
+    ``[r * n, (r+1) * n)`` with ``n = ceil(vocab_size / tp_size)`` (rows past the
+    vocabulary are zeros). Each rank embeds the ids it holds, zeros elsewhere, and
+    the all-reduce assembles the full embedding.
 
     Forward: ``input_ids [num_tokens] int64 → [num_tokens, hidden_size]``.
     """
@@ -234,35 +282,38 @@ class VocabParallelEmbedding(nn.Module):
         self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1
     ) -> None:
         super().__init__()
-        _check_divisible(vocab_size, tp_size, "vocab_size")
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.vocab_size = vocab_size
-        self.num_local = vocab_size // tp_size
+        self.num_local = vocab_per_rank(vocab_size, tp_size)
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
+        set_checkpoint_shapes(self.weight, [(None, (vocab_size, hidden_size))])
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
-        default_weight_loader(param, _narrow(loaded, 0, self.tp_rank, self.tp_size))
+    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
+        piece = read_range(loaded, 0, self.tp_rank * self.num_local, self.num_local)
+        _copy(param.data[: piece.shape[0]], piece, "vocab slice")
+        param.data[piece.shape[0] :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        start = self.tp_rank * self.num_local
-        local = input_ids - start
+        local = input_ids - self.tp_rank * self.num_local
         mask = (local >= 0) & (local < self.num_local)
-        out = F.embedding(local.clamp(0, self.num_local - 1), self.weight) * mask[:, None].to(
-            self.weight.dtype
-        )
-        return _all_reduce(out, self.tp_size)
+        out = F.embedding(local.clamp(0, self.num_local - 1), self.weight)
+        out = out * mask[:, None].to(self.weight.dtype)
+        return all_reduce(out, self.tp_size)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary, rows split across ranks; logits gathered.
+    """Output projection to the vocabulary, rows split across ranks; the logits are
+    all-gathered so every rank holds (and samples from) the full row.
 
     Forward: ``hidden [n, hidden_size] → logits [n, vocab_size]`` in float32.
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).to(torch.float32)
-        return _all_gather(logits, self.tp_size)
+        logits = F.linear(hidden, self.weight).to(torch.float32)  # [n, num_local]
+        if self.tp_size == 1:
+            return logits
+        return all_gather_last_dim(logits, self.tp_size)[:, : self.vocab_size]

@@ -39,8 +39,6 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.head_dim,
@@ -50,6 +48,9 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
+        # This rank's heads (KV heads may be replicated when fewer than ranks).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
@@ -155,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: parsed model config.
         backend: attention backend shared by all layers.
-        tp_rank, tp_size: tensor-parallel position (tp_size=1 today).
+        tp_rank, tp_size: tensor-parallel position; the layers shard themselves.
     """
 
     # checkpoint module name → (fused module name, shard id)

@@ -1,0 +1,114 @@
+"""Run the same greedy scenario through :class:`ModelRunner` at any TP size: each rank
+in its own spawned process joined by gloo on CPU; rank 0 saves its results."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from router.executors import free_port
+from shard.config import ShardConfig
+from shard.distributed import destroy_distributed
+from shard.inputs import SeqChunk
+from shard.model_runner import ModelRunner
+from tests.unit.shard.helpers import BLOCK_SIZE, BlockPool, DecodeDriver, prefill, request
+
+POOL_BLOCKS = 512  # the same block ids at every TP size
+
+
+def greedy_scenario(
+    runner: ModelRunner, prompts: list[list[int]], new_tokens: int
+) -> dict[str, Any]:
+    """Full-prompt logits of all prompts in one forward, then greedy tokens for three
+    batch compositions: each prompt alone, all in one batch, and prompts joining a
+    running batch at different steps."""
+    pool = BlockPool(POOL_BLOCKS, seed=7)
+    chunks = [SeqChunk(p, 0, pool.for_tokens(len(p))) for p in prompts]
+    with torch.inference_mode():
+        _, hidden = runner.run_chunks(chunks, is_prefill=True)
+        logits = runner.model.compute_logits(hidden).cpu()  # [sum(len(p)), vocab]
+    driver = DecodeDriver(runner, pool)
+    alone = []
+    for i, p in enumerate(prompts):
+        tokens = [prefill(runner, 10 + i, request(i, p, pool.for_tokens(len(p))))[i]]
+        while len(tokens) < new_tokens:
+            tokens.append(driver.step([10 + i])[i])
+        runner.clear_cache(10 + i)
+        alone.append(tokens)
+    reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(prompts)]
+    together = {rid: [tok] for rid, tok in prefill(runner, 50, *reqs).items()}
+    for _ in range(new_tokens - 1):
+        for rid, tok in driver.step([50]).items():
+            together[rid].append(tok)
+    runner.clear_cache(50)
+    joined: dict[int, list[int]] = {}
+    running: list[int] = []
+    for step in range(new_tokens + len(prompts)):
+        if step < len(prompts):
+            p = prompts[step]
+            first = prefill(runner, 100 + step, request(step, p, pool.for_tokens(len(p))))
+            joined[step] = [first[step]]
+            running.append(100 + step)
+        out = driver.step(running)
+        running = running[:1]
+        for rid, tok in out.items():
+            if len(joined[rid]) < new_tokens:
+                joined[rid].append(tok)
+    return {
+        "logits": logits,
+        "alone": alone,
+        "together": [together[i] for i in range(len(prompts))],
+        "joined": [joined[i] for i in range(len(prompts))],
+    }
+
+
+def make_config(model_dir: Path, rank: int, world_size: int, port: int) -> ShardConfig:
+    return ShardConfig(
+        model_path=str(model_dir), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+        kv_cache_bytes=128 * 1024 * 1024, rank=rank, world_size=world_size,
+        master_addr="127.0.0.1", master_port=port,
+    )
+
+
+def _worker(model_dir: str, rank: int, world_size: int, port: int, prompts: list[list[int]],
+            new_tokens: int, out: str) -> None:
+    torch.set_num_threads(1)
+    runner = ModelRunner(make_config(Path(model_dir), rank, world_size, port))
+    runner.warmup(max_batch_prefill_tokens=64, max_total_tokens=128)
+    result = greedy_scenario(runner, prompts, new_tokens)
+    if rank == 0:
+        torch.save(result, out)
+    destroy_distributed()
+
+
+def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_tokens: int,
+           tmp: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Run :func:`greedy_scenario` on ``world_size`` ranks; rank 0's results.
+
+    Raises:
+        AssertionError: a rank exited with an error or did not finish in ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out = tmp / f"tp{world_size}.pt"
+    procs = [
+        ctx.Process(target=_worker,
+                    args=(str(model_dir), r, world_size, port, prompts, new_tokens, str(out)))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout_s)
+            assert p.exitcode == 0, f"a TP rank exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    result: dict[str, Any] = torch.load(out)
+    return result
