@@ -35,11 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.config import ShardConfig  # noqa: E402
-from shard.distributed import destroy_distributed  # noqa: E402
-from shard.model_runner import ModelRunner  # noqa: E402
-from shard.requests import PrefillBatch, RequestInput  # noqa: E402
-from shard.sampling import SamplingParams  # noqa: E402
+from shard.config import ShardConfig
+from shard.distributed import destroy_distributed
+from shard.model_runner import ModelRunner
+from shard.requests import PrefillBatch, RequestInput
+from shard.sampling import SamplingParams
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,

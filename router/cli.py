@@ -22,6 +22,7 @@ from router.config import (
 )
 from router.log import setup_logging
 from router.model_files import prepare_default_model, resolve_model
+from shard.layers.tp_layout import check_tp_size_for_folder
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,12 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="start shards as Ray actors or local processes")
     shards.add_argument("--ray-address", default=None,
                         help="join this Ray cluster instead of starting one (e.g. auto)")
-    shards.add_argument("--placement", default="pack", choices=["pack", "spread"])
+    shards.add_argument("--placement", default="pack", choices=["pack", "spread"],
+                        help="Ray placement of the ranks: pack onto few nodes, or one per node")
+    shards.add_argument("--max-restarts", type=int, default=3,
+                        help="restarts of the shard group after a rank dies, then exit")
+    shards.add_argument("--master-port", type=int, default=0,
+                        help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
     shards.add_argument("--attention-backend",
                         default=env_default("attention_backend", "torch"),
                         help="attention implementation (env SHARDSERVE_ATTENTION_BACKEND)")
@@ -99,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         FileNotFoundError: ``--model`` is not a model folder.
     """
     files = resolve_model(args.model, args.model_id)
+    check_tp_size_for_folder(files.path, args.num_shard)  # fail before starting any shard
     shard = ShardLaunchConfig(
         model_path=str(files.path), model_id=files.model_id, num_shard=args.num_shard,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -126,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
-        placement=args.placement,
+        placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
     )
 

@@ -152,8 +152,12 @@ class ShardLaunchConfig:
         if self.kv_cache_bytes <= 0:
             raise ValueError("--kv-cache-bytes must be positive")
 
-    def shard_args(self, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
-        """Command-line arguments of ``python -m shard.server`` for one rank."""
+    def shard_args(
+        self, rank: int, port: int, host: str = "127.0.0.1",
+        master_addr: str = "127.0.0.1", master_port: int = 0,
+    ) -> list[str]:
+        """Command-line arguments of ``python -m shard.server`` for one rank
+        (``master_addr``/``master_port``: rank 0's rendezvous, needed when num_shard > 1)."""
         return [
             "--model", self.model_path,
             "--model-id", self.model_id,
@@ -168,6 +172,8 @@ class ShardLaunchConfig:
             "--load-format", self.load_format,
             "--rank", str(rank),
             "--world-size", str(self.num_shard),
+            "--master-addr", master_addr,
+            "--master-port", str(master_port),
         ]
 
 
@@ -185,6 +191,8 @@ class ServerConfig:
     ray_address: str | None = None
     placement: str = "pack"
     graceful_timeout_s: int = 30
+    max_restarts: int = 3  # shard-group restarts after a rank dies, then the server exits
+    master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
     # Token budgets as given on the command line (None = derive; see derive_budgets).
     budget_flags: dict[str, int | None] = field(default_factory=dict)
 
@@ -193,6 +201,10 @@ class ServerConfig:
             raise ValueError("--executor must be 'ray' or 'local'")
         if self.graceful_timeout_s < 0:
             raise ValueError("--graceful-timeout must be >= 0")
+        if self.max_restarts < 0:
+            raise ValueError("--max-restarts must be >= 0")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError("--master-port must be in [0, 65535] (0 = a free port)")
         if self.placement not in ("pack", "spread"):
             raise ValueError("--placement must be 'pack' or 'spread'")
         if not 0 <= self.port < 65536:

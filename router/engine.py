@@ -325,6 +325,22 @@ class Engine:
             None if ttft is None else round(ttft, 3), now - seq.arrival_time,
         )
 
+    def fail_all(self, message: str) -> None:
+        """End every queued and running request with an :class:`ErrorEvent` (``message``)
+        and mark the engine unhealthy (the launcher calls this when a rank dies)."""
+        self._fail_all(message)
+
+    def replace_shards(self, client: ShardClient, num_blocks: int, block_size: int) -> None:
+        """Serve from a restarted shard group: its KV cache is empty, so the block
+        manager (and its prefix cache index) starts empty too. Call with the loop
+        stopped and nothing running (after :meth:`fail_all`); queued requests stay."""
+        assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
+        self.client = client
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
+        self.scheduler.block_manager = self.block_manager
+        self._batches = []
+        self.healthy = True
+
     def _fail_all(self, message: str) -> None:
         logger.error("failing all requests: {}", message)
         self.healthy = False

@@ -1,11 +1,14 @@
-"""Start and stop the shard group: as Ray actors (default) or as local processes.
+"""Start, watch and stop the shard group: as Ray actors (default) or as local processes.
 
-Both give the launcher the gRPC address of every rank, in rank order.
+Both give the launcher the gRPC address of every rank, in rank order, and hand every
+rank the torch.distributed rendezvous (rank 0's IP and a free port on it). Both answer
+:meth:`~ShardExecutor.dead_rank` so the launcher can restart a group that lost a rank.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -15,11 +18,17 @@ from loguru import logger
 
 from router.config import ShardLaunchConfig
 
+LIVENESS_TIMEOUT_S = 5.0
+
 
 class ShardExecutor(Protocol):
     """Starts the shard group; ``start`` returns each rank's ``host:port``."""
 
     async def start(self) -> list[str]: ...
+
+    async def dead_rank(self) -> int | None: ...
+
+    async def stop_group(self, grace_s: float = 15.0) -> None: ...
 
     async def stop(self) -> None: ...
 
@@ -32,39 +41,61 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalExecutor:
-    """Each rank as a ``python -m shard.server`` child process on this machine."""
+    """Each rank as a ``python -m shard.server`` child process on this machine.
 
-    def __init__(self, config: ShardLaunchConfig, host: str = "127.0.0.1") -> None:
+    Args:
+        config: what to start.
+        host: interface the shards bind (and rank 0's rendezvous address).
+        master_port: rendezvous port; 0 picks a free one at each start.
+    """
+
+    def __init__(
+        self, config: ShardLaunchConfig, host: str = "127.0.0.1", master_port: int = 0
+    ) -> None:
         self.config = config
         self.host = host
+        self.master_port = master_port
         self.processes: list[subprocess.Popen[bytes]] = []
 
     async def start(self) -> list[str]:
         addresses = []
+        master_port = self.master_port or free_port(self.host)
         for rank in range(self.config.num_shard):
             port = free_port(self.host)
-            args = self.config.shard_args(rank=rank, port=port, host=self.host)
-            self.processes.append(subprocess.Popen([sys.executable, "-m", "shard.server", *args]))
+            args = self.config.shard_args(
+                rank=rank, port=port, host=self.host, master_addr=self.host,
+                master_port=master_port,
+            )
+            process = subprocess.Popen([sys.executable, "-m", "shard.server", *args])
+            self.processes.append(process)
+            logger.info("shard rank {}: pid {} on node local at {}:{}", rank, process.pid,
+                        self.host, port)
             addresses.append(f"{self.host}:{port}")
         return addresses
 
-    def failed_rank(self) -> int | None:
+    async def dead_rank(self) -> int | None:
         """A rank whose process has exited, if any."""
         for rank, process in enumerate(self.processes):
             if process.poll() is not None:
                 return rank
         return None
 
-    async def stop(self) -> None:
+    async def stop_group(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every rank, SIGKILL those still alive after ``grace_s`` seconds (a
+        rank blocked in a collective with a dead peer may never exit by itself)."""
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
         for process in self.processes:
             try:
-                await asyncio.to_thread(process.wait, 15)
+                await asyncio.to_thread(process.wait, grace_s)
             except subprocess.TimeoutExpired:
                 process.kill()
+                await asyncio.to_thread(process.wait)
         self.processes = []
+
+    async def stop(self) -> None:
+        await self.stop_group()
 
 
 class ShardActor:
@@ -74,17 +105,38 @@ class ShardActor:
         self.args = args
         self._server: Any = None
 
-    async def start(self) -> str:
-        """Load the model, start the gRPC server; return its ``host:port``."""
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's IP and a port free on it (asked of rank 0 before any start)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port("0.0.0.0")
+
+    def where(self) -> dict[str, Any]:
+        """``{"pid", "node_id", "ip"}`` of this actor's worker process."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": context.get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
+    async def start(self, master_addr: str, master_port: int) -> str:
+        """Join the process group, load the model, start the gRPC server; return its
+        ``host:port``. Runs concurrently on every rank (the rendezvous waits for all)."""
         import ray
 
         from shard.server import config_from_args, configure_logging, start_server
 
-        config, _, _ = config_from_args(self.args)
+        args = [*self.args, "--master-addr", master_addr, "--master-port", str(master_port)]
+        config, _, _ = config_from_args(args)
         configure_logging(config.rank)
         host = ray.util.get_node_ip_address()
         self._server, port = await start_server(config, host=host, port=0)
         return f"{host}:{port}"
+
+    async def ping(self) -> bool:
+        """Liveness probe."""
+        return True
 
     async def stop(self) -> None:
         """Stop the gRPC server."""
@@ -98,7 +150,8 @@ class RayExecutor:
     Args:
         config: What to start.
         ray_address: An existing cluster to join; ``None`` starts a local Ray instance.
-        placement: ``"pack"`` (default) or ``"spread"`` ranks over nodes.
+        placement: ``"pack"`` (default) or ``"spread"`` (``STRICT_SPREAD``: one rank
+            per node; fails to place with fewer nodes than ranks).
     """
 
     def __init__(
@@ -125,7 +178,8 @@ class RayExecutor:
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         strategy = "STRICT_SPREAD" if self.placement == "spread" else "PACK"
         self._placement_group = placement_group([bundle] * self.config.num_shard, strategy=strategy)
-        logger.info("waiting for a placement group of {} x {}", self.config.num_shard, bundle)
+        logger.info("waiting for a placement group of {} x {} ({})", self.config.num_shard,
+                    bundle, strategy)
         await self._placement_group.ready()
         actor_class = ray.remote(ShardActor)
         for rank in range(self.config.num_shard):
@@ -137,15 +191,35 @@ class RayExecutor:
                 ),
             )
             self.actors.append(options.remote(self.config.shard_args(rank=rank, port=0)))
-        return list(await asyncio.gather(*(actor.start.remote() for actor in self.actors)))
+        places = await asyncio.gather(*(actor.where.remote() for actor in self.actors))
+        for rank, place in enumerate(places):
+            logger.info("shard rank {}: pid {} on node {} at {}", rank, place["pid"],
+                        place["node_id"], place["ip"])
+        master_addr, master_port = await self.actors[0].rendezvous.remote()
+        # NOTE: all at once: each start blocks in init_process_group until every rank joins.
+        starts = [actor.start.remote(master_addr, master_port) for actor in self.actors]
+        return list(await asyncio.gather(*starts))
 
-    async def stop(self) -> None:
+    async def dead_rank(self) -> int | None:
+        """The first rank whose actor does not answer a ping within 5 s, if any."""
+        import ray
+
+        for rank, actor in enumerate(self.actors):
+            try:
+                await asyncio.wait_for(actor.ping.remote(), LIVENESS_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError):
+                return rank
+        return None
+
+    async def stop_group(self, grace_s: float = 10.0) -> None:
+        """Stop every actor's server (``grace_s`` seconds at most), kill the actors,
+        release the placement group."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         for actor in self.actors:
             try:
-                await asyncio.wait_for(actor.stop.remote(), timeout=10)
+                await asyncio.wait_for(actor.stop.remote(), timeout=grace_s)
             except Exception as error:
                 logger.warning("stopping a shard actor: {}", error)
             ray.kill(actor)
@@ -153,5 +227,10 @@ class RayExecutor:
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None
+
+    async def stop(self) -> None:
+        import ray
+
+        await self.stop_group()
         if self._started_ray:
             ray.shutdown()

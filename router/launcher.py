@@ -4,6 +4,10 @@ Order: resolve the model (converting the default one once) → start one shard p
 (Ray actors, or local processes) → wait for every gRPC server → ``Info`` and ``Warmup``
 (KV blocks = minimum over ranks) → build the engine → serve HTTP (uvicorn) and the
 public gRPC API (``--grpc-port``) until SIGINT/SIGTERM → stop the engine and the shards.
+
+While serving, :class:`Supervisor` polls the executor; when a rank dies it fails the
+in-flight requests, restarts the whole group (``--max-restarts`` times), warms it up
+again and hands the engine the new client with an empty block manager.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
@@ -28,6 +32,7 @@ from router.tokenizer import Tokenizer
 from router.validation import Validator
 
 SHARD_START_TIMEOUT_S = 1800.0
+LIVENESS_POLL_S = 0.5
 
 
 class _Server(uvicorn.Server):
@@ -50,11 +55,46 @@ def package_version() -> str:
 def make_executor(config: ServerConfig) -> ShardExecutor:
     """The executor ``--executor`` names."""
     if config.executor == "local":
-        return LocalExecutor(config.shard)
+        return LocalExecutor(config.shard, master_port=config.master_port)
     return RayExecutor(config.shard, ray_address=config.ray_address, placement=config.placement)
 
 
-async def build_state(config: ServerConfig, client: ShardClient) -> ServerState:
+@dataclasses.dataclass(frozen=True)
+class WarmupBudgets:
+    """What every Warmup of the group is asked for (again after a restart), in tokens."""
+
+    max_batch_prefill_tokens: int
+    max_total_tokens: int
+
+
+async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
+    """Start the shard group and wait until every rank answers Health.
+
+    Raises:
+        RuntimeError: a rank died during start-up (checked every second), so a failed
+            shard is reported at once instead of after ``timeout_s``.
+        ShardError: a rank did not answer within ``timeout_s`` seconds.
+    """
+    addresses = await executor.start()
+    client = ShardClient(addresses)
+    ready = asyncio.ensure_future(client.wait_ready(timeout_s))
+    try:
+        while not ready.done():
+            await asyncio.wait({ready}, timeout=1.0)
+            rank = None if ready.done() else await executor.dead_rank()
+            if rank is not None:
+                raise RuntimeError(f"shard rank {rank} exited during start-up (see its log)")
+        ready.result()
+    except BaseException:
+        ready.cancel()
+        await client.close()
+        raise
+    return client
+
+
+async def build_state(
+    config: ServerConfig, client: ShardClient
+) -> tuple[ServerState, WarmupBudgets]:
     """Ask the shards for Info, run Warmup and build the engine and validator."""
     infos = await client.info()
     first = infos[0]
@@ -84,6 +124,7 @@ async def build_state(config: ServerConfig, client: ShardClient) -> ServerState:
         limits=config.limits,
         kv_capacity_tokens=num_blocks * first.block_size,
     )
+    warmup = WarmupBudgets(before["max_batch_prefill_tokens"], before["max_total_tokens"])
     return ServerState(
         engine=engine,
         validator=validator,
@@ -93,7 +134,7 @@ async def build_state(config: ServerConfig, client: ShardClient) -> ServerState:
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
-    )
+    ), warmup
 
 
 async def serve(config: ServerConfig) -> None:
@@ -103,10 +144,8 @@ async def serve(config: ServerConfig) -> None:
     try:
         logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
                     config.executor)
-        addresses = await executor.start()
-        client = ShardClient(addresses)
-        await client.wait_ready(SHARD_START_TIMEOUT_S)
-        state = await build_state(config, client)
+        client = await start_group(executor, SHARD_START_TIMEOUT_S)
+        state, warmup = await build_state(config, client)
         state.engine.start()
         server = _Server(
             uvicorn.Config(create_app(state), host=config.host, port=config.port,
@@ -121,9 +160,15 @@ async def serve(config: ServerConfig) -> None:
             grpc_server, grpc_port = await start_grpc_server(state, config.host, config.grpc_port)
             logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
+        supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
+                                on_give_up=lambda: setattr(server, "should_exit", True))
+        watch = asyncio.ensure_future(supervisor.run())
         try:
             await server.serve()
         finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            client = state.engine.client
             if grpc_server is not None:
                 await grpc_server.stop(grace=5)
             await state.engine.stop()
@@ -132,6 +177,72 @@ async def serve(config: ServerConfig) -> None:
             await client.close()
         await executor.stop()
         logger.info("stopped")
+
+
+class Supervisor:
+    """Restart the shard group when a rank dies.
+
+    Args:
+        executor: the group's executor (liveness via ``dead_rank``).
+        engine: the running engine; it gets the new client and an empty block manager.
+        warmup: the budgets Warmup is asked for after each restart.
+        max_restarts: restarts allowed over the server's life; after that
+            ``on_give_up`` is called (the server exits) and requests keep failing.
+        on_give_up: called once when no restart is left.
+    """
+
+    def __init__(self, executor: ShardExecutor, engine: Engine, warmup: WarmupBudgets,
+                 max_restarts: int, on_give_up: Callable[[], None]) -> None:
+        self.executor = executor
+        self.engine = engine
+        self.warmup = warmup
+        self.max_restarts = max_restarts
+        self.on_give_up = on_give_up
+        self.restarts = 0
+
+    async def run(self) -> None:
+        """Poll liveness every 0.5 s; restart on a dead rank, until cancelled or out of
+        restarts."""
+        while True:
+            await asyncio.sleep(LIVENESS_POLL_S)
+            rank = await self.executor.dead_rank()
+            if rank is None:
+                continue
+            logger.error("shard rank {} died", rank)
+            await self.engine.stop()
+            self.engine.fail_all(f"shard rank {rank} died; restarting the shard group")
+            if not await self._restart():
+                logger.error("no shard-group restart left (--max-restarts {}); exiting",
+                             self.max_restarts)
+                # Keep the loop running so queued requests fail fast instead of waiting.
+                self.engine.fail_all("the shard group is down")
+                self.engine.start()
+                self.on_give_up()
+                return
+
+    async def _restart(self) -> bool:
+        """Stop what is left of the group and start it again; True once it serves."""
+        while self.restarts < self.max_restarts:
+            self.restarts += 1
+            logger.info("restarting the shard group ({}/{})", self.restarts, self.max_restarts)
+            old = self.engine.client
+            await self.executor.stop_group(grace_s=3.0)
+            await old.close()
+            try:
+                client = await start_group(self.executor, SHARD_START_TIMEOUT_S)
+                infos = await client.info()
+                num_blocks = await client.warmup(
+                    self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens
+                )
+            except Exception as error:
+                logger.error("restarting the shard group failed: {}", error)
+                continue
+            self.engine.replace_shards(client, num_blocks, infos[0].block_size)
+            self.engine.start()
+            logger.info("shard group restarted: {} rank(s), {} KV blocks", len(infos),
+                        num_blocks)
+            return True
+        return False
 
 
 def _request_exit(server: uvicorn.Server, engine: Engine, signum: int) -> None:

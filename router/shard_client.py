@@ -79,18 +79,33 @@ class ShardClient:
     async def _all(
         self, method: str, call: Callable[[shard_pb2_grpc.ShardServiceStub], Awaitable[T]]
     ) -> list[T]:
+        """Call every rank concurrently; results in rank order.
+
+        Fails as soon as any rank fails (not after the ranks before it): a dead rank
+        leaves the others blocked in a collective until their deadline, and the caller
+        must not wait for that.
+
+        Raises:
+            ShardError: the first rank to fail (the others' calls are cancelled).
+        """
         tasks = [asyncio.ensure_future(call(stub)) for stub in self._stubs]
-        results: list[T] = []
         try:
-            for rank, task in enumerate(tasks):
-                try:
-                    results.append(await task)
-                except grpc.aio.AioRpcError as error:
-                    raise ShardError(rank, method, error.code(), error.details() or "") from error
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    error = task.exception()
+                    if isinstance(error, grpc.aio.AioRpcError):
+                        rank = tasks.index(task)
+                        raise ShardError(
+                            rank, method, error.code(), error.details() or ""
+                        ) from error
+                    if error is not None:
+                        raise error
+            return [task.result() for task in tasks]
         finally:
             for task in tasks:
                 task.cancel()
-        return results
 
     async def info(self) -> list[pb.InfoResponse]:
         """Info of every rank."""
