@@ -19,10 +19,6 @@ KUBERAY_SCHEMAS = REPO.parent / "shared" / "schemas" / "kuberay"
 # Every kustomization under deploy/: a new overlay is rendered and checked automatically.
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
 
-# Launch flags the manifests pass that the CLI may not declare yet (being added in
-# router/); until it does they are checked only by test_pending_flags_are_declared.
-PENDING_FLAGS = ("--graceful-timeout", "--grpc-port")
-
 Object = dict[str, Any]
 
 
@@ -39,35 +35,13 @@ def launch_parser() -> argparse.ArgumentParser:
     return launch
 
 
-def undeclared_pending_flags() -> list[str]:
-    known = launch_parser()._option_string_actions
-    return [flag for flag in PENDING_FLAGS if flag not in known]
-
-
-def parse_launch_args(args: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
-    """Parse ``args`` as the real ``shardserve launch`` would.
-
-    Returns the parsed flags and the values of the pending flags (see PENDING_FLAGS),
-    which are taken out first while the CLI does not declare them. Any other unknown flag
-    or bad value fails the test (argparse raises instead of exiting).
-    """
-    pending: dict[str, str] = {}
-    rest: list[str] = []
-    missing = set(undeclared_pending_flags())
-    items = iter(args)
-    for item in items:
-        flag, eq, value = item.partition("=")
-        if flag in PENDING_FLAGS:
-            pending[flag] = value if eq else next(items)
-            if flag in missing:
-                continue
-            rest += [flag, pending[flag]]
-        else:
-            rest.append(item)
-    namespace, unknown = launch_parser().parse_known_args(rest)
+def parse_launch_args(args: list[str]) -> argparse.Namespace:
+    """Parse ``args`` as the real ``shardserve launch`` would; an unknown flag or a bad
+    value fails the test (argparse raises instead of exiting)."""
+    namespace, unknown = launch_parser().parse_known_args(args)
     if unknown:
         raise AssertionError(f"flags shardserve launch does not know: {unknown}")
-    return namespace, pending
+    return namespace
 
 
 def expand_env_refs(args: list[str], env: list[Object]) -> list[str]:

@@ -119,14 +119,14 @@ def test_job_runs_on_the_cluster_and_keeps_it(objects: list[Object], cluster: Ob
 
 
 def test_job_launches_across_the_cluster(job_args: list[str]) -> None:
-    flags, _ = parse_launch_args(job_args)
+    flags = parse_launch_args(job_args)
     assert flags.ray_address == "auto"
     assert flags.placement == "spread"
     assert flags.executor == "ray"
 
 
 def test_num_shard_equals_worker_gpus(cluster: Object, job_args: list[str]) -> None:
-    flags, _ = parse_launch_args(job_args)
+    flags = parse_launch_args(job_args)
     gpus = 0
     for group in cluster["spec"]["workerGroupSpecs"]:
         assert group["minReplicas"] == group["replicas"] == group["maxReplicas"]
@@ -141,7 +141,7 @@ def test_num_shard_equals_worker_gpus(cluster: Object, job_args: list[str]) -> N
 
 def test_every_ray_pod_has_memory_backed_shm_and_read_only_models(
         cluster: Object, job_args: list[str]) -> None:
-    flags, _ = parse_launch_args(job_args)
+    flags = parse_launch_args(job_args)
     for template in _templates(cluster):
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         container = template["spec"]["containers"][0]
@@ -161,8 +161,8 @@ def test_every_ray_pod_has_memory_backed_shm_and_read_only_models(
 
 def test_shutdown_leaves_time_for_the_graceful_timeout(
         cluster: Object, job_args: list[str]) -> None:
-    _, pending = parse_launch_args(job_args)
-    graceful = int(pending["--graceful-timeout"])
+    flags = parse_launch_args(job_args)
+    graceful = flags.graceful_timeout
     _, head = _head(cluster)
     env = {e["name"]: e.get("value") for e in head["env"]}
     assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) > graceful
@@ -172,14 +172,14 @@ def test_shutdown_leaves_time_for_the_graceful_timeout(
 
 def test_service_reaches_the_router_on_the_head(
         objects: list[Object], cluster: Object, job_args: list[str]) -> None:
-    flags, pending = parse_launch_args(job_args)
+    flags = parse_launch_args(job_args)
     service = one(objects, "Service")
     assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"],
                                            "ray.io/node-type": "head"}
     _, head = _head(cluster)
     targets = {port["name"]: container_port(head, port["targetPort"])
                for port in service["spec"]["ports"]}
-    assert targets == {"http": flags.port, "grpc": int(pending["--grpc-port"])}
+    assert targets == {"http": flags.port, "grpc": flags.grpc_port}
 
 
 def test_ray_version_matches_the_image(cluster: Object) -> None:
