@@ -9,9 +9,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from router.executors import free_port
+from router.pb import generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import launch, stop
 
 pytestmark = pytest.mark.e2e
@@ -20,10 +23,14 @@ TINY_ARGS = ["--executor", "local", "--max-total-tokens", "512", "--max-concurre
              "256", "--kv-cache-bytes", str(4 * 1024 * 1024)]
 
 
+TINY_GRPC_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("tiny") / "server.log"
-    base_url, process = launch(["--model", str(tiny_model_dir), *TINY_ARGS], log_path)
+    args = ["--model", str(tiny_model_dir), "--grpc-port", str(TINY_GRPC_PORT), *TINY_ARGS]
+    base_url, process = launch(args, log_path)
     yield base_url
     stop(process)
 
@@ -75,6 +82,22 @@ def test_500_cancelled_streams_free_every_block_m1(tiny_server: str) -> None:
     cancelled = [line for line in metrics.splitlines()
                  if line.startswith('shardserve_requests_total{outcome="cancelled"}')]
     assert cancelled and float(cancelled[0].split()[-1]) == 500
+
+
+def test_cancelled_grpc_streams_free_their_blocks(tiny_server: str) -> None:
+    baseline = kv_blocks_free(tiny_server)
+    request = generate_pb2.GenerateRequest(
+        inputs="A very long story:",
+        parameters=generate_pb2.Parameters(max_new_tokens=300, ignore_eos=True),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{TINY_GRPC_PORT}") as channel:
+        stub = generate_pb2_grpc.TextGenerationStub(channel)
+        for _ in range(5):
+            call = stub.GenerateStream(request, timeout=60)
+            assert [next(call).token.text is not None for _ in range(3)] == [True] * 3
+            assert kv_blocks_free(tiny_server) < baseline  # the stream holds blocks
+            call.cancel()
+    assert wait_for_free_blocks(tiny_server, baseline) == baseline
 
 
 def test_2000_short_requests_leave_no_leak_m2(tiny_server: str) -> None:
