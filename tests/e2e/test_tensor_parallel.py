@@ -87,7 +87,7 @@ def test_tp2_spread_over_two_ray_nodes(
         assert sorted(ranks) == [0, 1]
         assert ranks[0][1] != ranks[1][1], f"both ranks on node {ranks[0][1]}"
         info = httpx.get(f"{base_url}/info", timeout=30).json()
-        assert info.get("num_shard", 2) == 2
+        assert info["num_shard"] == 2
         assert len(generate(base_url)) == 8
     finally:
         stop(process)
