@@ -10,6 +10,7 @@ here, so shards only ever see token ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator
@@ -163,14 +164,19 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
             try:
-                await self._step()
+                if not await self._step():
+                    # Requests wait but none can run yet: sleep until something changes.
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=0.05)
             except ShardError as error:
                 self._fail_all(str(error))
             except Exception as error:
                 logger.exception("engine step failed")
                 self._fail_all(f"internal error: {error}")
 
-    async def _step(self) -> None:
+    async def _step(self) -> bool:
+        """One prefill and/or decode step; False when nothing could run."""
         self._reap_cancelled()
         chunks = self.scheduler.schedule_prefill()
         if chunks:
@@ -185,7 +191,9 @@ class Engine:
             if prefill.batch.request_ids:
                 self._batches.append(prefill.batch)
             self._on_generations(prefill.generations)
+        worked = bool(chunks)
         if self.scheduler.running:
+            worked = True
             plan = self.scheduler.plan_decode()
             for seq in plan.preempted:
                 logger.info("preempted request {} (out of KV blocks)", seq.id)
@@ -199,6 +207,7 @@ class Engine:
                 self._on_generations(decode.generations)
         await self._sync_batches()
         self.healthy = True
+        return worked
 
     def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
         seq = chunk.seq
