@@ -10,6 +10,18 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton reads TRITON_INTERPRET when ``triton.jit`` decorates a kernel, so it must be set
+# before any test module (in any folder) imports our kernels: here, in the root conftest.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
