@@ -111,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_fraction=args.gpu_memory_fraction, load_format=args.load_format,
+        json_logs=args.json_output,
     )
     budget_flags = {name: getattr(args, name) for name in _DERIVED_BUDGETS}
     # Validate the given budgets now (placeholders for the derived ones).

@@ -143,6 +143,7 @@ class ShardLaunchConfig:
     kv_cache_bytes: int = 512 * 1024 * 1024
     gpu_memory_fraction: float = 0.9
     load_format: str = "safetensors"
+    json_logs: bool = False
 
     def __post_init__(self) -> None:
         if self.num_shard < 1:
@@ -174,6 +175,7 @@ class ShardLaunchConfig:
             "--world-size", str(self.num_shard),
             "--master-addr", master_addr,
             "--master-port", str(master_port),
+            *(["--json-output"] if self.json_logs else []),
         ]
 
 

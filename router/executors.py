@@ -129,7 +129,7 @@ class ShardActor:
 
         args = [*self.args, "--master-addr", master_addr, "--master-port", str(master_port)]
         config, _, _ = config_from_args(args)
-        configure_logging(config.rank)
+        configure_logging(config.rank, config.json_logs)
         host = ray.util.get_node_ip_address()
         self._server, port = await start_server(config, host=host, port=0)
         return f"{host}:{port}"

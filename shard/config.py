@@ -45,6 +45,7 @@ class ShardConfig:
         world_size: Tensor-parallel world size.
         load_format: ``"safetensors"`` reads the checkpoint; ``"dummy"`` fills
             random weights from config.json alone (benchmarks).
+        json_logs: Log JSON lines instead of readable ones.
         master_addr: IP of rank 0, where the process group meets (world_size > 1).
         master_port: Free TCP port on ``master_addr`` for the rendezvous; 0 = unset
             (required when world_size > 1).
@@ -64,6 +65,7 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     load_format: LoadFormat = "safetensors"
+    json_logs: bool = False
     master_addr: str = "127.0.0.1"
     master_port: int = 0
 

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--world-size", type=int, default=d.world_size)
     p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "dummy"])
+    p.add_argument("--json-output", dest="json_logs", action="store_true",
+                   help="log JSON lines (each with the rank)")
     p.add_argument("--master-addr", default=d.master_addr, help="rank 0's IP (world size > 1)")
     p.add_argument(
         "--master-port", type=int, default=d.master_port, help="rendezvous port on rank 0"
@@ -109,10 +111,13 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[ShardConfig, st
         raise  # unreachable: parser.error exits
 
 
-def configure_logging(rank: int) -> None:
-    """One stderr sink; every line carries the rank."""
+def configure_logging(rank: int, json_logs: bool = False) -> None:
+    """One stderr sink; every line carries the rank (JSON lines with ``json_logs``)."""
     logger.remove()
     logger.configure(extra={"rank": rank})
+    if json_logs:
+        logger.add(sys.stderr, serialize=True)
+        return
     logger.add(
         sys.stderr,
         format=(
@@ -136,7 +141,7 @@ async def _serve(config: ShardConfig, host: str, port: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m shard.server``."""
     config, host, port = config_from_args(argv)
-    configure_logging(config.rank)
+    configure_logging(config.rank, config.json_logs)
     asyncio.run(_serve(config, host, port))
 
 

@@ -92,6 +92,8 @@ def test_finished_requests_log_one_json_line(local_server: tuple[str, object, Pa
     assert finished, "no per-request log line"
     last = finished[-1]
     assert "generated_tokens=3" in last["message"] and "finish_reason=length" in last["message"]
+    shard_lines = [r for r in records if r["extra"].get("rank") == 0]
+    assert any("listening on" in r["message"] for r in shard_lines), "no JSON shard line"
 
 
 def test_sigterm_lets_a_stream_finish_then_exits_zero(
