@@ -81,6 +81,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grpc-port", type=int, default=3001,
                         help="port of the public gRPC API (0 = off)")
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
+    server.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                        help="largest HTTP request body, bytes (413 beyond)")
     server.add_argument("--graceful-timeout", type=int, default=30,
                         help="seconds running requests may take to finish after SIGTERM")
 
@@ -136,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
         placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
+        max_request_bytes=args.max_request_bytes,
     )
 
 
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from router.shard_client import ShardError
 
     try:
-        run(config)
+        return run(config)
     except KeyboardInterrupt:
         pass
     except ShardError as error:

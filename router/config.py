@@ -193,6 +193,7 @@ class ServerConfig:
     ray_address: str | None = None
     placement: str = "pack"
     graceful_timeout_s: int = 30
+    max_request_bytes: int = 1 << 20
     max_restarts: int = 3  # shard-group restarts after a rank dies, then the server exits
     master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
     # Token budgets as given on the command line (None = derive; see derive_budgets).

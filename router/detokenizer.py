@@ -57,11 +57,13 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Text still held at the end of generation (a trailing partial character)."""
+        """Text still held at the end of generation. A character left incomplete by the
+        token limit is dropped rather than sent as U+FFFD."""
         decode = self.tokenizer.decode
         prefix_text = decode(
             self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
         )
         full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        full = full.rstrip(_REPLACEMENT)
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix_text) :] if len(full) > len(prefix_text) else ""

@@ -134,13 +134,16 @@ async def build_state(
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
+        max_request_bytes=config.max_request_bytes,
     ), warmup
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run the whole server until interrupted."""
+async def serve(config: ServerConfig) -> int:
+    """Run the whole server until interrupted; return the exit code (1 when the shard
+    group died with no restart left, else 0)."""
     executor = make_executor(config)
     client: ShardClient | None = None
+    supervisor: Supervisor | None = None
     try:
         logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
                     config.executor)
@@ -177,6 +180,7 @@ async def serve(config: ServerConfig) -> None:
             await client.close()
         await executor.stop()
         logger.info("stopped")
+    return 1 if supervisor is not None and supervisor.gave_up else 0
 
 
 class Supervisor:
@@ -199,6 +203,7 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.on_give_up = on_give_up
         self.restarts = 0
+        self.gave_up = False
 
     async def run(self) -> None:
         """Poll liveness every 0.5 s; restart on a dead rank, until cancelled or out of
@@ -210,13 +215,14 @@ class Supervisor:
                 continue
             logger.error("shard rank {} died", rank)
             await self.engine.stop()
-            self.engine.fail_all(f"shard rank {rank} died; restarting the shard group")
+            self.engine.fail_all(f"shard rank {rank} died")
             if not await self._restart():
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
                 # Keep the loop running so queued requests fail fast instead of waiting.
                 self.engine.fail_all("the shard group is down")
                 self.engine.start()
+                self.gave_up = True
                 self.on_give_up()
                 return
 
@@ -254,6 +260,6 @@ def _request_exit(server: uvicorn.Server, engine: Engine, signum: int) -> None:
     server.should_exit = True
 
 
-def run(config: ServerConfig) -> None:
-    """Blocking entry point of ``shardserve launch``."""
-    asyncio.run(serve(config))
+def run(config: ServerConfig) -> int:
+    """Blocking entry point of ``shardserve launch``; returns the exit code."""
+    return asyncio.run(serve(config))

@@ -118,6 +118,17 @@ class Tokenizer:
         return cached
 
     @property
+    def max_token_chars(self) -> int:
+        """Most characters one token can stand for (the longest vocabulary entry; for
+        byte-level vocabularies an entry has one character per byte, an upper bound)."""
+        cached: int | None = self.__dict__.get("_max_token_chars")
+        if cached is None:
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+            cached = max((len(token) for token in vocab), default=1)
+            self.__dict__["_max_token_chars"] = cached
+        return cached
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))

@@ -52,6 +52,21 @@ def parameters_from(values: dict[str, Any], prefix: str = "") -> GenerateParamet
         raise RequestValidationError(prefix + field, first.get("msg", "invalid")) from error
 
 
+def check_text(field: str, text: str) -> None:
+    """Reject text that is not valid Unicode (for example a lone surrogate from a
+    ``\\ud800`` JSON escape), which the tokenizer cannot encode.
+
+    Raises:
+        RequestValidationError: naming ``field``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestValidationError(
+            field, f"is not valid Unicode text ({error.reason} at position {error.start})"
+        ) from None
+
+
 def is_sampling(params: GenerateParameters) -> bool:
     """TGI's rule: sample when asked to, or when any warper changes the distribution."""
     if params.temperature is not None and params.temperature < GREEDY_TEMPERATURE:
@@ -112,6 +127,8 @@ class Validator:
             raise RequestValidationError(field, "must not be empty")
         self.check_limits(params)
         if isinstance(inputs, str):
+            check_text(field, inputs)
+            self._check_chars(inputs, params, field)
             input_ids = self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
         else:
             input_ids = list(inputs)
@@ -179,6 +196,21 @@ class Validator:
             if not is_sampling(params):
                 raise RequestValidationError("best_of", "best_of > 1 needs sampling (do_sample)")
         self._check_ids(params.stop_token_ids, "stop_token_ids")
+
+    def _check_chars(self, text: str, params: GenerateParameters, field: str) -> None:
+        """Reject, without tokenizing, text that cannot fit: every token covers at most
+        ``max_token_chars`` characters, so longer text has too many tokens for sure.
+        (Keeps a huge prompt from holding the event loop in the tokenizer.)"""
+        if params.truncate is not None:
+            return
+        limit = self.scheduler.max_input_tokens * self.tokenizer.max_token_chars
+        if len(text) > limit:
+            raise RequestValidationError(
+                field,
+                f"{len(text)} characters is more than max_input_tokens="
+                f"{self.scheduler.max_input_tokens} tokens can hold; pass `truncate` to keep "
+                "only the last tokens",
+            )
 
     def _check_ids(self, ids: Sequence[int], field: str) -> None:
         vocab = self.tokenizer.vocab_size

@@ -21,8 +21,10 @@ from fastapi.exceptions import RequestValidationError as SchemaValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.api.generation import GenerationFailed
+from router.api.generation import ClientDisconnected, GenerationFailed
+from router.api.limits import BodySizeLimit
 from router.api.openai import openai_routes
 from router.api.schemas import ErrorResponse, Info
 from router.api.state import ServerState
@@ -98,11 +100,23 @@ def create_app(state: ServerState) -> FastAPI:
     async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
         return _error(request, 500, str(exc), "generation")
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
+        # Nobody reads this; 499 is the conventional "client closed request" status.
+        return _error(request, 499, str(exc), "cancelled")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # E.g. a body that is not UTF-8 or nests too deeply to parse: name the body.
+        message = f"body: {exc.detail}" if exc.status_code in (400, 413) else exc.detail
+        return _error(request, exc.status_code, str(message), "validation", "body")
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.opt(exception=exc).error("unhandled error on {}", request.url.path)
         return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
 
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes)
     app.include_router(tgi_routes(state))
     app.include_router(openai_routes(state))
 

@@ -9,7 +9,7 @@ failures mean the same everywhere. ``n`` / ``best_of`` run as independent reques
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.engine import Engine
@@ -71,20 +71,53 @@ def text_without_stop(text: str, finish: Finish | None) -> str:
     return text
 
 
-async def run_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[Completion]:
+class ClientDisconnected(RuntimeError):
+    """The client went away before its (non-streaming) answer was ready."""
+
+
+# How often a non-streaming request checks that its client is still connected, seconds.
+DISCONNECT_POLL_S = 0.25
+
+
+async def run_all(
+    engine: Engine,
+    requests: Sequence[GenerationRequest],
+    disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> list[Completion]:
     """Run ``requests`` concurrently to completion; results in the same order.
+
+    Args:
+        disconnected: Polled every ``DISCONNECT_POLL_S``; when it returns True the
+            requests are cancelled (freeing their KV blocks) and ClientDisconnected
+            is raised.
 
     Raises:
         QueueFullError: the engine refused one (the others are cancelled).
         GenerationFailed: one failed after acceptance.
+        ClientDisconnected: see ``disconnected``.
     """
     completions = [Completion(request) for request in requests]
-    async with MergedStream(engine, requests) as stream:
-        async for index, event in stream:
-            completions[index].tokens.append(event)
-            if event.finish is not None:
-                completions[index].finish = event.finish
-    return completions
+
+    async def collect() -> None:
+        async with MergedStream(engine, requests) as stream:
+            async for index, event in stream:
+                completions[index].tokens.append(event)
+                if event.finish is not None:
+                    completions[index].finish = event.finish
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return completions
+            if disconnected is not None and await disconnected():
+                raise ClientDisconnected("the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class MergedStream:

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
 from router.api.generation import Completion, MergedStream, run_all, text_without_stop
@@ -45,7 +45,7 @@ from router.api.tgi import token_text
 from router.chat_template import encode_chat_prompt, render_chat
 from router.request import Finish, FinishReason, GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
-from router.validation import RequestValidationError, parameters_from
+from router.validation import RequestValidationError, check_text, parameters_from
 
 # Chat requests without max_tokens generate at most this many tokens.
 DEFAULT_CHAT_MAX_TOKENS = 100
@@ -77,6 +77,10 @@ def _parameters(body: SamplingFields, max_tokens: int, top_n: int) -> GeneratePa
     for name in ("top_p", "top_k", "min_p", "typical_p", "repetition_penalty",
                  "frequency_penalty", "presence_penalty"):
         values[name] = getattr(body, name)
+    if temperature <= 0.0:
+        # temperature 0 is greedy (argmax), whatever warpers come with it.
+        for name in ("top_p", "top_k", "min_p", "typical_p"):
+            values[name] = None
     return parameters_from(values)
 
 
@@ -146,7 +150,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                                          max_model_len=state.engine.config.max_total_tokens)])
 
     @router.post("/completions", response_model=CompletionResponse)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, http_request: Request) -> Any:
         """Text completion (OpenAI ``POST /v1/completions``)."""
         if body.suffix:
             raise RequestValidationError("suffix", "is not supported")
@@ -201,7 +205,7 @@ def openai_routes(state: ServerState) -> APIRouter:
 
             return await _sse(state, requests, [], on_event, usage_chunk, body)
 
-        done = await run_all(state.engine, requests)
+        done = await run_all(state.engine, requests, http_request.is_disconnected)
         chosen: list[Completion] = []
         result = []
         for p, text in enumerate(texts):
@@ -216,7 +220,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                                   choices=result, usage=_usage(prompt_tokens, done))
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
         """Chat completion with the model's chat template (``POST /v1/chat/completions``)."""
         if body.tools:
             raise RequestValidationError("tools", "tool calls are not supported")
@@ -227,7 +231,9 @@ def openai_routes(state: ServerState) -> APIRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         params = _parameters(body, max_tokens, top_n)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = encode_chat_prompt(tokenizer, render_chat(tokenizer, messages))
+        prompt = render_chat(tokenizer, messages)
+        check_text("messages", prompt)
+        prompt_ids = encode_chat_prompt(tokenizer, prompt)
         request = validator.validate(prompt_ids, params, field="messages")
         requests = validator.fan_out(request, body.n)
         prompt_tokens = len(request.input_ids)
@@ -253,7 +259,7 @@ def openai_routes(state: ServerState) -> APIRouter:
 
             return await _sse(state, requests, opening, on_event, usage_chunk, body)
 
-        done = await run_all(state.engine, requests)
+        done = await run_all(state.engine, requests, http_request.is_disconnected)
         choices = [
             ChatChoice(
                 index=i,

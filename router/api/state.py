@@ -25,3 +25,4 @@ class ServerState:
     num_shard: int
     attention_backend: str
     version: str
+    max_request_bytes: int = 1 << 20

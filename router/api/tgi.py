@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
 from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
@@ -32,7 +32,7 @@ from router.api.schemas import (
 from router.api.state import ServerState
 from router.request import GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
-from router.validation import RequestValidationError
+from router.validation import RequestValidationError, check_text
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -90,11 +90,12 @@ def tgi_routes(state: ServerState) -> APIRouter:
         return state.validator.validate(body.inputs, body.parameters)
 
     @router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
-    async def generate(body: GenerateRequest) -> GenerateResponse:
+    async def generate(body: GenerateRequest, http_request: Request) -> GenerateResponse:
         """Generate text (TGI ``POST /generate``)."""
         request = validate(body)
         best_of = body.parameters.best_of or 1
-        completions = await run_all(state.engine, state.validator.fan_out(request, best_of))
+        completions = await run_all(state.engine, state.validator.fan_out(request, best_of),
+                                    http_request.is_disconnected)
         # best_of: the sequence with the highest total logprob, as TGI does.
         completions.sort(key=lambda c: c.logprob_sum, reverse=True)
         params = body.parameters
@@ -168,16 +169,17 @@ def tgi_routes(state: ServerState) -> APIRouter:
 
     @router.post("/", response_model=None)
     async def compat_generate(
-        body: GenerateRequest,
+        body: GenerateRequest, http_request: Request
     ) -> list[GenerateResponse] | EventSourceResponse:
         """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
         if body.stream:
             return await generate_stream(body)
-        return [await generate(body)]
+        return [await generate(body, http_request)]
 
     @router.post("/tokenize", response_model=list[TokenInfo])
     async def tokenize(body: TokenizeRequest) -> list[TokenInfo]:
         """Tokenize ``inputs``: ids, texts and character offsets (TGI ``POST /tokenize``)."""
+        check_text("inputs", body.inputs)
         encoding = tokenizer.backend.encode(body.inputs, add_special_tokens=body.add_special_tokens)
         return [
             TokenInfo(id=token_id, text=body.inputs[start:stop] or token_text(tokenizer, token_id),

@@ -35,6 +35,14 @@ def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     stop(process)
 
 
+def cancelled_count(base_url: str) -> float:
+    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+    for line in metrics.splitlines():
+        if line.startswith('shardserve_requests_total{outcome="cancelled"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def kv_blocks_free(base_url: str) -> int:
     return int(httpx.get(f"{base_url}/info", timeout=30).json()["kv_blocks_free"])
 
@@ -78,10 +86,7 @@ def test_500_cancelled_streams_free_every_block_m1(tiny_server: str) -> None:
 
     assert asyncio.run(rounds()) == [2] * 500
     assert wait_for_free_blocks(tiny_server, baseline) == baseline
-    metrics = httpx.get(f"{tiny_server}/metrics", timeout=30).text
-    cancelled = [line for line in metrics.splitlines()
-                 if line.startswith('shardserve_requests_total{outcome="cancelled"}')]
-    assert cancelled and float(cancelled[0].split()[-1]) == 500
+    assert cancelled_count(tiny_server) == 500
 
 
 def test_cancelled_grpc_streams_free_their_blocks(tiny_server: str) -> None:
@@ -98,6 +103,27 @@ def test_cancelled_grpc_streams_free_their_blocks(tiny_server: str) -> None:
             assert kv_blocks_free(tiny_server) < baseline  # the stream holds blocks
             call.cancel()
     assert wait_for_free_blocks(tiny_server, baseline) == baseline
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"inputs": "Once upon a time",
+                       "parameters": {"max_new_tokens": 400, "ignore_eos": True}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
+                                  "max_tokens": 400, "ignore_eos": True}),
+    ],
+)
+def test_client_gone_cancels_a_non_streaming_request(
+    tiny_server: str, path: str, body: dict[str, object]
+) -> None:
+    baseline = kv_blocks_free(tiny_server)
+    cancelled_before = cancelled_count(tiny_server)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{tiny_server}{path}", json=body, timeout=1.0)
+    # Cancelled within a poll and a step, not finished: counted as cancelled.
+    assert wait_for_free_blocks(tiny_server, baseline, timeout_s=3.0) == baseline
+    assert cancelled_count(tiny_server) == cancelled_before + 1
 
 
 def test_2000_short_requests_leave_no_leak_m2(tiny_server: str) -> None:

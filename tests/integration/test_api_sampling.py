@@ -60,6 +60,10 @@ async def test_temperature_zero_top_k_one_and_greedy_agree_p1(client: httpx.Asyn
     tgi = (await client.post("/generate", json={"inputs": PROMPT, "parameters": {
         "max_new_tokens": 12, "ignore_eos": True}})).json()["generated_text"]
     assert completion["text"] == tgi
+    # temperature 0 stays greedy whatever warpers come with it.
+    for warper in ({"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}, {"typical_p": 0.9}):
+        warped = (await client.post("/v1/completions", json={**body, **warper})).json()
+        assert warped["choices"][0]["text"] == tgi, warper
 
 
 async def test_seed_reproduces_and_really_samples_p2(client: httpx.AsyncClient) -> None:

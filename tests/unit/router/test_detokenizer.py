@@ -41,3 +41,11 @@ def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))
     assert detokenizer.add(tokenizer.encode(" a", add_special_tokens=False)[0]) == " a"
     assert detokenizer.add(eos) == ""
+
+
+def test_character_cut_by_the_token_limit_is_dropped(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(" ok 🤗", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))
+    pieces = [detokenizer.add(token_id) for token_id in ids[:-1]]  # the emoji's last byte
+    pieces.append(detokenizer.flush())
+    assert "".join(pieces) == " ok " and all("\ufffd" not in p for p in pieces)

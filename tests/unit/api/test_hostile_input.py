@@ -1,0 +1,58 @@
+"""Hostile HTTP input: invalid Unicode, unparsable and oversized bodies — each a 4xx in
+the route's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.tokenizer import Tokenizer
+from tests.unit.api.conftest import AppFactory, text_script
+
+SURROGATE_BODIES = [
+    ("/generate", '{"inputs": "a\\ud800"}', "inputs"),
+    ("/tokenize", '{"inputs": "a\\ud800"}', "inputs"),
+    ("/v1/completions", '{"prompt": "a\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}', "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), SURROGATE_BODIES)
+async def test_lone_surrogate_is_a_4xx_naming_the_field(
+    make_app: AppFactory, tokenizer: Tokenizer, path: str, body: str, field: str
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code in (400, 422), response.text
+    assert field in response.text
+    ok = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+async def test_unparsable_body_uses_our_error_shape(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.post("/generate", content=b'{"inputs": "\xff\xfe"}',
+                                 headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500
+    assert response.json()["error"].startswith("body")
+
+
+async def test_oversized_body_is_413(make_app: AppFactory, tokenizer: Tokenizer) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    big = {"inputs": "hello world " * 200_000}  # 2.4 MB > the 1 MiB default
+    response = await client.post("/generate", json=big)
+    assert response.status_code == 413
+    assert "--max-request-bytes" in response.json()["error"]
+    ok = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+async def test_text_far_beyond_the_token_limit_is_rejected_before_tokenizing(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    text = "a" * (64 * tokenizer.max_token_chars + 1)  # max_input_tokens is 64 here
+    response = await client.post("/generate", json={"inputs": text})
+    assert response.status_code == 422 and "characters" in response.json()["error"]
