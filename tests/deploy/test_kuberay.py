@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from functools import cache
 from typing import Any
 
@@ -46,7 +47,16 @@ def _closed(schema: Any) -> Any:
 
 
 @cache
+def _require_schemas() -> None:
+    """The CRD schemas live beside the checkout (../shared/schemas/kuberay), as in CI.
+    CI must have them; a plain clone without that folder skips, saying why."""
+    present = all((KUBERAY_SCHEMAS / name).is_file() for name in CRD_FILES.values())
+    if not present and os.environ.get("CI") != "true":
+        pytest.skip(f"KubeRay CRD schemas not found in {KUBERAY_SCHEMAS} (needed by CI only)")
+
+
 def crd_schema(kind: str) -> dict[str, Any]:
+    _require_schemas()
     crd = load_yaml(KUBERAY_SCHEMAS / CRD_FILES[kind])
     [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     assert version["served"], f"{kind} v1 is not served"
@@ -194,5 +204,6 @@ def test_images_are_pinned(cluster: Object) -> None:
 
 
 def test_schemas_folder_is_present() -> None:
+    _require_schemas()
     assert all((KUBERAY_SCHEMAS / name).is_file() for name in CRD_FILES.values()), \
         f"KubeRay CRDs expected in {KUBERAY_SCHEMAS}"
