@@ -38,6 +38,9 @@ from router.stop import StopSequenceChecker
 from router.tokenizer import Tokenizer
 from shard.pb import shard_pb2 as pb
 
+# Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
+HEALTH_RECOVERY_S = 10.0
+
 
 class QueueFullError(RuntimeError):
     """More requests than ``--max-concurrent-requests`` are queued or running."""
@@ -73,7 +76,7 @@ class Engine:
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.healthy = True
+        self._failed_at: float | None = None
         self.draining = False
         self.metrics = Metrics(self._metrics_state)
         self._text: dict[int, _TextState] = {}
@@ -171,9 +174,11 @@ class Engine:
                         await asyncio.wait_for(self._wake.wait(), timeout=0.05)
             except ShardError as error:
                 self._fail_all(str(error))
+                await self._clear_shards()
             except Exception as error:
                 logger.exception("engine step failed")
                 self._fail_all(f"internal error: {error}")
+                await self._clear_shards()
 
     async def _step(self) -> bool:
         """One prefill and/or decode step; False when nothing could run."""
@@ -192,6 +197,7 @@ class Engine:
                 self._batches.append(prefill.batch)
             self._on_generations(prefill.generations)
         worked = bool(chunks)
+        self._reap_cancelled()  # cancelled while the prefill was in flight
         if self.scheduler.running:
             worked = True
             plan = self.scheduler.plan_decode()
@@ -206,7 +212,7 @@ class Engine:
                 self._batches = [decode.batch]
                 self._on_generations(decode.generations)
         await self._sync_batches()
-        self.healthy = True
+        self._failed_at = None
         return worked
 
     def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
@@ -227,7 +233,7 @@ class Engine:
             ),
             top_n_tokens=seq.request.top_n_tokens,
             # Prompt logprobs are sent once, with the first token (not after a recompute).
-            prompt_logprobs=seq.request.prompt_logprobs and not seq.output_ids,
+            prompt_logprobs=seq.wants_prompt_logprobs,
             num_generated=len(seq.output_ids),
         )
 
@@ -334,10 +340,11 @@ class Engine:
             None if ttft is None else round(ttft, 3), now - seq.arrival_time,
         )
 
-    def fail_all(self, message: str) -> None:
-        """End every queued and running request with an :class:`ErrorEvent` (``message``)
-        and mark the engine unhealthy (the launcher calls this when a rank dies)."""
-        self._fail_all(message)
+    def fail_all(self, message: str, include_waiting: bool = False) -> None:
+        """End every running request (and queued ones with ``include_waiting``) with an
+        :class:`ErrorEvent` (``message``) and mark the engine unhealthy (the launcher
+        calls this when a rank dies; queued requests wait for the restarted group)."""
+        self._fail_all(message, include_waiting)
 
     def replace_shards(self, client: ShardClient, num_blocks: int, block_size: int) -> None:
         """Serve from a restarted shard group: its KV cache is empty, so the block
@@ -348,12 +355,29 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
         self.scheduler.block_manager = self.block_manager
         self._batches = []
-        self.healthy = True
+        self._failed_at = None
 
-    def _fail_all(self, message: str) -> None:
-        logger.error("failing all requests: {}", message)
-        self.healthy = False
-        for seq in self.scheduler.drain():
+    @property
+    def healthy(self) -> bool:
+        """False for ``HEALTH_RECOVERY_S`` after a failed step, unless a step succeeded
+        since (so one transient failure cannot keep a readiness probe failing forever
+        when no traffic arrives to prove recovery)."""
+        return (
+            self._failed_at is None
+            or time.monotonic() - self._failed_at > HEALTH_RECOVERY_S
+        )
+
+    async def _clear_shards(self) -> None:
+        """Best effort after a failed step: drop every batch the shards still hold."""
+        try:
+            await self.client.clear_cache()
+        except ShardError as error:
+            logger.warning("clearing the shards' batches failed: {}", error)
+
+    def _fail_all(self, message: str, include_waiting: bool = False) -> None:
+        logger.error("failing the running requests: {}", message)
+        self._failed_at = time.monotonic()
+        for seq in self.scheduler.drain(include_waiting):
             seq.events.put_nowait(ErrorEvent(message=message))
             self._text.pop(seq.id, None)
             self.metrics.requests.labels("error").inc()

@@ -220,7 +220,7 @@ class Supervisor:
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
                 # Keep the loop running so queued requests fail fast instead of waiting.
-                self.engine.fail_all("the shard group is down")
+                self.engine.fail_all("the shard group is down", include_waiting=True)
                 self.engine.start()
                 self.gave_up = True
                 self.on_give_up()

@@ -146,6 +146,12 @@ class Sequence:
         """Prompt plus generated tokens."""
         return len(self.request.input_ids) + len(self.output_ids)
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to be computed (asked for, and not yet delivered with a
+        first token): they need the whole prompt computed in one prefill."""
+        return self.request.prompt_logprobs and not self.output_ids
+
     def all_ids(self) -> list[int]:
         """Prompt plus generated token ids (what a recompute after preemption prefills)."""
         return [*self.request.input_ids, *self.output_ids]

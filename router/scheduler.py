@@ -94,7 +94,9 @@ class Scheduler:
             budget -= chunks[-1].num_tokens
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.config.chunked_prefill and chunks and seq.num_tokens > budget:
+            # An unsplittable prompt larger than what is left waits for a step of its own
+            # (alone it may use the whole budget: prompts are at most max_input_tokens).
+            if chunks and not self._splittable(seq) and seq.num_tokens > budget:
                 break
             if not self._admit(seq, reserve=len(self.running) + len(self.prefilling)):
                 break
@@ -128,8 +130,7 @@ class Scheduler:
             return False
         manager = self.block_manager
         # Prompt logprobs need every prompt position computed: no prefix reuse.
-        wants_prompt_logprobs = seq.request.prompt_logprobs and not seq.output_ids
-        cached = [] if wants_prompt_logprobs else manager.match_prefix(seq.all_ids())
+        cached = [] if seq.wants_prompt_logprobs else manager.match_prefix(seq.all_ids())
         needed = manager.blocks_for_tokens(seq.num_tokens) - len(cached)
         cached_unowned = sum(1 for block in cached if manager.ref_count(block) == 0)
         if not manager.can_allocate(needed + cached_unowned + reserve) and (
@@ -143,13 +144,18 @@ class Scheduler:
         seq.status = Status.PREFILLING
         return True
 
+    def _splittable(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prefill may be split into chunks: with chunked prefill on, or
+        always for a recompute after preemption (prompt + output can exceed the budget
+        even when every prompt fits); never while prompt logprobs are wanted (they come
+        back only from a whole-prompt prefill)."""
+        if seq.wants_prompt_logprobs:
+            return False
+        return self.config.chunked_prefill or bool(seq.output_ids)
+
     def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
         remaining = seq.num_tokens - seq.num_computed
-        # Prompt logprobs come back only from a whole-prompt prefill: never split those.
-        splittable = self.config.chunked_prefill and not (
-            seq.request.prompt_logprobs and not seq.output_ids
-        )
-        size = min(remaining, budget) if splittable else remaining
+        size = min(remaining, budget) if self._splittable(seq) else remaining
         return PrefillChunk(seq, seq.num_computed, seq.num_computed + size)
 
     def on_prefilled(self, chunk: PrefillChunk) -> None:
@@ -202,15 +208,18 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
-    def drain(self) -> list[Sequence]:
-        """Remove every sequence (after a shard failure); return them."""
-        sequences = [*self.running, *self.prefilling, *self.waiting]
+    def drain(self, include_waiting: bool = True) -> list[Sequence]:
+        """Remove the admitted sequences (after a shard failure), and the waiting ones
+        too unless ``include_waiting`` is False; return them."""
+        sequences = [*self.running, *self.prefilling]
+        if include_waiting:
+            sequences += self.waiting
+            self.waiting.clear()
         for seq in sequences:
             self._release(seq)
             seq.status = Status.FINISHED
         self.running.clear()
         self.prefilling.clear()
-        self.waiting.clear()
         return sequences
 
     def _preempt(self, seq: Sequence) -> None:

@@ -246,6 +246,12 @@ class Validator:
                 f"{num_input} tokens, more than max_input_tokens={budgets.max_input_tokens}; "
                 "pass `truncate` to keep only the last tokens",
             )
+        if params.decoder_input_details and num_input > budgets.max_batch_prefill_tokens:
+            raise RequestValidationError(
+                "decoder_input_details",
+                f"prompt logprobs need the prompt prefilled in one step: {num_input} tokens is "
+                f"more than max_batch_prefill_tokens={budgets.max_batch_prefill_tokens}",
+            )
         total = num_input + params.max_new_tokens
         if total > budgets.max_total_tokens:
             raise RequestValidationError(

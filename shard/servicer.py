@@ -45,10 +45,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self.log = logger.bind(rank=runner.config.rank)
 
     async def _run(self, context: grpc.aio.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in a worker thread under the lock; abort the RPC on error."""
+        """Run ``fn`` in a worker thread under the lock; abort the RPC on error.
+
+        NOTE: a cancelled RPC (deadline, client gone) cannot stop the thread, so the lock
+        is held until the thread is done: the next step never runs beside it.
+        """
         try:
             async with self.lock:
-                return await asyncio.to_thread(fn)
+                work = asyncio.ensure_future(asyncio.to_thread(fn))
+                try:
+                    return await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    await asyncio.wait({work})
+                    raise
         except Exception as exc:
             code = _status_for(exc)
             if code == grpc.StatusCode.INTERNAL:

@@ -104,3 +104,37 @@ def test_newest_is_preempted_when_blocks_run_out() -> None:
     scheduler.finish(new)
     scheduler.block_manager.check_integrity()
     assert scheduler.block_manager.num_free == 4
+
+
+def test_prefill_budget_holds_for_unsplittable_prompt_logprobs() -> None:
+    scheduler = make_scheduler(100, prefill=64)
+    plain = make_seq(0, 60)
+    logprobs = make_seq(1, 60, first_token=100)
+    logprobs.request = GenerationRequest(
+        input_ids=logprobs.request.input_ids, sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=8), prompt_logprobs=True,
+    )
+    scheduler.add(plain)
+    scheduler.add(logprobs)
+    first = scheduler.schedule_prefill()
+    assert [c.seq for c in first] == [plain]
+    assert sum(c.num_tokens for c in first) <= 64
+    for chunk in first:
+        scheduler.on_prefilled(chunk)
+    (second,) = scheduler.schedule_prefill()
+    assert second.seq is logprobs and second.num_tokens == 60 and not second.partial
+
+
+def test_recompute_after_preemption_is_chunked_even_without_chunked_prefill() -> None:
+    scheduler = make_scheduler(100, prefill=32, chunked=False)
+    seq = make_seq(0, 30)
+    scheduler.add(seq)
+    prefill_all(scheduler)
+    seq.output_ids.extend(range(50))  # 80 tokens to recompute
+    scheduler._preempt(seq)
+    spans = []
+    while seq.status is not Status.RUNNING:
+        chunks = prefill_all(scheduler)
+        assert sum(c.num_tokens for c in chunks) <= 32
+        spans += [(c.cache_len, c.end) for c in chunks]
+    assert spans[-1][1] == 80 and all(end - start <= 32 for start, end in spans)
