@@ -46,6 +46,10 @@ class QueueFullError(RuntimeError):
     """More requests than ``--max-concurrent-requests`` are queued or running."""
 
 
+class ShuttingDownError(QueueFullError):
+    """The server is draining (SIGTERM, or its shard group is gone): no new requests."""
+
+
 @dataclass
 class _TextState:
     detokenizer: IncrementalDetokenizer
@@ -103,7 +107,11 @@ class Engine:
 
         Raises:
             QueueFullError: ``max_concurrent_requests`` are already queued or running.
+            ShuttingDownError: the server is draining.
         """
+        if self.draining:
+            self.metrics.requests.labels("rejected").inc()
+            raise ShuttingDownError("the server is shutting down")
         if self.scheduler.num_requests >= self.config.max_concurrent_requests:
             self.metrics.requests.labels("rejected").inc()
             raise QueueFullError(

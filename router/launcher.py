@@ -219,9 +219,9 @@ class Supervisor:
             if not await self._restart():
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
-                # Keep the loop running so queued requests fail fast instead of waiting.
+                # New requests are refused (503) while the server exits.
+                self.engine.draining = True
                 self.engine.fail_all("the shard group is down", include_waiting=True)
-                self.engine.start()
                 self.gave_up = True
                 self.on_give_up()
                 return
@@ -234,6 +234,7 @@ class Supervisor:
             old = self.engine.client
             await self.executor.stop_group(grace_s=3.0)
             await old.close()
+            client: ShardClient | None = None
             try:
                 client = await start_group(self.executor, SHARD_START_TIMEOUT_S)
                 infos = await client.info()
@@ -242,6 +243,8 @@ class Supervisor:
                 )
             except Exception as error:
                 logger.error("restarting the shard group failed: {}", error)
+                if client is not None:
+                    await client.close()
                 continue
             self.engine.replace_shards(client, num_blocks, infos[0].block_size)
             self.engine.start()

@@ -30,7 +30,7 @@ from router.api.schemas import ErrorResponse, Info
 from router.api.state import ServerState
 from router.api.tgi import tgi_routes
 from router.chat_template import ChatTemplateError
-from router.engine import QueueFullError
+from router.engine import QueueFullError, ShuttingDownError
 from router.validation import RequestValidationError
 
 __all__ = ["ServerState", "create_app"]
@@ -91,6 +91,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ChatTemplateError)
     async def _template_error(request: Request, exc: ChatTemplateError) -> JSONResponse:
         return _error(request, 422, f"messages: {exc}", "validation", "messages")
+
+    @app.exception_handler(ShuttingDownError)
+    async def _shutting_down(request: Request, exc: ShuttingDownError) -> JSONResponse:
+        return _error(request, 503, str(exc), "unavailable")
 
     @app.exception_handler(QueueFullError)
     async def _overloaded(request: Request, exc: QueueFullError) -> JSONResponse:

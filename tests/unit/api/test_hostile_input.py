@@ -56,3 +56,13 @@ async def test_text_far_beyond_the_token_limit_is_rejected_before_tokenizing(
     text = "a" * (64 * tokenizer.max_token_chars + 1)  # max_input_tokens is 64 here
     response = await client.post("/generate", json={"inputs": text})
     assert response.status_code == 422 and "characters" in response.json()["error"]
+
+
+async def test_draining_server_refuses_new_requests_with_503(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    client, _, engine = await make_app(text_script(tokenizer, " fine"))
+    engine.draining = True
+    response = await client.post("/generate", json={"inputs": "Hi"})
+    assert response.status_code == 503 and "shutting down" in response.json()["error"]
+    assert (await client.get("/health")).status_code == 503
