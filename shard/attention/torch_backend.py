@@ -1,11 +1,13 @@
 """Pure-PyTorch attention over a paged KV cache: the reference every other backend is
 tested against. Runs on CPU and GPU.
 
-Prefill and decode share one path: keys/values of each sequence are gathered through
-its block table into a padded ``[batch, max_seqlen_k]`` view, queries are scattered
-into a padded ``[batch, max_seqlen_q]`` view, and
-``torch.nn.functional.scaled_dot_product_attention`` runs with an explicit boolean
-mask that is causal with each sequence's cached-prefix offset and hides padding.
+Prefill: keys/values of each sequence are gathered through its block table into a
+padded ``[batch, max_seqlen_k]`` view, queries are scattered into a padded
+``[batch, max_seqlen_q]`` view, and ``torch.nn.functional.scaled_dot_product_attention``
+runs with an explicit boolean mask that is causal with each sequence's cached-prefix
+offset and hides padding. Decode (one query per sequence) reads only the blocks each
+sequence uses and combines per-block softmax partials (:func:`paged_decode_attention`),
+which on CPU is about twice as fast when context lengths differ within the batch.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         kv_cache.write(k, v, metadata.slot_mapping)
-        keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
         if not metadata.is_prefill:
-            return decode_attention(q, keys, values, metadata.seq_lens, scale)
+            return paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                          scale)
+        keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
         seq_idx, q_offset = token_layout(metadata)
         batch = metadata.num_seqs
         max_q = metadata.max_seqlen_q
@@ -71,43 +74,59 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2)[seq_idx, q_offset]
 
 
-def decode_attention(
+def paged_decode_attention(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one query per sequence over its gathered context (decode).
+    """Attention of one query per sequence over its paged context (decode), block by block.
 
-    Written out as two batched matmuls with a length mask: for a single query this is
-    several times cheaper on CPU than SDPA with a padded boolean mask. Softmax runs in
-    float32.
+    Only the blocks a sequence uses are read (no padding to the longest context): each
+    (sequence, block) pair is one row of a batched matmul; the softmax over a sequence's
+    blocks is combined with a per-sequence max and sum, as in split-KV attention
+    (Flash-Decoding). Scores and the softmax run in float32.
 
     Args:
         q: [batch, num_heads, head_dim].
-        keys, values: [batch, max_seqlen_k, num_kv_heads, head_dim].
-        seq_lens: [batch] context length of each sequence (keys beyond it are ignored).
+        kv_cache: the layer's paged cache, [num_blocks, block_size, num_kv_heads, head_dim].
+        block_tables: [batch, max_blocks] int32.
+        seq_lens: [batch] context length of each sequence, tokens (>= 1).
         scale: softmax scale.
 
     Returns:
         [batch, num_heads, head_dim], the dtype of ``q``.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[2]
+    block_size = kv_cache.block_size
+    num_kv_heads = kv_cache.key.shape[2]
     group = num_heads // num_kv_heads
-    # Transposed views, no copies: k/v [batch, num_kv_heads, max_k, head_dim] with rows
-    # num_kv_heads * head_dim apart, which batched matmul reads directly.
-    k = keys.to(q.dtype).transpose(1, 2)
-    v = values.to(q.dtype).transpose(1, 2)
-    q_grouped = q.view(batch, num_kv_heads, group, head_dim).transpose(2, 3)
-    scores = torch.matmul(k, q_grouped).float() * scale  # [batch, num_kv_heads, max_k, group]
-    positions = torch.arange(keys.shape[1], device=q.device)
-    hidden = positions[None, :] >= seq_lens.long()[:, None]  # [batch, max_k]
-    scores.masked_fill_(hidden[:, None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=2).to(q.dtype)
-    out = torch.matmul(probs.transpose(2, 3), v)  # [batch, num_kv_heads, group, head_dim]
-    return out.reshape(batch, num_heads, head_dim)
+    device = q.device
+    lens = seq_lens.long()
+    slot = torch.arange(block_tables.shape[1], device=device)
+    used = slot[None, :] < (lens[:, None] + block_size - 1) // block_size  # [batch, max_blocks]
+    seq_of = torch.arange(batch, device=device)[:, None].expand_as(used)[used]  # [pairs]
+    first_pos = (slot[None, :] * block_size).expand_as(used)[used]  # [pairs]
+    blocks = block_tables[used].long()
+    # k/v: [pairs, num_kv_heads, block_size, head_dim], gathered through a transposed view.
+    k = kv_cache.key.transpose(1, 2)[blocks].to(q.dtype)
+    v = kv_cache.value.transpose(1, 2)[blocks].to(q.dtype)
+    q_pairs = q.view(batch, num_kv_heads, group, head_dim)[seq_of]  # [pairs, kv, group, d]
+    scores = torch.matmul(q_pairs, k.transpose(2, 3)).float() * scale  # [pairs, kv, g, bs]
+    positions = first_pos[:, None] + torch.arange(block_size, device=device)[None, :]
+    beyond = positions >= lens[seq_of][:, None]  # [pairs, block_size]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    pair_max = scores.amax(dim=-1)  # [pairs, kv, group]
+    index = seq_of[:, None, None].expand_as(pair_max)
+    seq_max = torch.full((batch, num_kv_heads, group), float("-inf"), device=device)
+    seq_max = seq_max.scatter_reduce(0, index, pair_max, reduce="amax")
+    weights = torch.exp(scores - seq_max[seq_of][..., None])  # [pairs, kv, group, bs]
+    denom = torch.zeros_like(seq_max).index_add_(0, seq_of, weights.sum(dim=-1))
+    partial = torch.matmul(weights.to(v.dtype), v).float()  # [pairs, kv, group, d]
+    out = torch.zeros(batch, num_kv_heads, group, head_dim, device=device)
+    out.index_add_(0, seq_of, partial)
+    return (out / denom[..., None]).to(q.dtype).reshape(batch, num_heads, head_dim)
 
 
 def gather_kv(
