@@ -187,10 +187,17 @@ def _warp(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature and truncation for sampled rows. logits [n, vocab] float32."""
     dev = logits.device
     logits = logits / _param(rows, "temperature", torch.float32, dev)[:, None]
-    logits = apply_top_k(logits, _param(rows, "top_k", torch.int64, dev))
-    logits = apply_top_p(logits, _param(rows, "top_p", torch.float32, dev))
-    logits = apply_min_p(logits, _param(rows, "min_p", torch.float32, dev))
-    return apply_typical_p(logits, _param(rows, "typical_p", torch.float32, dev))
+    # Each filter is a no-op for rows where it is off: skip the full-vocabulary sorts
+    # when no row of the batch uses it (decided on the host, no device sync).
+    if any(r.params.top_k > 0 for r in rows):
+        logits = apply_top_k(logits, _param(rows, "top_k", torch.int64, dev))
+    if any(r.params.top_p < 1.0 for r in rows):
+        logits = apply_top_p(logits, _param(rows, "top_p", torch.float32, dev))
+    if any(r.params.min_p > 0.0 for r in rows):
+        logits = apply_min_p(logits, _param(rows, "min_p", torch.float32, dev))
+    if any(r.params.typical_p < 1.0 for r in rows):
+        logits = apply_typical_p(logits, _param(rows, "typical_p", torch.float32, dev))
+    return logits
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
