@@ -51,6 +51,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         kv_cache.write(k, v, metadata.slot_mapping)
         if not metadata.is_prefill:
+            if metadata.num_seqs == 1:  # nothing to pad: one gather, two matmuls
+                keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
+                return single_decode_attention(q, keys, values, scale)
             return paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens,
                                           scale)
         keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
@@ -72,6 +75,28 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=q.shape[1] != keys.shape[2],
             )
         return out.transpose(1, 2)[seq_idx, q_offset]
+
+
+def single_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode attention of one sequence over its whole gathered context.
+
+    Args:
+        q: [1, num_heads, head_dim].
+        keys, values: [1, seq_len, num_kv_heads, head_dim].
+        scale: softmax scale.
+
+    Returns:
+        [1, num_heads, head_dim], the dtype of ``q``. Softmax in float32.
+    """
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    q_grouped = q.view(num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k = keys[0].to(q.dtype).transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+    v = values[0].to(q.dtype).transpose(0, 1)
+    probs = torch.softmax(torch.matmul(q_grouped, k.transpose(1, 2)).float() * scale, dim=-1)
+    return torch.matmul(probs.to(q.dtype), v).reshape(1, num_heads, head_dim)
 
 
 def paged_decode_attention(
