@@ -23,16 +23,22 @@ class OutOfBlocksError(RuntimeError):
     """Raised when more blocks are requested than are free."""
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()
+) -> list[bytes]:
     """Chained SHA-256 digests of each full block of ``token_ids``.
+
+    Args:
+        known: Digests already computed for a prefix of the same tokens; only the
+            blocks after them are hashed (a growing sequence hashes each block once).
 
     Returns:
         ``len(token_ids) // block_size`` digests; digest i identifies tokens
         ``[0, (i + 1) * block_size)``.
     """
-    digests: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    digests = list(known)
+    parent = digests[-1] if digests else b""
+    for start in range(len(digests) * block_size, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
         hasher = hashlib.sha256(parent)
         hasher.update(b",".join(str(t).encode() for t in block))
@@ -123,28 +129,25 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks holding the longest indexed prefix of ``token_ids``, not owned.
-
-        At least one token is always left to compute (the last position's logits are
-        needed to sample), so at most ``(len - 1) // block_size`` blocks match.
-        """
-        if not self.enable_prefix_caching or len(token_ids) < 2:
+    def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Cached blocks holding the longest indexed run of ``hashes`` (block digests of
+        a sequence, see :func:`block_hashes`), not owned by the caller yet."""
+        if not self.enable_prefix_caching:
             return []
         matched = []
-        for digest in block_hashes(token_ids[: len(token_ids) - 1], self.block_size):
+        for digest in hashes:
             block = self._hash_to_block.get(digest)
             if block is None:
                 break
             matched.append(block)
         return matched
 
-    def register(self, token_ids: Sequence[int], blocks: Sequence[int]) -> None:
-        """Index the full blocks of ``token_ids`` (whose K/V are now computed) held in
-        ``blocks`` (the sequence's block table, in order)."""
+    def register(self, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """Index full blocks whose K/V are now computed: ``hashes[i]`` is held in
+        ``blocks[i]`` (the sequence's block table, in order)."""
         if not self.enable_prefix_caching:
             return
-        for digest, block in zip(block_hashes(token_ids, self.block_size), blocks, strict=False):
+        for digest, block in zip(hashes, blocks, strict=False):
             if digest in self._hash_to_block or block in self._block_to_hash:
                 continue
             self._hash_to_block[digest] = block

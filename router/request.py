@@ -131,6 +131,9 @@ class Sequence:
     # Tokens of all_ids() whose K/V are in the cache (prefix hits + prefilled chunks);
     # only meaningful while waiting or prefilling.
     num_computed: int = 0
+    # Prefix-cache digests of the full blocks of all_ids() hashed so far (the scheduler
+    # extends them as the sequence grows, so each block is hashed once).
+    block_hashes: list[bytes] = field(default_factory=list)
     cancelled: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None

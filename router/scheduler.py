@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.block_manager import BlockManager
+from router.block_manager import BlockManager, block_hashes
 from router.config import SchedulerConfig
 from router.request import Sequence, Status
 
@@ -130,7 +130,9 @@ class Scheduler:
             return False
         manager = self.block_manager
         # Prompt logprobs need every prompt position computed: no prefix reuse.
-        cached = [] if seq.wants_prompt_logprobs else manager.match_prefix(seq.all_ids())
+        # At least one token is left to compute (its logits are sampled).
+        reusable = self._hashes(seq)[: (seq.num_tokens - 1) // manager.block_size]
+        cached = [] if seq.wants_prompt_logprobs else manager.match_prefix(reusable)
         needed = manager.blocks_for_tokens(seq.num_tokens) - len(cached)
         cached_unowned = sum(1 for block in cached if manager.ref_count(block) == 0)
         if not manager.can_allocate(needed + cached_unowned + reserve) and (
@@ -143,6 +145,14 @@ class Scheduler:
         manager.hit_tokens += seq.num_computed
         seq.status = Status.PREFILLING
         return True
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        """Block digests of ``seq``'s full blocks, extended to its current length."""
+        if len(seq.block_hashes) < seq.num_tokens // self.block_manager.block_size:
+            seq.block_hashes = block_hashes(
+                seq.all_ids(), self.block_manager.block_size, seq.block_hashes
+            )
+        return seq.block_hashes
 
     def _splittable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prefill may be split into chunks: with chunked prefill on, or
@@ -163,7 +173,8 @@ class Scheduler:
         a sequence whose prompt is complete joins the running batch."""
         seq = chunk.seq
         seq.num_computed = chunk.end
-        self.block_manager.register(seq.all_ids()[: chunk.end], seq.block_ids)
+        computed = self._hashes(seq)[: chunk.end // self.block_manager.block_size]
+        self.block_manager.register(computed, seq.block_ids)
         if not chunk.partial and seq in self.prefilling:
             self.prefilling.remove(seq)
             seq.status = Status.RUNNING

@@ -34,7 +34,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(tokens=tokens_strategy)
     def admit(self, tokens: list[int]) -> None:
         manager = self.manager
-        cached = manager.match_prefix(tokens)
+        cached = manager.match_prefix(
+            block_hashes(tokens, BLOCK_SIZE)[: (len(tokens) - 1) // BLOCK_SIZE]
+        )
         assert len(cached) <= (len(tokens) - 1) // BLOCK_SIZE
         for index, block in enumerate(cached):
             assert self.content[block] == tuple(tokens[: (index + 1) * BLOCK_SIZE])
@@ -44,7 +46,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         manager.share(cached)
         blocks = cached + self._allocate(needed)
-        manager.register(tokens, blocks)
+        manager.register(block_hashes(tokens, BLOCK_SIZE), blocks)
         for index, _ in enumerate(block_hashes(tokens, BLOCK_SIZE)):
             self.content.setdefault(blocks[index], tuple(tokens[: (index + 1) * BLOCK_SIZE]))
         self.sequences[self.next_id] = (list(tokens), blocks)
@@ -93,11 +95,19 @@ TestPrefixCache.settings = settings(max_examples=80, stateful_step_count=50, dea
 def test_eviction_takes_least_recently_used_and_unindexes() -> None:
     manager = BlockManager(4, block_size=2)
     first = manager.allocate(2)
-    manager.register([1, 2, 3, 4], first)
+    hashes = block_hashes([1, 2, 3, 4], 2)
+    manager.register(hashes, first)
     manager.free(first)
     assert manager.num_free == 4 and manager.num_cached == 2
-    assert manager.match_prefix([1, 2, 3, 4, 5]) == first
+    assert manager.match_prefix(hashes) == first
     taken = manager.allocate(3)  # two never-used blocks, then the LRU cached one
     assert first[1] in taken and manager.num_cached == 1
-    assert manager.match_prefix([1, 2, 3, 4, 5]) == first[:1]
+    assert manager.match_prefix(hashes) == first[:1]
     manager.check_integrity()
+
+
+def test_incremental_hashes_equal_hashing_from_scratch() -> None:
+    tokens = list(range(23))
+    prefix = block_hashes(tokens[:9], 4)
+    assert block_hashes(tokens, 4, prefix) == block_hashes(tokens, 4)
+    assert len(block_hashes(tokens, 4)) == 5
