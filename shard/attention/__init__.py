@@ -52,6 +52,11 @@ def _check(cls: type[AttentionBackend], spec: AttentionSpec) -> tuple[bool, str]
     """Whether ``cls`` runs ``spec`` at the block size it would use (see
     :meth:`AttentionBackend.kv_block_size`). Any exception from a backend's probe counts
     as "cannot run" so a broken optional install never crashes start-up."""
+    # Grouped-query attention needs whole groups, whatever the backend.
+    if spec.num_heads % spec.num_kv_heads != 0:
+        return False, (
+            f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
+        )
     block_size = cls.kv_block_size(spec.block_size)
     try:
         ok, reason = cls.supports(dataclasses.replace(spec, block_size=block_size))

@@ -61,10 +61,6 @@ class FlashAttnBackend(AttentionBackend):
             return False, f"dtype {spec.dtype} is not float16/bfloat16"
         if spec.head_dim % 8 != 0 or spec.head_dim > 256:
             return False, f"head_dim={spec.head_dim} is not a multiple of 8 up to 256"
-        if spec.num_heads % spec.num_kv_heads != 0:
-            return False, (
-                f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
-            )
         return True, f"{reason} paged API, block size a multiple of {cls.block_size_multiple}"
 
     def forward(

@@ -84,10 +84,6 @@ class FlashInferBackend(AttentionBackend):
             return False, f"dtype {spec.dtype} is not float16/bfloat16"
         if spec.head_dim not in HEAD_DIMS:
             return False, f"head_dim={spec.head_dim} not in {HEAD_DIMS}"
-        if spec.num_heads % spec.num_kv_heads != 0:
-            return False, (
-                f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
-            )
         return True, f"{reason} paged prefill/decode wrappers (fa2)"
 
     def _plan(self, q: torch.Tensor, kv_cache: KVCacheLayer, md: AttentionMetadata, scale: float):

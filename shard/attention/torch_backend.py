@@ -33,11 +33,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
-        if spec.num_heads % spec.num_kv_heads != 0:
-            return (
-                False,
-                f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}",
-            )
         return True, "pure PyTorch reference backend: runs on any device and dtype"
 
     def forward(

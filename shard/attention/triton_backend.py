@@ -53,10 +53,6 @@ class TritonAttentionBackend(AttentionBackend):
             return False, f"dtype {spec.dtype} not in {SUPPORTED_DTYPES}"
         if spec.head_dim > MAX_HEAD_DIM:
             return False, f"head_dim={spec.head_dim} > {MAX_HEAD_DIM}"
-        if spec.num_heads % spec.num_kv_heads != 0:
-            return False, (
-                f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
-            )
         return True, f"our Triton paged kernels (triton {triton.__version__})"
 
     def forward(

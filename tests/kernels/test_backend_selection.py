@@ -147,3 +147,10 @@ def test_info_reports_the_backend_block_size(
         ShardConfig(model_path=str(tmp_path), device="cpu", dtype="float32", block_size=16)
     )
     assert torch_runner.info().block_size == 16
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "auto"])
+def test_query_heads_not_a_multiple_of_kv_heads_is_rejected(name: str) -> None:
+    uneven = AttentionSpec(torch.device("cpu"), torch.float32, 9, 2, 64, 16)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        select_backend(name, uneven)
