@@ -11,6 +11,7 @@ from loguru import logger
 
 from shard.attention.base import AttentionBackend
 from shard.config import ShardConfig, dtype_name
+from shard.layers.linear import pack_cpu_weights
 from shard.models import get_model_class
 from shard.models.config import ModelConfig
 from shard.models.llama import LlamaForCausalLM
@@ -63,5 +64,8 @@ def build_model(
     else:
         load_weights(model, config.model_path)
     num_params = sum(p.numel() for p in model.parameters())
+    packed = pack_cpu_weights(model)
+    if packed:
+        log.info("packed {} float32 CPU weight matrices for oneDNN", packed)
     log.info("model ready: {:.1f}M parameters", num_params / 1e6)
     return model

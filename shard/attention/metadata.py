@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +29,8 @@ class AttentionMetadata:
         max_seqlen_k: max seq_lens (python int).
         block_tables: [batch, max_blocks] int32, block ids of each sequence in order,
             padded with 0 (padding is never read: it lies beyond seq_lens).
+        memo: per-forward values a backend derives from the fields above once and
+            reuses in every layer (see :meth:`memoize`).
     """
 
     is_prefill: bool
@@ -37,6 +41,13 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_tables: torch.Tensor
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def memoize(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` on the first call with ``key`` in this forward, the same value after."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
 
     @property
     def num_seqs(self) -> int:

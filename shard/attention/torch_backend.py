@@ -5,7 +5,8 @@ Prefill: keys/values of each sequence are gathered through its block table into 
 padded ``[batch, max_seqlen_k]`` view, queries are scattered into a padded
 ``[batch, max_seqlen_q]`` view, and ``torch.nn.functional.scaled_dot_product_attention``
 runs with an explicit boolean mask that is causal with each sequence's cached-prefix
-offset and hides padding. Decode (one query per sequence) reads only the blocks each
+offset and hides padding; on CPU each sequence runs alone over its own context instead
+(:func:`prefill_attention_by_sequence`). Decode (one query per sequence) reads only the blocks each
 sequence uses and combines per-block softmax partials (:func:`paged_decode_attention`),
 which on CPU is about twice as fast when context lengths differ within the batch.
 """
@@ -31,6 +32,16 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     block_size_multiple = 1
 
+    def __init__(self, by_sequence: bool | None = None) -> None:
+        """``by_sequence``: attend one sequence at a time over exactly its context
+        (:func:`prefill_attention_by_sequence`, :func:`decode_attention_by_sequence`)
+        instead of batched over padded or block-split contexts. None (default) chooses
+        per call: by sequence on CPU, batched elsewhere (one kernel for the batch)."""
+        self.by_sequence = by_sequence
+
+    def _by_sequence(self, q: torch.Tensor) -> bool:
+        return q.device.type == "cpu" if self.by_sequence is None else self.by_sequence
+
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
         return True, "pure PyTorch reference backend: runs on any device and dtype"
@@ -46,11 +57,15 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         kv_cache.write(k, v, metadata.slot_mapping)
         if not metadata.is_prefill:
+            if self._by_sequence(q):
+                return decode_attention_by_sequence(q, kv_cache, metadata, scale)
             if metadata.num_seqs == 1:  # nothing to pad: one gather, two matmuls
                 keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
                 return single_decode_attention(q, keys, values, scale)
             return paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens,
                                           scale)
+        if self._by_sequence(q):
+            return prefill_attention_by_sequence(q, k, v, kv_cache, metadata, scale)
         keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
         seq_idx, q_offset = token_layout(metadata)
         batch = metadata.num_seqs
@@ -70,6 +85,166 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=q.shape[1] != keys.shape[2],
             )
         return out.transpose(1, 2)[seq_idx, q_offset]
+
+
+def prefill_attention_by_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill attention one sequence at a time, each over exactly its own context (no
+    padding to the longest sequence of the batch).
+
+    A sequence without a cached prefix attends over its new keys/values directly with
+    ``is_causal`` (the CPU flash kernel then skips the masked half); one with a prefix
+    reads its context from the cache (:class:`SequenceContexts`) and uses a causal mask
+    shifted by the prefix length. Used on CPU, where a loop over sequences costs nothing next to the
+    padded work it avoids (SmolLM2-135M, prompts of 12-632 tokens: 146 ms → about 15 ms
+    per layer on one core).
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+            (already written to ``kv_cache``).
+        metadata: prefill metadata (``cu_seqlens_q``, ``seq_lens``, ``block_tables``).
+
+    Returns:
+        [num_tokens, num_heads, head_dim], the dtype of ``q``.
+    """
+    cu_q = metadata.cu_seqlens_q.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    contexts = SequenceContexts.of(metadata, kv_cache.block_size)
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = cu_q[i], cu_q[i + 1]
+        q_len = end - start
+        q_i = q[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+        if q_len == seq_len:
+            k_i, v_i, mask, causal = k[start:end], v[start:end], None, True
+        else:
+            k_i, v_i = contexts.keys_values(kv_cache, i)
+            qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q_i,
+            k_i.transpose(0, 1)[None].to(q.dtype),
+            v_i.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+class SequenceContexts:
+    """Where each sequence's context lies in a layer's paged cache, derived once per
+    forward from the block tables (the same in every layer).
+
+    A sequence whose blocks are consecutive ids is read as a view of the cache (no
+    copy); the blocks of all other sequences are gathered with one ``index_select``
+    per layer into a packed buffer, and those sequences are views of that buffer.
+    """
+
+    def __init__(self, metadata: AttentionMetadata, block_size: int) -> None:
+        tables = metadata.block_tables.tolist()
+        self.seq_lens: list[int] = metadata.seq_lens.tolist()
+        # per sequence: (True, first block id) for a view of the cache, or
+        # (False, first row in the gathered buffer)
+        self.where: list[tuple[bool, int]] = []
+        gathered: list[int] = []
+        for table, seq_len in zip(tables, self.seq_lens, strict=True):
+            blocks = table[: (seq_len + block_size - 1) // block_size]
+            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+                self.where.append((True, blocks[0] * block_size))
+            else:
+                self.where.append((False, len(gathered) * block_size))
+                gathered.extend(blocks)
+        self.gather_index = (
+            torch.tensor(gathered, dtype=torch.int64, device=metadata.block_tables.device)
+            if gathered
+            else None
+        )
+
+    @classmethod
+    def of(cls, metadata: AttentionMetadata, block_size: int) -> SequenceContexts:
+        """The contexts of ``metadata``'s batch, built on the first layer's call."""
+        ctx: SequenceContexts = metadata.memoize(
+            "torch.contexts", lambda: cls(metadata, block_size)
+        )
+        return ctx
+
+    def buffers(self, kv_cache: KVCacheLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The gathered blocks of this layer, each [rows, num_kv_heads, head_dim], or None."""
+        if self.gather_index is None:
+            return None
+        shape = (-1, *kv_cache.key.shape[2:])
+        flat_k = kv_cache.key.view(kv_cache.num_blocks, -1)
+        flat_v = kv_cache.value.view(kv_cache.num_blocks, -1)
+        return (
+            torch.index_select(flat_k, 0, self.gather_index).view(shape),
+            torch.index_select(flat_v, 0, self.gather_index).view(shape),
+        )
+
+    def keys_values(
+        self,
+        kv_cache: KVCacheLayer,
+        i: int,
+        gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of sequence ``i``, each [seq_len, num_kv_heads, head_dim].
+        ``gathered`` is this layer's :meth:`buffers` (computed here when not given)."""
+        is_view, row = self.where[i]
+        end = row + self.seq_lens[i]
+        if is_view:
+            shape = (-1, *kv_cache.key.shape[2:])
+            return kv_cache.key.view(shape)[row:end], kv_cache.value.view(shape)[row:end]
+        buffers = gathered if gathered is not None else self.buffers(kv_cache)
+        assert buffers is not None
+        return buffers[0][row:end], buffers[1][row:end]
+
+
+def decode_attention_by_sequence(
+    q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode attention (one query per sequence) with one SDPA call per sequence over
+    exactly its context, read in place where its blocks are consecutive.
+
+    The query heads sharing a KV head are passed as that head's queries (``[1,
+    num_kv_heads, group, head_dim]`` against ``[1, num_kv_heads, seq_len, head_dim]``),
+    so no K/V is repeated for grouped-query attention. Used on CPU, where it is 4x
+    faster than the block-by-block batched matmuls of :func:`paged_decode_attention`
+    (SmolLM2-135M, batch 8 of 44-664 tokens: 0.47 against 1.9 ms per layer, one core).
+
+    Args:
+        q: [batch, num_heads, head_dim].
+        kv_cache: the layer's paged cache (the new token already written).
+        metadata: decode metadata (``seq_lens``, ``block_tables``).
+        scale: softmax scale.
+
+    Returns:
+        [batch, num_heads, head_dim], the dtype of ``q``.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.key.shape[2]
+    contexts = SequenceContexts.of(metadata, kv_cache.block_size)
+    gathered = contexts.buffers(kv_cache)
+    q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.empty_like(q_grouped)
+    for i in range(batch):
+        keys, values = contexts.keys_values(kv_cache, i, gathered)
+        out[i] = F.scaled_dot_product_attention(
+            q_grouped[i : i + 1],
+            keys.transpose(0, 1)[None].to(q.dtype),
+            values.transpose(0, 1)[None].to(q.dtype),
+            scale=scale,
+        )[0]
+    return out.view(batch, num_heads, head_dim)
 
 
 def single_decode_attention(

@@ -29,21 +29,36 @@ def naive_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("by_sequence", [True, False], ids=["by_sequence", "batched"])
+@pytest.mark.parametrize("layout", ["permuted", "consecutive", "mixed"])
 @pytest.mark.parametrize(
     ("seq_lens", "q_lens", "is_prefill"),
     [
         ([5, 1, 17, 9], [5, 1, 17, 9], True),  # plain varlen prefill
         ([12, 30, 7], [3, 30, 1], True),  # prefill over cached prefixes
         ([1, 13, 40, 8], [1, 1, 1, 1], False),  # decode
+        ([1], [1], False),  # decode of a lone sequence
     ],
 )
-def test_matches_naive(seq_lens: list[int], q_lens: list[int], is_prefill: bool) -> None:
+def test_matches_naive(
+    seq_lens: list[int], q_lens: list[int], is_prefill: bool, layout: str, by_sequence: bool
+) -> None:
+    """Both code paths (by sequence: the CPU default; batched: elsewhere), with block
+    tables whose ids are permuted, consecutive (read in place by the by-sequence path),
+    or consecutive for every other sequence only."""
     gen = torch.Generator().manual_seed(0)
     cache = KVCacheLayer(torch.zeros(NUM_BLOCKS, BS, HKV, D), torch.zeros(NUM_BLOCKS, BS, HKV, D))
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    ordered = list(range(NUM_BLOCKS))
     chunks, full_k, full_v = [], [], []
-    for s, ql in zip(seq_lens, q_lens, strict=True):
-        blocks, perm = perm[: -(-s // BS)], perm[-(-s // BS) :]
+    for i, (s, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        n = -(-s // BS)
+        if layout == "consecutive" or (layout == "mixed" and i % 2 == 0):
+            blocks, ordered = ordered[:n], ordered[n:]
+            perm = [b for b in perm if b not in blocks]
+        else:
+            blocks, perm = perm[:n], perm[n:]
+            ordered = [b for b in ordered if b not in blocks]
         k = torch.randn(s, HKV, D, generator=gen)
         v = torch.randn(s, HKV, D, generator=gen)
         # prefix already in the cache
@@ -62,7 +77,8 @@ def test_matches_naive(seq_lens: list[int], q_lens: list[int], is_prefill: bool)
     new_k = torch.cat([k[-ql:] for k, ql in zip(full_k, q_lens, strict=True)])
     new_v = torch.cat([v[-ql:] for v, ql in zip(full_v, q_lens, strict=True)])
     scale = 1 / math.sqrt(D)
-    out = TorchAttentionBackend().forward(q, new_k, new_v, cache, inputs.metadata, scale)
+    backend = TorchAttentionBackend(by_sequence=by_sequence)
+    out = backend.forward(q, new_k, new_v, cache, inputs.metadata, scale)
     cu = inputs.metadata.cu_seqlens_q.tolist()
     for i in range(len(seq_lens)):
         ref = naive_attention(q[cu[i] : cu[i + 1]], full_k[i], full_v[i], scale)
