@@ -122,8 +122,9 @@ def prefill_attention_by_sequence(
         start, end = cu_q[i], cu_q[i + 1]
         q_len = end - start
         q_i = q[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
-        if q_len == seq_len:
-            k_i, v_i, mask, causal = k[start:end], v[start:end], None, True
+        if q_len == seq_len:  # [1, num_kv_heads, seq_len, head_dim] views of k, v
+            k_i, v_i = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
+            mask, causal = None, True
         else:
             k_i, v_i = contexts.keys_values(kv_cache, i)
             qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -131,8 +132,8 @@ def prefill_attention_by_sequence(
             causal = False
         o = F.scaled_dot_product_attention(
             q_i,
-            k_i.transpose(0, 1)[None].to(q.dtype),
-            v_i.transpose(0, 1)[None].to(q.dtype),
+            k_i.to(q.dtype),
+            v_i.to(q.dtype),
             attn_mask=mask,
             is_causal=causal,
             scale=scale,
@@ -197,16 +198,24 @@ class SequenceContexts:
         i: int,
         gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of sequence ``i``, each [seq_len, num_kv_heads, head_dim].
-        ``gathered`` is this layer's :meth:`buffers` (computed here when not given)."""
+        """Keys and values of sequence ``i``, each a [1, num_kv_heads, seq_len, head_dim]
+        view (the layout SDPA takes). ``gathered`` is this layer's :meth:`buffers`
+        (computed here when needed and not given)."""
         is_view, row = self.where[i]
-        end = row + self.seq_lens[i]
         if is_view:
-            shape = (-1, *kv_cache.key.shape[2:])
-            return kv_cache.key.view(shape)[row:end], kv_cache.value.view(shape)[row:end]
-        buffers = gathered if gathered is not None else self.buffers(kv_cache)
-        assert buffers is not None
-        return buffers[0][row:end], buffers[1][row:end]
+            key, value = kv_cache.key, kv_cache.value
+        else:
+            buffers = gathered if gathered is not None else self.buffers(kv_cache)
+            assert buffers is not None
+            key, value = buffers
+        _, num_kv_heads, head_dim = key.shape[-3:]
+        size = (1, num_kv_heads, self.seq_lens[i], head_dim)
+        stride = (0, head_dim, num_kv_heads * head_dim, 1)
+        offset = row * num_kv_heads * head_dim
+        return (
+            key.as_strided(size, stride, key.storage_offset() + offset),
+            value.as_strided(size, stride, value.storage_offset() + offset),
+        )
 
 
 def decode_attention_by_sequence(
@@ -235,16 +244,11 @@ def decode_attention_by_sequence(
     contexts = SequenceContexts.of(metadata, kv_cache.block_size)
     gathered = contexts.buffers(kv_cache)
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = torch.empty_like(q_grouped)
-    for i in range(batch):
-        keys, values = contexts.keys_values(kv_cache, i, gathered)
-        out[i] = F.scaled_dot_product_attention(
-            q_grouped[i : i + 1],
-            keys.transpose(0, 1)[None].to(q.dtype),
-            values.transpose(0, 1)[None].to(q.dtype),
-            scale=scale,
-        )[0]
-    return out.view(batch, num_heads, head_dim)
+    outs = [
+        F.scaled_dot_product_attention(q_i, *contexts.keys_values(kv_cache, i, gathered), scale=scale)
+        for i, q_i in enumerate(q_grouped.to(kv_cache.key.dtype).split(1))
+    ]
+    return torch.cat(outs).view(batch, num_heads, head_dim).to(q.dtype)
 
 
 def single_decode_attention(

@@ -76,6 +76,25 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope), persistent=False)
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token's angles, each [num_tokens, 1, head_dim] in ``dtype``.
+
+        The model shares one instance between its layers, so the last result is kept and
+        returned again while the same ``positions`` tensor (one forward) comes back.
+        """
+        cached = self._cos_sin
+        if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
+            return cached[1], cached[2]
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        cos = emb.cos().to(dtype)[:, None, :]
+        sin = emb.sin().to(dtype)[:, None, :]
+        self._cos_sin = (positions, cos, sin)
+        return cos, sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -90,10 +109,7 @@ class RotaryEmbedding(nn.Module):
         Returns:
             (q, k) rotated, same shapes and dtypes.
         """
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
+        cos, sin = self.cos_sin(positions, q.dtype)
         q_out = q * cos + rotate_half(q) * sin
         k_out = k * cos + rotate_half(k) * sin
         return q_out, k_out

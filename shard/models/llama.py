@@ -35,7 +35,12 @@ class LlamaAttention(nn.Module):
     """Self-attention with GQA, rotary embeddings and a paged KV cache."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        tp_rank: int,
+        tp_size: int,
     ) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -58,7 +63,7 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+        self.rotary_emb = rotary_emb  # shared by all layers (cos/sin computed once a forward)
         self.attn = Attention(
             backend, self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim**-0.5
         )
@@ -108,10 +113,15 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        tp_rank: int,
+        tp_size: int,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, backend, rotary_emb, tp_rank, tp_size)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -133,9 +143,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank, tp_size
         )
+        rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(config, backend, tp_rank, tp_size)
+                LlamaDecoderLayer(config, backend, rotary_emb, tp_rank, tp_size)
                 for _ in range(config.num_hidden_layers)
             ]
         )
