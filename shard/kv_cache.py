@@ -37,7 +37,13 @@ class KVCacheLayer:
     def num_blocks(self) -> int:
         return int(self.key.shape[0])
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        has_skipped: bool | None = None,
+    ) -> None:
         """Store new keys/values by slot.
 
         Args:
@@ -45,13 +51,17 @@ class KVCacheLayer:
             v: [num_tokens, num_kv_heads, head_dim].
             slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset.
                 Entries < 0 are skipped (tokens whose K/V are already cached).
+            has_skipped: whether ``slot_mapping`` has entries < 0, when the caller knows
+                (the same for every layer of a forward); None checks.
 
         NOTE: checking for negative slots syncs with a GPU; fast backends use a fused
         cache-write kernel that skips them instead.
         """
         key = self.key.view(-1, *self.key.shape[2:])
         value = self.value.view(-1, *self.value.shape[2:])
-        if bool((slot_mapping < 0).any()):
+        if has_skipped is None:
+            has_skipped = bool((slot_mapping < 0).any())
+        if has_skipped:
             keep = slot_mapping >= 0
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
         key.index_copy_(0, slot_mapping, k.to(key.dtype))

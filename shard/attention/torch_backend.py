@@ -55,7 +55,10 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        kv_cache.write(k, v, metadata.slot_mapping)
+        has_skipped = metadata.memoize(
+            "torch.has_skipped", lambda: bool((metadata.slot_mapping < 0).any())
+        )
+        kv_cache.write(k, v, metadata.slot_mapping, has_skipped)
         if not metadata.is_prefill:
             if self._by_sequence(q):
                 return decode_attention_by_sequence(q, kv_cache, metadata, scale)
@@ -245,7 +248,9 @@ def decode_attention_by_sequence(
     gathered = contexts.buffers(kv_cache)
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     outs = [
-        F.scaled_dot_product_attention(q_i, *contexts.keys_values(kv_cache, i, gathered), scale=scale)
+        F.scaled_dot_product_attention(
+            q_i, *contexts.keys_values(kv_cache, i, gathered), scale=scale
+        )
         for i, q_i in enumerate(q_grouped.to(kv_cache.key.dtype).split(1))
     ]
     return torch.cat(outs).view(batch, num_heads, head_dim).to(q.dtype)
