@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from loguru import logger
 
@@ -37,6 +38,8 @@ from router.shard_client import ShardClient, ShardError
 from router.stop import StopSequenceChecker
 from router.tokenizer import Tokenizer
 from shard.pb import shard_pb2 as pb
+
+T = TypeVar("T")
 
 # Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
 HEALTH_RECOVERY_S = 10.0
@@ -85,6 +88,8 @@ class Engine:
         self.metrics = Metrics(self._metrics_state)
         self._text: dict[int, _TextState] = {}
         self._batches: list[pb.CachedBatch] = []
+        # token events of the last step, delivered once the next shard call is sent
+        self._outbox: list[tuple[Sequence, TokenEvent]] = []
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._wake = asyncio.Event()
@@ -197,7 +202,7 @@ class Engine:
                 id=next(self._batch_ids), requests=[self._to_proto(chunk) for chunk in chunks]
             )
             self._on_admitted([chunk.seq for chunk in chunks])
-            prefill = await self.client.prefill(batch)
+            prefill = await self._send(self.client.prefill(batch))
             self.metrics.prefill_step.observe(prefill.timings.forward_ns / 1e9)
             for chunk in chunks:
                 self.scheduler.on_prefilled(chunk)
@@ -214,14 +219,34 @@ class Engine:
             await self._sync_batches()
             if self._batches:
                 started = time.perf_counter()
-                decode = await self.client.decode(self._batches, plan.block_appends)
+                decode = await self._send(self.client.decode(self._batches, plan.block_appends))
                 self.metrics.decode_step_wall.observe(time.perf_counter() - started)
                 self.metrics.decode_step.observe(decode.timings.forward_ns / 1e9)
                 self._batches = [decode.batch]
                 self._on_generations(decode.generations)
         await self._sync_batches()
+        self._deliver()
         self._failed_at = None
         return worked
+
+    async def _send(self, call: Awaitable[T]) -> T:
+        """Await a shard call, delivering the last step's token events only once the call
+        is on its way: the woken stream handlers then write their responses while the
+        shards compute, instead of delaying the request (a grpc.aio call is sent by a
+        task of its own, which would otherwise queue behind the handlers)."""
+        task = asyncio.ensure_future(call)
+        try:
+            await asyncio.sleep(0)  # the call's task runs and queues its send first
+            self._deliver()
+            return await task
+        finally:
+            task.cancel()  # no-op once done; stops the call if this step is cancelled
+
+    def _deliver(self) -> None:
+        """Put the queued token events on their sequences' streams, in order."""
+        outbox, self._outbox = self._outbox, []
+        for seq, event in outbox:
+            seq.events.put_nowait(event)
 
     def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
         seq = chunk.seq
@@ -316,17 +341,16 @@ class Engine:
         finish = None
         if reason is not None:
             finish = Finish(reason, generated_tokens=len(seq.output_ids), stop_sequence=stop_text)
-        seq.events.put_nowait(
-            TokenEvent(
-                id=token_id,
-                logprob=generation.logprob,
-                text=text,
-                special=self.tokenizer.is_special(token_id),
-                top_tokens=tuple(TopToken(t.token_id, t.logprob) for t in generation.top_tokens),
-                finish=finish,
-                prompt_logprobs=tuple(generation.prompt_logprobs),
-            )
+        event = TokenEvent(
+            id=token_id,
+            logprob=generation.logprob,
+            text=text,
+            special=self.tokenizer.is_special(token_id),
+            top_tokens=tuple(TopToken(t.token_id, t.logprob) for t in generation.top_tokens),
+            finish=finish,
+            prompt_logprobs=tuple(generation.prompt_logprobs),
         )
+        self._outbox.append((seq, event))
         if finish is not None:
             self._finish(seq, "success", finish)
 
@@ -385,6 +409,7 @@ class Engine:
     def _fail_all(self, message: str, include_waiting: bool = False) -> None:
         logger.error("failing the running requests: {}", message)
         self._failed_at = time.monotonic()
+        self._deliver()  # tokens computed before the failure come first
         for seq in self.scheduler.drain(include_waiting):
             seq.events.put_nowait(ErrorEvent(message=message))
             self._text.pop(seq.id, None)

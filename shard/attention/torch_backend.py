@@ -119,6 +119,10 @@ def prefill_attention_by_sequence(
     cu_q = metadata.cu_seqlens_q.tolist()
     seq_lens = metadata.seq_lens.tolist()
     contexts = SequenceContexts.of(metadata, kv_cache.block_size)
+    has_prefix = any(
+        cu_q[i + 1] - cu_q[i] != seq_len for i, seq_len in enumerate(seq_lens)
+    )
+    gathered = contexts.buffers(kv_cache) if has_prefix else None
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens):
@@ -129,7 +133,7 @@ def prefill_attention_by_sequence(
             k_i, v_i = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
             mask, causal = None, True
         else:
-            k_i, v_i = contexts.keys_values(kv_cache, i)
+            k_i, v_i = contexts.keys_values(kv_cache, i, gathered)
             qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
             causal = False
@@ -152,7 +156,8 @@ class SequenceContexts:
 
     A sequence whose blocks are consecutive ids is read as a view of the cache (no
     copy); the blocks of all other sequences are gathered with one ``index_select``
-    per layer into a packed buffer, and those sequences are views of that buffer.
+    per layer into a packed buffer (allocated once per forward and refilled by each
+    layer), and those sequences are views of that buffer.
     """
 
     def __init__(self, metadata: AttentionMetadata, block_size: int) -> None:
@@ -174,6 +179,7 @@ class SequenceContexts:
             if gathered
             else None
         )
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, metadata: AttentionMetadata, block_size: int) -> SequenceContexts:
@@ -187,13 +193,16 @@ class SequenceContexts:
         """The gathered blocks of this layer, each [rows, num_kv_heads, head_dim], or None."""
         if self.gather_index is None:
             return None
-        shape = (-1, *kv_cache.key.shape[2:])
         flat_k = kv_cache.key.view(kv_cache.num_blocks, -1)
         flat_v = kv_cache.value.view(kv_cache.num_blocks, -1)
-        return (
-            torch.index_select(flat_k, 0, self.gather_index).view(shape),
-            torch.index_select(flat_v, 0, self.gather_index).view(shape),
-        )
+        if self._buffers is None:  # one pair for the forward: a layer's copy dies with it
+            rows = (self.gather_index.shape[0], flat_k.shape[1])
+            self._buffers = (flat_k.new_empty(rows), flat_v.new_empty(rows))
+        k_buf, v_buf = self._buffers
+        torch.index_select(flat_k, 0, self.gather_index, out=k_buf)
+        torch.index_select(flat_v, 0, self.gather_index, out=v_buf)
+        shape = (-1, *kv_cache.key.shape[2:])
+        return k_buf.view(shape), v_buf.view(shape)
 
     def keys_values(
         self,
