@@ -106,6 +106,7 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._deliver()
 
     def submit(self, request: GenerationRequest) -> Sequence:
         """Queue ``request``; its events arrive on ``Sequence.events``.
@@ -177,11 +178,13 @@ class Engine:
     async def _run(self) -> None:
         while True:
             if not self.scheduler.num_requests:
+                self._deliver()
                 self._wake.clear()
                 await self._wake.wait()
             try:
                 if not await self._step():
                     # Requests wait but none can run yet: sleep until something changes.
+                    self._deliver()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout=0.05)
@@ -225,15 +228,15 @@ class Engine:
                 self._batches = [decode.batch]
                 self._on_generations(decode.generations)
         await self._sync_batches()
-        self._deliver()
         self._failed_at = None
         return worked
 
     async def _send(self, call: Awaitable[T]) -> T:
-        """Await a shard call, delivering the last step's token events only once the call
-        is on its way: the woken stream handlers then write their responses while the
-        shards compute, instead of delaying the request (a grpc.aio call is sent by a
-        task of its own, which would otherwise queue behind the handlers)."""
+        """Await a shard call, delivering the token events queued so far only once the
+        call is on its way: the woken stream handlers then write their responses while
+        the shards compute, instead of delaying the request (a grpc.aio call is sent by
+        a task of its own, which would otherwise queue behind the handlers). Events are
+        also delivered before the loop goes idle, on failure and on stop."""
         task = asyncio.ensure_future(call)
         try:
             await asyncio.sleep(0)  # the call's task runs and queues its send first
@@ -277,9 +280,9 @@ class Engine:
         for batch in self._batches:
             keep = [rid for rid in batch.request_ids if rid in running]
             if not keep:
-                await self.client.clear_cache(batch.id)
+                await self._send(self.client.clear_cache(batch.id))
             elif len(keep) < len(batch.request_ids):
-                kept.append(await self.client.filter_batch(batch.id, keep))
+                kept.append(await self._send(self.client.filter_batch(batch.id, keep)))
             else:
                 kept.append(batch)
         self._batches = kept

@@ -41,7 +41,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_tables: torch.Tensor
-    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    memo: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def memoize(self, key: str, build: Callable[[], Any]) -> Any:
         """``build()`` on the first call with ``key`` in this forward, the same value after."""

@@ -1,14 +1,17 @@
 """Pure-PyTorch attention over a paged KV cache: the reference every other backend is
-tested against. Runs on CPU and GPU.
+tested against. Runs on CPU and GPU, with two paths.
 
-Prefill: keys/values of each sequence are gathered through its block table into a
-padded ``[batch, max_seqlen_k]`` view, queries are scattered into a padded
-``[batch, max_seqlen_q]`` view, and ``torch.nn.functional.scaled_dot_product_attention``
-runs with an explicit boolean mask that is causal with each sequence's cached-prefix
-offset and hides padding; on CPU each sequence runs alone over its own context instead
-(:func:`prefill_attention_by_sequence`). Decode (one query per sequence) reads only the blocks each
-sequence uses and combines per-block softmax partials (:func:`paged_decode_attention`),
-which on CPU is about twice as fast when context lengths differ within the batch.
+Batched (the default off CPU). Prefill: keys/values of each sequence are gathered
+through its block table into a padded ``[batch, max_seqlen_k]`` view, queries are
+scattered into a padded ``[batch, max_seqlen_q]`` view, and
+``torch.nn.functional.scaled_dot_product_attention`` runs with an explicit boolean mask
+that is causal with each sequence's cached-prefix offset and hides padding. Decode (one
+query per sequence) reads only the blocks each sequence uses and combines per-block
+softmax partials (:func:`paged_decode_attention`).
+
+By sequence (the default on CPU): one SDPA call per sequence over exactly its context,
+read in place where its blocks are consecutive (:func:`prefill_attention_by_sequence`,
+:func:`decode_attention_by_sequence`). No padded work, and no launch cost to pay.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ class SequenceContexts:
     def of(cls, metadata: AttentionMetadata, block_size: int) -> SequenceContexts:
         """The contexts of ``metadata``'s batch, built on the first layer's call."""
         ctx: SequenceContexts = metadata.memoize(
-            "torch.contexts", lambda: cls(metadata, block_size)
+            f"torch.contexts.{block_size}", lambda: cls(metadata, block_size)
         )
         return ctx
 
@@ -195,8 +198,10 @@ class SequenceContexts:
             return None
         flat_k = kv_cache.key.view(kv_cache.num_blocks, -1)
         flat_v = kv_cache.value.view(kv_cache.num_blocks, -1)
-        if self._buffers is None:  # one pair for the forward: a layer's copy dies with it
-            rows = (self.gather_index.shape[0], flat_k.shape[1])
+        rows = (self.gather_index.shape[0], flat_k.shape[1])
+        if self._buffers is None or self._buffers[0].shape != rows or (
+            self._buffers[0].dtype != flat_k.dtype
+        ):  # one pair for the forward: a layer's copy is dead once the layer is done
             self._buffers = (flat_k.new_empty(rows), flat_v.new_empty(rows))
         k_buf, v_buf = self._buffers
         torch.index_select(flat_k, 0, self.gather_index, out=k_buf)
@@ -216,6 +221,8 @@ class SequenceContexts:
         is_view, row = self.where[i]
         if is_view:
             key, value = kv_cache.key, kv_cache.value
+            if not (key.is_contiguous() and value.is_contiguous()):
+                raise ValueError("the by-sequence attention path needs a contiguous KV cache")
         else:
             buffers = gathered if gathered is not None else self.buffers(kv_cache)
             assert buffers is not None

@@ -354,9 +354,9 @@ def pack_cpu_weights(model: nn.Module) -> int:
     PyTorch's Inductor uses for the same purpose.
 
     Returns:
-        Number of layers packed.
+        Number of weight matrices packed.
     """
-    if not torch.backends.mkldnn.is_available():
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return 0
     modules = [
         m for m in model.modules() if isinstance(m, (_ParallelLinearBase, ParallelLMHead))
@@ -367,13 +367,15 @@ def pack_cpu_weights(model: nn.Module) -> int:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    packed = 0
+    packed: dict[int, torch.Tensor] = {}  # one packed copy per parameter
     for m in modules:
         weight = m.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue
-        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        if owners.get(id(weight), 0) == 1:
-            weight.data = weight.data.new_empty(0)
-        packed += 1
-    return packed
+        if id(weight) not in packed:
+            packed[id(weight)] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        m.packed_weight = packed[id(weight)]
+    for m in modules:
+        if m.packed_weight is not None and owners.get(id(m.weight), 0) == 1:
+            m.weight.data = m.weight.data.new_empty(0)
+    return len(packed)

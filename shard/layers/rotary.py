@@ -87,6 +87,8 @@ class RotaryEmbedding(nn.Module):
         returned again while the same ``positions`` tensor (one forward) comes back.
         """
         cached = self._cos_sin
+        # NOTE: keyed on identity: a positions buffer rewritten in place between forwards
+        # (e.g. a captured graph's static input) must not go through this cache.
         if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
             return cached[1], cached[2]
         freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]

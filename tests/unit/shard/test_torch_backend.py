@@ -117,3 +117,30 @@ def test_registry() -> None:
         select_backend("flash", spec)
     with pytest.raises(ValueError, match="not a multiple"):
         select_backend("torch", AttentionSpec(torch.device("cpu"), torch.float32, 4, 3, 16, 16))
+
+
+def test_metadata_reused_with_a_cache_of_another_dtype() -> None:
+    """Values memoized on the metadata (contexts, gather buffers) must not leak between
+    caches of different dtypes, as when a test runs a float32 reference first."""
+    gen = torch.Generator().manual_seed(1)
+    seq_lens, tables = [9, 14], [[5, 2, 7], [3, 1, 6, 0]]
+    inputs = build_inputs(
+        [SeqChunk([0], n - 1, t) for n, t in zip(seq_lens, tables, strict=True)],
+        BS,
+        False,
+        torch.device("cpu"),
+    )
+    key = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
+    value = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen)
+    q = torch.randn(2, H, D, generator=gen)
+    k_new, v_new = torch.randn(2, HKV, D, generator=gen), torch.randn(2, HKV, D, generator=gen)
+    backend = TorchAttentionBackend(by_sequence=True)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = KVCacheLayer(key.clone().to(dtype), value.clone().to(dtype))
+        outs.append(
+            backend.forward(
+                q.to(dtype), k_new.to(dtype), v_new.to(dtype), cache, inputs.metadata, 0.3
+            ).float()
+        )
+    torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
