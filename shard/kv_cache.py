@@ -42,7 +42,7 @@ class KVCacheLayer:
         k: torch.Tensor,
         v: torch.Tensor,
         slot_mapping: torch.Tensor,
-        has_skipped: bool | None = None,
+        has_skipped: bool,
     ) -> None:
         """Store new keys/values by slot.
 
@@ -51,16 +51,12 @@ class KVCacheLayer:
             v: [num_tokens, num_kv_heads, head_dim].
             slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset.
                 Entries < 0 are skipped (tokens whose K/V are already cached).
-            has_skipped: whether ``slot_mapping`` has entries < 0, when the caller knows
-                (the same for every layer of a forward); None checks.
-
-        NOTE: checking for negative slots syncs with a GPU; fast backends use a fused
-        cache-write kernel that skips them instead.
+            has_skipped: whether ``slot_mapping`` has entries < 0
+                (:attr:`AttentionMetadata.has_skipped_slots`, known on the host, so the
+                tensor is never inspected).
         """
         key = self.key.view(-1, *self.key.shape[2:])
         value = self.value.view(-1, *self.value.shape[2:])
-        if has_skipped is None:
-            has_skipped = bool((slot_mapping < 0).any())
         if has_skipped:
             keep = slot_mapping >= 0
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]

@@ -72,7 +72,7 @@ class FlashAttnBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self._write(kv_cache, k, v, metadata.slot_mapping)
+        self._write(kv_cache, k, v, metadata)
         if metadata.is_prefill:
             out: torch.Tensor = self._fa.flash_attn_varlen_func(
                 q,

@@ -124,7 +124,7 @@ class FlashInferBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self._write(kv_cache, k, v, metadata.slot_mapping)
+        self._write(kv_cache, k, v, metadata)
         wrapper = self._plan(q, kv_cache, metadata, scale)
         out: torch.Tensor = wrapper.run(q.contiguous(), (kv_cache.key, kv_cache.value))
         return out

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from shard.attention.metadata import AttentionMetadata
 from shard.kv_cache import KVCacheLayer
 
 _WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -34,10 +35,14 @@ class KVWriter:
         self._triton = _triton_writer() if use_triton else None
 
     def __call__(
-        self, kv_cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        kv_cache: KVCacheLayer,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64."""
+        """k, v: [num_tokens, num_kv_heads, head_dim], written at ``metadata.slot_mapping``."""
         if self._triton is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-            self._triton(k, v, kv_cache.key, kv_cache.value, slot_mapping)
+            self._triton(k, v, kv_cache.key, kv_cache.value, metadata.slot_mapping)
         else:
-            kv_cache.write(k, v, slot_mapping)
+            kv_cache.write(k, v, metadata.slot_mapping, metadata.has_skipped_slots)

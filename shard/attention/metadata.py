@@ -29,6 +29,8 @@ class AttentionMetadata:
         max_seqlen_k: max seq_lens (python int).
         block_tables: [batch, max_blocks] int32, block ids of each sequence in order,
             padded with 0 (padding is never read: it lies beyond seq_lens).
+        has_skipped_slots: whether ``slot_mapping`` has entries < 0 (known when it is
+            built, so no backend has to look at the tensor).
         memo: per-forward values a backend derives from the fields above once and
             reuses in every layer (see :meth:`memoize`).
     """
@@ -41,6 +43,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_tables: torch.Tensor
+    has_skipped_slots: bool
     memo: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def memoize(self, key: str, build: Callable[[], Any]) -> Any:

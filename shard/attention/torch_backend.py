@@ -58,10 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        has_skipped = metadata.memoize(
-            "torch.has_skipped", lambda: bool((metadata.slot_mapping < 0).any())
-        )
-        kv_cache.write(k, v, metadata.slot_mapping, has_skipped)
+        kv_cache.write(k, v, metadata.slot_mapping, metadata.has_skipped_slots)
         if not metadata.is_prefill:
             if self._by_sequence(q):
                 return decode_attention_by_sequence(q, kv_cache, metadata, scale)
@@ -107,8 +104,8 @@ def prefill_attention_by_sequence(
     A sequence without a cached prefix attends over its new keys/values directly with
     ``is_causal`` (the CPU flash kernel then skips the masked half); one with a prefix
     reads its context from the cache (:class:`SequenceContexts`) and uses a causal mask
-    shifted by the prefix length. Used on CPU, where a loop over sequences costs nothing next to the
-    padded work it avoids (SmolLM2-135M, prompts of 12-632 tokens: 146 ms → about 15 ms
+    shifted by the prefix length. Used on CPU, where a loop over sequences costs nothing
+    next to the padded work it avoids (SmolLM2-135M, prompts of 12-632 tokens: 146 ms → about 15 ms
     per layer on one core).
 
     Args:
@@ -122,10 +119,7 @@ def prefill_attention_by_sequence(
     cu_q = metadata.cu_seqlens_q.tolist()
     seq_lens = metadata.seq_lens.tolist()
     contexts = SequenceContexts.of(metadata, kv_cache.block_size)
-    has_prefix = any(
-        cu_q[i + 1] - cu_q[i] != seq_len for i, seq_len in enumerate(seq_lens)
-    )
-    gathered = contexts.buffers(kv_cache) if has_prefix else None
+    gathered = contexts.buffers(kv_cache)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens):
@@ -157,20 +151,26 @@ class SequenceContexts:
     """Where each sequence's context lies in a layer's paged cache, derived once per
     forward from the block tables (the same in every layer).
 
-    A sequence whose blocks are consecutive ids is read as a view of the cache (no
-    copy); the blocks of all other sequences are gathered with one ``index_select``
-    per layer into a packed buffer (allocated once per forward and refilled by each
-    layer), and those sequences are views of that buffer.
+    Only sequences that read their context from the cache are placed: all of them in
+    decode, those with a cached prefix in prefill (the others attend over their new
+    keys/values). A sequence whose blocks are consecutive ids is read as a view of the
+    cache (no copy); the blocks of the other placed sequences are gathered with one
+    ``index_select`` per layer into a packed buffer (allocated once per forward and
+    refilled by each layer), and those sequences are views of that buffer.
     """
 
     def __init__(self, metadata: AttentionMetadata, block_size: int) -> None:
         tables = metadata.block_tables.tolist()
         self.seq_lens: list[int] = metadata.seq_lens.tolist()
-        # per sequence: (True, first block id) for a view of the cache, or
+        cu_q = metadata.cu_seqlens_q.tolist()
+        # per placed sequence: (True, first row in the cache) for a view of the cache, or
         # (False, first row in the gathered buffer)
-        self.where: list[tuple[bool, int]] = []
+        self.where: list[tuple[bool, int] | None] = []
         gathered: list[int] = []
-        for table, seq_len in zip(tables, self.seq_lens, strict=True):
+        for i, (table, seq_len) in enumerate(zip(tables, self.seq_lens, strict=True)):
+            if metadata.is_prefill and cu_q[i + 1] - cu_q[i] == seq_len:
+                self.where.append(None)  # no cached prefix: nothing read from the cache
+                continue
             blocks = table[: (seq_len + block_size - 1) // block_size]
             if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
                 self.where.append((True, blocks[0] * block_size))
@@ -213,20 +213,25 @@ class SequenceContexts:
         self,
         kv_cache: KVCacheLayer,
         i: int,
-        gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
+        gathered: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of sequence ``i``, each a [1, num_kv_heads, seq_len, head_dim]
-        view (the layout SDPA takes). ``gathered`` is this layer's :meth:`buffers`
-        (computed here when needed and not given)."""
-        is_view, row = self.where[i]
+        """Keys and values of placed sequence ``i``, each a [1, num_kv_heads, seq_len,
+        head_dim] view (the layout SDPA takes). ``gathered`` is this layer's
+        :meth:`buffers`.
+
+        Raises:
+            ValueError: the cache is not contiguous (views need its plain layout).
+        """
+        where = self.where[i]
+        assert where is not None, f"sequence {i} does not read its context from the cache"
+        is_view, row = where
         if is_view:
             key, value = kv_cache.key, kv_cache.value
             if not (key.is_contiguous() and value.is_contiguous()):
                 raise ValueError("the by-sequence attention path needs a contiguous KV cache")
         else:
-            buffers = gathered if gathered is not None else self.buffers(kv_cache)
-            assert buffers is not None
-            key, value = buffers
+            assert gathered is not None
+            key, value = gathered
         _, num_kv_heads, head_dim = key.shape[-3:]
         size = (1, num_kv_heads, self.seq_lens[i], head_dim)
         stride = (0, head_dim, num_kv_heads * head_dim, 1)

@@ -361,8 +361,6 @@ def pack_cpu_weights(model: nn.Module) -> int:
     modules = [
         m for m in model.modules() if isinstance(m, (_ParallelLinearBase, ParallelLMHead))
     ]
-    if not modules:
-        return 0
     owners: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):

@@ -61,10 +61,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys at arbitrary (flattened) positions.
+    """RoPE angles of arbitrary (flattened) positions, applied by :func:`apply_rotary`.
 
     cos/sin are computed on the fly from ``positions`` (one multiply per element, so no
-    table bounded by max_position_embeddings is kept).
+    table bounded by max_position_embeddings is kept), once per forward for all layers.
 
     Args:
         head_dim: rotary dimension (the full head dimension).
@@ -76,42 +76,36 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope), persistent=False)
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every token's angles, each [num_tokens, 1, head_dim] in ``dtype``.
-
-        The model shares one instance between its layers, so the last result is kept and
-        returned again while the same ``positions`` tensor (one forward) comes back.
-        """
-        cached = self._cos_sin
-        # NOTE: keyed on identity: a positions buffer rewritten in place between forwards
-        # (e.g. a captured graph's static input) must not go through this cache.
-        if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
-            return cached[1], cached[2]
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        cos = emb.cos().to(dtype)[:, None, :]
-        sin = emb.sin().to(dtype)[:, None, :]
-        self._cos_sin = (positions, cos, sin)
-        return cos, sin
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k.
+        """cos and sin of every token's angles (computed once per forward by the model and
+        shared by its layers; see :func:`apply_rotary`).
 
         Args:
             positions: [num_tokens] int64, absolute position of each token.
-            q: [num_tokens, num_heads, head_dim].
-            k: [num_tokens, num_kv_heads, head_dim].
+            dtype: dtype of the queries and keys they will rotate.
 
         Returns:
-            (q, k) rotated, same shapes and dtypes.
+            (cos, sin), each [num_tokens, 1, head_dim] in ``dtype``.
         """
-        cos, sin = self.cos_sin(positions, q.dtype)
-        q_out = q * cos + rotate_half(q) * sin
-        k_out = k * cos + rotate_half(k) * sin
-        return q_out, k_out
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries and keys by the angles of :meth:`RotaryEmbedding.forward`.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim].
+        k: [num_tokens, num_kv_heads, head_dim].
+        cos, sin: [num_tokens, 1, head_dim], the dtype of q and k.
+
+    Returns:
+        (q, k) rotated, same shapes and dtypes.
+    """
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -27,8 +27,11 @@ from shard.layers.linear import (
     VocabParallelEmbedding,
 )
 from shard.layers.norm import RMSNorm
-from shard.layers.rotary import RotaryEmbedding
+from shard.layers.rotary import RotaryEmbedding, apply_rotary
 from shard.models.config import ModelConfig
+
+# (cos, sin) of the tokens' rotary angles, each [num_tokens, 1, head_dim]
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
@@ -38,7 +41,6 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         backend: AttentionBackend,
-        rotary_emb: RotaryEmbedding,
         tp_rank: int,
         tp_size: int,
     ) -> None:
@@ -63,15 +65,15 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        self.rotary_emb = rotary_emb  # shared by all layers (cos/sin computed once a forward)
         self.attn = Attention(
             backend, self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim**-0.5
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+        self, rope: Rope, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
+        """rope: (cos, sin) of the tokens' positions (see :class:`RotaryEmbedding`);
+        hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
         qkv = self.qkv_proj(hidden)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -79,7 +81,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(-1, q_size))
 
@@ -116,20 +118,19 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         backend: AttentionBackend,
-        rotary_emb: RotaryEmbedding,
         tp_rank: int,
         tp_size: int,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, rotary_emb, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, backend, tp_rank, tp_size)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+        self, rope: Rope, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -143,10 +144,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank, tp_size
         )
-        rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(config, backend, rotary_emb, tp_rank, tp_size)
+                LlamaDecoderLayer(config, backend, tp_rank, tp_size)
                 for _ in range(config.num_hidden_layers)
             ]
         )
@@ -156,8 +157,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)  # once for all layers
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
+            hidden = layer(rope, hidden, metadata)
         return self.norm(hidden)
 
 

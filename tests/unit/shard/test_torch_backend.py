@@ -68,7 +68,7 @@ def test_matches_naive(
             else None
         )
         if prefix is not None:
-            cache.write(k[: s - ql], v[: s - ql], prefix.metadata.slot_mapping)
+            cache.write(k[: s - ql], v[: s - ql], prefix.metadata.slot_mapping, False)
         chunks.append(SeqChunk([0] * ql, s - ql, blocks))
         full_k.append(k)
         full_v.append(v)
@@ -88,7 +88,7 @@ def test_matches_naive(
 def test_kv_written_by_slot_mapping_and_negative_slots_skipped() -> None:
     cache = KVCacheLayer(torch.zeros(4, 2, 1, 1), torch.zeros(4, 2, 1, 1))
     k = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
-    cache.write(k, -k, torch.tensor([5, -1, 0]))
+    cache.write(k, -k, torch.tensor([5, -1, 0]), True)
     assert cache.key.flatten().tolist() == [3.0, 0, 0, 0, 0, 1.0, 0, 0]
     assert cache.value.flatten().tolist() == [-3.0, 0, 0, 0, 0, -1.0, 0, 0]
 
@@ -105,6 +105,8 @@ def test_slot_mapping_and_metadata_layout() -> None:
     assert md.block_tables.tolist() == [[3, 1, 4], [2, 0, 0]]
     assert (md.max_seqlen_q, md.max_seqlen_k) == (3, 5)
     assert inputs.last_token_indices.tolist() == [2, 3]
+    assert md.has_skipped_slots
+    assert not build_inputs(chunks[:1], 2, True, torch.device("cpu")).metadata.has_skipped_slots
 
 
 def test_registry() -> None:
