@@ -146,3 +146,18 @@ def test_metadata_reused_with_a_cache_of_another_dtype() -> None:
             ).float()
         )
     torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
+
+
+def test_kv_writer_fallback_skips_slots_flagged_by_the_metadata() -> None:
+    """The GPU backends' writer without Triton: the PyTorch write, told by the metadata
+    whether slots are skipped."""
+    from shard.attention.kv_write import KVWriter
+
+    chunks = [SeqChunk([7, 8], 0, [1], write_from=1), SeqChunk([9], 0, [0])]
+    metadata = build_inputs(chunks, 2, True, torch.device("cpu")).metadata
+    assert metadata.slot_mapping.tolist() == [-1, 3, 0] and metadata.has_skipped_slots
+    cache = KVCacheLayer(torch.zeros(2, 2, 1, 1), torch.zeros(2, 2, 1, 1))
+    k = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
+    KVWriter(use_triton=False)(cache, k, -k, metadata)
+    assert cache.key.flatten().tolist() == [3.0, 0, 0, 2.0]
+    assert cache.value.flatten().tolist() == [-3.0, 0, 0, -2.0]
