@@ -48,8 +48,14 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     shards.add_argument("--master-port", type=int, default=0,
                         help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
     shards.add_argument("--attention-backend",
-                        default=env_default("attention_backend", "torch"),
-                        help="attention implementation (env SHARDSERVE_ATTENTION_BACKEND)")
+                        default=env_default("attention_backend", "auto"),
+                        help="attention implementation: auto (the fastest that runs here: "
+                             "triton, then flash_attn, flashinfer, torch), or one by name "
+                             "(env SHARDSERVE_ATTENTION_BACKEND)")
+    shards.add_argument("--cuda-graphs", default=env_default("cuda_graphs", "auto"),
+                        help="decode batch sizes captured as CUDA graphs at warm-up: auto "
+                             "(1,2,4,8, then multiples of 16 up to --max-batch-size), 0 (off), "
+                             "or a list such as 1,2,4,8,16,32 (env SHARDSERVE_CUDA_GRAPHS)")
     shards.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     shards.add_argument("--kv-cache-bytes", type=int, default=512 * 1024 * 1024,
                         help="KV cache size per rank on CPU, bytes")
@@ -111,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     shard = ShardLaunchConfig(
         model_path=str(files.path), model_id=files.model_id, num_shard=args.num_shard,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        cuda_graphs=args.cuda_graphs,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_fraction=args.gpu_memory_fraction, load_format=args.load_format,
         json_logs=args.json_output,

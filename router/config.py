@@ -138,7 +138,8 @@ class ShardLaunchConfig:
     num_shard: int = 1
     dtype: str = "auto"
     device: str = "auto"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    cuda_graphs: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024
     gpu_memory_fraction: float = 0.9
@@ -167,6 +168,7 @@ class ShardLaunchConfig:
             "--dtype", self.dtype,
             "--device", self.device,
             "--attention-backend", self.attention_backend,
+            "--cuda-graphs", self.cuda_graphs,
             "--block-size", str(self.block_size),
             "--kv-cache-bytes", str(self.kv_cache_bytes),
             "--gpu-memory-fraction", str(self.gpu_memory_fraction),

@@ -65,6 +65,7 @@ class WarmupBudgets:
 
     max_batch_prefill_tokens: int
     max_total_tokens: int
+    max_batch_size: int
 
 
 async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
@@ -101,7 +102,13 @@ async def build_state(
     max_position = first.max_position_embeddings
     chunked = config.scheduler.chunked_prefill
     before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked)
-    num_blocks = await client.warmup(before["max_batch_prefill_tokens"], before["max_total_tokens"])
+    warmup = WarmupBudgets(
+        before["max_batch_prefill_tokens"], before["max_total_tokens"],
+        config.scheduler.max_batch_size,
+    )
+    num_blocks = await client.warmup(
+        warmup.max_batch_prefill_tokens, warmup.max_total_tokens, warmup.max_batch_size
+    )
     budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
                              chunked_prefill=chunked)
     scheduler = dataclasses.replace(
@@ -124,7 +131,6 @@ async def build_state(
         limits=config.limits,
         kv_capacity_tokens=num_blocks * first.block_size,
     )
-    warmup = WarmupBudgets(before["max_batch_prefill_tokens"], before["max_total_tokens"])
     return ServerState(
         engine=engine,
         validator=validator,
@@ -239,7 +245,8 @@ class Supervisor:
                 client = await start_group(self.executor, SHARD_START_TIMEOUT_S)
                 infos = await client.info()
                 num_blocks = await client.warmup(
-                    self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens
+                    self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens,
+                    self.warmup.max_batch_size,
                 )
             except Exception as error:
                 logger.error("restarting the shard group failed: {}", error)

@@ -115,10 +115,15 @@ class ShardClient:
         """Raise :class:`ShardError` unless every rank is healthy."""
         await self._all("Health", lambda s: s.Health(pb.HealthRequest(), timeout=5.0))
 
-    async def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
-        """Warm every rank up; return the KV block count usable by all (the minimum)."""
+    async def warmup(
+        self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0
+    ) -> int:
+        """Warm every rank up (``max_batch_size`` > 0 sizes the decode CUDA graphs);
+        return the KV block count usable by all (the minimum)."""
         request = pb.WarmupRequest(
-            max_batch_prefill_tokens=max_batch_prefill_tokens, max_total_tokens=max_total_tokens
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
+            max_total_tokens=max_total_tokens,
+            max_batch_size=max_batch_size,
         )
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=1800.0))
         return min(response.num_blocks for response in responses)

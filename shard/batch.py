@@ -1,11 +1,14 @@
 """Shard-side batch state: what the shard remembers about each running request
-between RPCs, keyed by batch id. Plain Python, no tensors."""
+between RPCs, keyed by batch id: host records (:class:`RequestState`) and, for the
+decode step, the same rows as device tensors (:class:`~shard.decode_state.DecodeRows`),
+kept in the same order by every operation here."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
 from shard.sampling import SamplingParams
 
@@ -50,10 +53,17 @@ class RequestState:
 
 @dataclass
 class Batch:
-    """Requests kept under one batch id, in order."""
+    """Requests kept under one batch id, in order.
+
+    Attributes:
+        batch_id: router-assigned id.
+        requests: host state of each request.
+        rows: the same requests' device state, row ``i`` for ``requests[i]``.
+    """
 
     batch_id: int
     requests: list[RequestState]
+    rows: DecodeRows
 
     @property
     def request_ids(self) -> tuple[int, ...]:
@@ -112,8 +122,12 @@ class BatchStore:
         """
         self.check_concatenate(batch_ids)
         first = self._batches[batch_ids[0]]
+        rows = [first.rows]
         for batch_id in batch_ids[1:]:
-            first.requests.extend(self._batches.pop(batch_id).requests)
+            other = self._batches.pop(batch_id)
+            first.requests.extend(other.requests)
+            rows.append(other.rows)
+        first.rows = DecodeRows.concatenate(rows)
         return first
 
     def filter(self, batch_id: int, keep: Iterable[int]) -> Batch:
@@ -129,8 +143,11 @@ class BatchStore:
         unknown = keep_set - set(batch.request_ids)
         if unknown:
             raise ValueError(f"request ids {sorted(unknown)} are not in batch {batch_id}")
-        batch.requests = [r for r in batch.requests if r.request_id in keep_set]
-        if not batch.requests:
+        kept = [i for i, r in enumerate(batch.requests) if r.request_id in keep_set]
+        batch.requests = [batch.requests[i] for i in kept]
+        if batch.requests:
+            batch.rows = batch.rows.select(kept)
+        else:
             del self._batches[batch_id]
         return batch
 

@@ -41,6 +41,9 @@ class ShardConfig:
         gpu_memory_fraction: Fraction of total GPU memory the shard may use
             (weights + activations + KV cache), in (0, 1].
         attention_backend: Registry name (see :mod:`shard.attention`), or ``"auto"``.
+        cuda_graphs: Decode batch sizes captured as CUDA graphs at warmup: ``"auto"``
+            (1, 2, 4, 8, then multiples of 16 up to the max batch size), ``"0"`` (off), or
+            comma-separated sizes such as ``"1,2,4,8,16,32"``. CUDA only.
         rank: Tensor-parallel rank of this shard, in [0, world_size).
         world_size: Tensor-parallel world size.
         load_format: ``"safetensors"`` reads the checkpoint; ``"dummy"`` fills
@@ -61,7 +64,8 @@ class ShardConfig:
     block_size: int = 16
     kv_cache_bytes: int = 512 * MiB
     gpu_memory_fraction: float = 0.9
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    cuda_graphs: str = "auto"
     rank: int = 0
     world_size: int = 1
     load_format: LoadFormat = "safetensors"

@@ -19,6 +19,8 @@ from shard import warmup as warmup_lib
 from shard.attention import AttentionSpec, select_backend
 from shard.batch import Batch, BatchStore, RequestState
 from shard.config import ShardConfig, dtype_name
+from shard.cuda_graphs import DecodeGraphs, parse_buckets
+from shard.decode_state import DecodeRows
 from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
@@ -35,7 +37,7 @@ from shard.requests import (
     StepOutput,
     TopToken,
 )
-from shard.sampling import SamplerOutput, SamplingRow, sample
+from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample
 from shard.validate import validate_decode, validate_prefill
 
 
@@ -76,6 +78,8 @@ class ModelRunner:
         self.model = build_model(config, mc, self.backend, self.device, self.dtype)
         self.batches = BatchStore()
         self.kv_cache: list[KVCacheLayer] = []
+        # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -114,16 +118,27 @@ class ModelRunner:
         self.kv_cache = kv_cache
 
     def unbind_kv_cache(self) -> None:
-        """Detach and release the KV cache (num_blocks becomes 0)."""
+        """Detach and release the KV cache (num_blocks becomes 0) and the CUDA graphs
+        that read it."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         for attn in self.model.attention_layers():
             attn.kv_cache = None
         self.kv_cache = []
 
     @torch.inference_mode()
-    def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
-        """Size and allocate the KV cache, run a worst-case prefill through it and drop
-        all batches (also on failure, which leaves no cache). Returns the number of KV
-        blocks.
+    def warmup(
+        self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0
+    ) -> int:
+        """Size and allocate the KV cache, run a worst-case prefill through it, capture
+        the decode CUDA graphs (see :meth:`graph_buckets`) and drop all batches (also on
+        failure, which leaves no cache). Returns the number of KV blocks.
+
+        Args:
+            max_batch_prefill_tokens: prefill token budget, tokens.
+            max_total_tokens: longest request, tokens.
+            max_batch_size: most requests in a decode step (0 = unknown: no graphs).
 
         Raises:
             KVCacheTooSmallError: the cache cannot hold the budgets (names the flag).
@@ -131,9 +146,34 @@ class ModelRunner:
         """
         self.batches.clear()
         self.unbind_kv_cache()  # a failed warmup leaves the shard without a cache
-        num_blocks = warmup_lib.run_warmup(self, max_batch_prefill_tokens, max_total_tokens)
+        buckets = self.graph_buckets(max_batch_size)
+        num_blocks = warmup_lib.run_warmup(
+            self, max_batch_prefill_tokens, max_total_tokens, buckets
+        )
         self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, self.block_size)
         return num_blocks
+
+    def graph_buckets(self, max_batch_size: int) -> list[int]:
+        """Batch sizes whose decode runs as a CUDA graph: ``--cuda-graphs`` up to
+        ``max_batch_size``; none off CUDA, with graphs off, or with a backend that
+        cannot run inside a graph (the reason is logged)."""
+        if self.device.type != "cuda" or max_batch_size <= 0:
+            return []
+        buckets = parse_buckets(self.config.cuda_graphs, max_batch_size)
+        if buckets and not self.backend.cuda_graph_safe:
+            self.log.warning(
+                "decode runs eagerly: attention backend {} cannot run in a CUDA graph",
+                self.backend.name,
+            )
+            return []
+        return buckets
+
+    def capture_graphs(self, buckets: Sequence[int], max_total_tokens: int) -> DecodeGraphs:
+        """Capture the decode forward for ``buckets`` over the bound KV cache."""
+        graphs = DecodeGraphs(self.model, buckets, self.block_size, max_total_tokens, self.device)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs
 
     def run_chunks(
         self, chunks: Sequence[SeqChunk], is_prefill: bool
@@ -179,7 +219,13 @@ class ModelRunner:
             states = [_new_state(r, g.token_id) for r, g in zip(final, generations, strict=True)]
         forward_ns = time.perf_counter_ns() - t0
         if states:
-            self.batches.add(Batch(batch.batch_id, states))
+            rows = DecodeRows.build(
+                [s.last_token for s in states],
+                [s.seq_len for s in states],
+                [s.block_table for s in states],
+                self.device,
+            )
+            self.batches.add(Batch(batch.batch_id, states, rows))
         info = CachedBatchInfo(batch.batch_id, tuple(s.request_id for s in states))
         return StepOutput(tuple(generations), info, forward_ns)
 
@@ -220,13 +266,19 @@ class ModelRunner:
             appends.setdefault(rid, []).extend(blocks)
         validate_decode(requests, appends, self.block_size, self.num_blocks)
         batch = self.batches.concatenate(batch_ids)
-        for r in batch.requests:
-            r.block_table.extend(appends.get(r.request_id, []))
+        if appends:
+            row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
+            row_appends = []
+            for rid, blocks in appends.items():
+                r = batch.requests[row_of[rid]]
+                row_appends.append((row_of[rid], len(r.block_table), blocks))
+                r.block_table.extend(blocks)
+            batch.rows.append_blocks(row_appends)
         t0 = time.perf_counter_ns()
-        chunks = [SeqChunk((r.last_token,), r.seq_len, r.block_table) for r in batch.requests]
-        inputs, hidden = self.run_chunks(chunks, is_prefill=False)
-        logits = self.model.compute_logits(hidden[inputs.last_token_indices])
+        max_seqlen_k = max(r.seq_len for r in batch.requests) + 1
+        logits = self._decode_logits(batch.rows, max_seqlen_k)
         out = sample(logits, [_decode_sampling_row(r) for r in batch.requests])
+        batch.rows.advance(out.token_ids)
         generations = _generations(
             list(batch.request_ids),
             [r.top_n_tokens for r in batch.requests],
@@ -239,6 +291,22 @@ class ModelRunner:
         return StepOutput(
             tuple(generations), CachedBatchInfo(batch.batch_id, batch.request_ids), forward_ns
         )
+
+    def _decode_logits(self, rows: DecodeRows, max_seqlen_k: int) -> torch.Tensor:
+        """Logits [batch, vocab] float32 of one decode step: a CUDA graph replay when a
+        captured bucket holds the batch, the eager forward otherwise."""
+        if not self.kv_cache:
+            raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and graphs.bucket_for(len(rows)) is not None
+            and max_seqlen_k <= graphs.max_seqlen_k
+        ):
+            return graphs.run(rows)
+        inputs = rows.model_inputs(self.block_size, max_seqlen_k)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        return self.model.compute_logits(hidden)
 
     def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
         """Keep only ``request_ids`` in the batch (see :meth:`BatchStore.filter`)."""
@@ -266,7 +334,8 @@ def _prefill_sampling_row(r: RequestInput) -> SamplingRow:
 
 
 def _decode_sampling_row(r: RequestState) -> SamplingRow:
-    return SamplingRow(r.sampling, r.num_generated, r.token_ids, r.generated_tokens, r.top_n_tokens)
+    generated = TokenSuffix(r.token_ids, r.num_generated)
+    return SamplingRow(r.sampling, r.num_generated, r.token_ids, generated, r.top_n_tokens)
 
 
 def _new_state(r: RequestInput, token_id: int) -> RequestState:

@@ -16,8 +16,10 @@ Pipeline per step (all rows at once, each with its own parameters):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 
@@ -216,27 +218,66 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     dev = logits.device
     logits = logits.to(torch.float32)
     logprobs_all = logits.log_softmax(dim=-1)
-    scores = apply_repetition_penalty(
-        logits,
-        _param(rows, "repetition_penalty", torch.float32, dev),
-        [r.seen_tokens for r in rows],
-    )
-    scores = apply_frequency_presence_penalties(
-        scores,
-        _param(rows, "frequency_penalty", torch.float32, dev),
-        _param(rows, "presence_penalty", torch.float32, dev),
-        [r.generated_tokens for r in rows],
-    )
+    # Penalties are applied only when a row asks for one, decided on the host: the
+    # common batch (no penalties) builds no tensors and never waits for the device.
+    scores = logits
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        scores = apply_repetition_penalty(
+            scores,
+            _param(rows, "repetition_penalty", torch.float32, dev),
+            [r.seen_tokens for r in rows],
+        )
+    if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows):
+        scores = apply_frequency_presence_penalties(
+            scores,
+            _param(rows, "frequency_penalty", torch.float32, dev),
+            _param(rows, "presence_penalty", torch.float32, dev),
+            [r.generated_tokens for r in rows],
+        )
     token_ids = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
-        probs = _warp(scores[sampled], sub_rows).softmax(dim=-1)
+        sub_scores = scores if len(sampled) == len(rows) else scores[sampled]
+        probs = _warp(sub_scores, sub_rows).softmax(dim=-1)
         noise = exponential_noise(sub_rows, logits.shape[-1], dev)
-        token_ids[sampled] = (probs / noise).argmax(dim=-1)
+        picked = (probs / noise).argmax(dim=-1)
+        if len(sampled) == len(rows):
+            token_ids = picked
+        else:
+            token_ids[sampled] = picked
     token_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
     max_top_n = max((r.top_n for r in rows), default=0)
     top_ids = top_lp = None
     if max_top_n > 0:
         top_lp, top_ids = logprobs_all.topk(min(max_top_n, logits.shape[-1]), dim=-1)
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_lp)
+
+
+class TokenSuffix(SequenceABC[int]):
+    """The last ``n`` of ``tokens`` as a read-only sequence, without copying them (a
+    decode step builds one per request; only the penalties read it)."""
+
+    def __init__(self, tokens: Sequence[int], n: int) -> None:
+        self._tokens = tokens
+        self._start = len(tokens) - n
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self._tokens[self._start + index % len(self)]
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self._start, len(self._tokens)):
+            yield self._tokens[i]

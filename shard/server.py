@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction)
     p.add_argument(
+        "--cuda-graphs", default=d.cuda_graphs,
+        help="decode batch sizes captured as CUDA graphs: auto, 0 (off) or e.g. 1,2,4,8,16",
+    )
+    p.add_argument(
         "--attention-backend", default=d.attention_backend, help="auto or a registry name"
     )
     p.add_argument("--rank", type=int, default=d.rank)

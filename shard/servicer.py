@@ -85,7 +85,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         num_blocks = await self._run(
             context,
             "Warmup",
-            lambda: self.runner.warmup(request.max_batch_prefill_tokens, request.max_total_tokens),
+            lambda: self.runner.warmup(
+                request.max_batch_prefill_tokens, request.max_total_tokens, request.max_batch_size
+            ),
         )
         return pb.WarmupResponse(num_blocks=num_blocks, block_size=self.runner.block_size)
 

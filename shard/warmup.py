@@ -5,10 +5,14 @@ CUDA: run the worst-case prefill with a temporary cache just big enough for it,
 measure peak memory, then give the KV cache what is left of
 ``total × gpu_memory_fraction`` (the vLLM profiling approach).
 Either way the real cache is then allocated and the worst-case prefill runs through it.
+With decode CUDA graphs, their memory pool is measured by a capture over the temporary
+cache and left out of the KV budget; the graphs are captured again over the real cache.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,7 +57,13 @@ def _run_dummy_prefill(runner: ModelRunner, chunks: list[SeqChunk]) -> None:
         torch.cuda.synchronize(runner.device)
 
 
-def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int) -> int:
+def _cuda_num_blocks(
+    runner: ModelRunner,
+    chunks: list[SeqChunk],
+    per_block: int,
+    graph_buckets: Sequence[int],
+    max_total_tokens: int,
+) -> int:
     device = runner.device
     temp_blocks = blocks_needed(chunks)
     torch.cuda.empty_cache()
@@ -66,6 +76,11 @@ def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int
     )
     _run_dummy_prefill(runner, chunks)
     peak = torch.cuda.max_memory_allocated(device)
+    graph_bytes = 0
+    if graph_buckets:
+        before = torch.cuda.memory_reserved(device)
+        runner.capture_graphs(graph_buckets, max_total_tokens)
+        graph_bytes = max(0, torch.cuda.memory_reserved(device) - before)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = total - free - torch.cuda.memory_reserved(device)
     runner.unbind_kv_cache()
@@ -74,23 +89,33 @@ def _cuda_num_blocks(runner: ModelRunner, chunks: list[SeqChunk], per_block: int
         int(total * runner.config.gpu_memory_fraction)
         - non_torch
         - (peak - temp_blocks * per_block)
+        - graph_bytes
     )
     runner.log.info(
-        "memory: total {:.2f} GiB, warmup peak {:.2f} GiB, other {:.2f} GiB, KV budget {:.2f} GiB",
+        "memory: total {:.2f} GiB, warmup peak {:.2f} GiB, other {:.2f} GiB, "
+        "CUDA graphs {:.2f} GiB, KV budget {:.2f} GiB",
         total / 2**30,
         peak / 2**30,
         non_torch / 2**30,
+        graph_bytes / 2**30,
         max(budget, 0) / 2**30,
     )
     return max(budget, 0) // per_block
 
 
-def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
-    """Allocate the KV cache and run the worst-case prefill through it.
+def run_warmup(
+    runner: ModelRunner,
+    max_batch_prefill_tokens: int,
+    max_total_tokens: int,
+    graph_buckets: Sequence[int] = (),
+) -> int:
+    """Allocate the KV cache, run the worst-case prefill through it and capture the
+    decode CUDA graphs.
 
     Args:
         max_batch_prefill_tokens: prefill token budget, in tokens (> 0).
         max_total_tokens: longest request (prompt + generated), in tokens (> 0).
+        graph_buckets: decode batch sizes to capture (CUDA only; empty = none).
 
     Returns:
         the number of KV blocks allocated.
@@ -107,7 +132,9 @@ def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tok
     )
     chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, runner.block_size)
     if runner.device.type == "cuda":
-        num_blocks = _cuda_num_blocks(runner, chunks, per_block)
+        num_blocks = _cuda_num_blocks(
+            runner, chunks, per_block, graph_buckets, max_total_tokens
+        )
         memory_flag = "--gpu-memory-fraction"
     else:
         num_blocks = runner.config.kv_cache_bytes // per_block
@@ -128,4 +155,11 @@ def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tok
         )
     )
     _run_dummy_prefill(runner, chunks)
+    if graph_buckets:
+        started = time.perf_counter()
+        runner.capture_graphs(graph_buckets, max_total_tokens)
+        runner.log.info(
+            "captured decode CUDA graphs for batch sizes {} in {:.1f} s",
+            list(graph_buckets), time.perf_counter() - started,
+        )
     return num_blocks

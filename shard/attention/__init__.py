@@ -17,11 +17,14 @@ from shard.attention.metadata import AttentionMetadata
 from shard.attention.torch_backend import TorchAttentionBackend
 from shard.attention.triton_backend import TritonAttentionBackend
 
-# Order matters for "auto": the first that supports the spec wins.
+# Order matters for "auto": the first that supports the spec wins. Our Triton kernels
+# come first: on the H200 their paged decode beat flash-attn 2.8.3 and FlashInfer 0.5.3
+# at every point measured (benchmarks/results/attention-h200.md), and they run inside the
+# decode CUDA graphs at any block size (flash-attn's paged API needs 256-token blocks).
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    TritonAttentionBackend.name: TritonAttentionBackend,
     FlashAttnBackend.name: FlashAttnBackend,
     FlashInferBackend.name: FlashInferBackend,
-    TritonAttentionBackend.name: TritonAttentionBackend,
     TorchAttentionBackend.name: TorchAttentionBackend,
 }
 
@@ -69,7 +72,7 @@ def _check(cls: type[AttentionBackend], spec: AttentionSpec) -> tuple[bool, str]
 
 def select_backend(name: str, spec: AttentionSpec) -> tuple[AttentionBackend, str]:
     """Instantiate the named backend, or with ``"auto"`` the first of
-    :data:`ATTENTION_BACKENDS` (flash_attn → flashinfer → triton → torch) that imports and
+    :data:`ATTENTION_BACKENDS` (triton → flash_attn → flashinfer → torch) that imports and
     supports ``spec`` (device, dtype, heads, head size, block size).
 
     The block size the chosen backend needs is ``backend.kv_block_size(spec.block_size)``.

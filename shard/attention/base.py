@@ -37,14 +37,18 @@ class AttentionSpec:
 class AttentionBackend(abc.ABC):
     """Writes new K/V into the paged cache and attends over each sequence's context.
 
-    Subclasses set :attr:`name` and :attr:`block_size_multiple` (the KV block size the
-    backend needs is a multiple of it: flash-attn's paged API needs 256, ours any), and
+    Subclasses set :attr:`name`, :attr:`block_size_multiple` (the KV block size the
+    backend needs is a multiple of it: flash-attn's paged API needs 256, ours any) and
+    :attr:`cuda_graph_safe`, and
     implement :meth:`supports` and :meth:`forward`. ``supports`` is also where a backend
     checks that its optional package imports, so a missing package means "skipped".
     """
 
     name: ClassVar[str]
     block_size_multiple: ClassVar[int] = 1
+    # Whether a decode step through this backend can be captured in a CUDA graph: no
+    # host synchronisation, no host values that change from step to step.
+    cuda_graph_safe: ClassVar[bool] = False
 
     @classmethod
     def kv_block_size(cls, requested: int) -> int:

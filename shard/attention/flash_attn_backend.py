@@ -40,6 +40,9 @@ class FlashAttnBackend(AttentionBackend):
 
     name = "flash_attn"
     block_size_multiple: ClassVar[int] = 256
+    # NOTE: the KV write is our Triton kernel (masked in-kernel, no host sync) wherever
+    # flash-attn runs, since CUDA PyTorch ships Triton.
+    cuda_graph_safe: ClassVar[bool] = True
 
     def __init__(self) -> None:
         module, reason = import_flash_attn()

@@ -36,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     block_size_multiple: ClassVar[int] = 1
+    cuda_graph_safe: ClassVar[bool] = True
 
     def __init__(self) -> None:
         # NOTE: imported here, not at module import, so the registry imports without

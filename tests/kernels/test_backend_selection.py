@@ -23,7 +23,7 @@ CUDA_BF16 = AttentionSpec(torch.device("cuda"), torch.bfloat16, 64, 8, 128, 16)
 @pytest.fixture
 def no_optional_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make flash_attn, flashinfer and triton fail to import."""
-    for name in ("flash_attn", "flashinfer", "triton"):
+    for name in ("triton", "flash_attn", "flashinfer"):
         monkeypatch.setitem(sys.modules, name, None)
 
 
@@ -37,15 +37,15 @@ def fake_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_auto_order_and_names() -> None:
-    assert list(ATTENTION_BACKENDS) == ["flash_attn", "flashinfer", "triton", "torch"]
-    with pytest.raises(ValueError, match="valid: auto, flash_attn, flashinfer, triton, torch"):
+    assert list(ATTENTION_BACKENDS) == ["triton", "flash_attn", "flashinfer", "torch"]
+    with pytest.raises(ValueError, match="valid: auto, triton, flash_attn, flashinfer, torch"):
         get_backend_class("flash")
 
 
 def test_auto_falls_back_to_torch_and_says_why(no_optional_packages: None) -> None:
     backend, reason = select_backend("auto", CUDA_BF16)
     assert backend.name == "torch"
-    for name in ("flash_attn", "flashinfer", "triton"):
+    for name in ("triton", "flash_attn", "flashinfer"):
         assert f"{name} skipped: {name} is not importable" in reason
     assert reason.endswith("auto chose torch: pure PyTorch reference backend: runs on any "
                            "device and dtype")
@@ -73,8 +73,19 @@ def test_explicit_triton_on_cpu_is_an_error() -> None:
         select_backend("triton", CPU)
 
 
-def test_flash_attn_chosen_first_with_block_size_raised(fake_flash_attn: None) -> None:
+def test_triton_chosen_first_on_cuda(fake_flash_attn: None) -> None:
+    pytest.importorskip("triton")
     backend, reason = select_backend("auto", CUDA_BF16)
+    assert isinstance(backend, TritonAttentionBackend) and backend.cuda_graph_safe
+    assert reason.startswith("auto chose triton")
+
+
+def test_flash_attn_next_with_block_size_raised(
+    fake_flash_attn: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)
+    backend, reason = select_backend("auto", CUDA_BF16)
+    assert reason.startswith("triton skipped: triton is not importable")
     assert isinstance(backend, FlashAttnBackend)
     assert "flash_attn 2.8.3" in reason and "block size 16 raised to 256" in reason
     assert backend.kv_block_size(16) == 256 and backend.kv_block_size(512) == 512
@@ -94,7 +105,8 @@ def test_flash_attn_unsupported_models_fall_through(
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setitem(sys.modules, "triton", None)
     backend, reason = select_backend("auto", spec)
-    assert backend.name == "torch" and why in reason.split(";")[0]
+    flash_attn_part = next(p for p in reason.split("; ") if p.startswith("flash_attn skipped"))
+    assert backend.name == "torch" and why in flash_attn_part
 
 
 def test_old_flash_attn_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shard.batch import Batch, BatchStore, RequestState
+from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
 from shard.sampling import SamplingParams
 
@@ -16,8 +18,26 @@ def state(rid: int) -> RequestState:
 def store_with(*batches: tuple[int, list[int]]) -> BatchStore:
     store = BatchStore()
     for bid, rids in batches:
-        store.add(Batch(bid, [state(r) for r in rids]))
+        states = [state(r) for r in rids]
+        rows = DecodeRows.build(
+            [s.last_token for s in states],
+            [s.seq_len for s in states],
+            [s.block_table for s in states],
+            torch.device("cpu"),
+        )
+        store.add(Batch(bid, states, rows))
     return store
+
+
+def test_device_rows_follow_the_requests() -> None:
+    # state(r) puts block r in the table: the rows must keep pointing at their request
+    store = store_with((7, [1, 2]), (3, [5]), (9, [4]))
+    batch = store.concatenate([7, 3, 9])
+    assert batch.rows.block_tables[:, 0].tolist() == [1, 2, 5, 4]
+    batch = store.filter(7, [4, 2])
+    assert batch.request_ids == (2, 4)
+    assert batch.rows.block_tables[:, 0].tolist() == [2, 4]
+    assert batch.rows.seq_lens.tolist() == [2, 2] and batch.rows.tokens.tolist() == [3, 3]
 
 
 def test_concatenate_keeps_first_id_and_order() -> None:

@@ -35,7 +35,7 @@ def test_shard_config_defaults_and_resolution() -> None:
         16,
         512 << 20,
         0.9,
-        "torch",
+        "auto",
     )
     assert (c.rank, c.world_size, c.load_format, c.served_model_id) == (0, 1, "safetensors", "m")
     cpu = ShardConfig(model_path="m", device="cpu")

@@ -114,7 +114,7 @@ def test_registry() -> None:
     backend, reason = select_backend("auto", spec)
     assert backend.name == "torch" and "auto chose torch" in reason
     assert get_backend_class("torch") is TorchAttentionBackend
-    valid = "auto, flash_attn, flashinfer, triton, torch"
+    valid = "auto, triton, flash_attn, flashinfer, torch"
     with pytest.raises(ValueError, match=rf"unknown attention backend 'flash'; valid: {valid}"):
         select_backend("flash", spec)
     with pytest.raises(ValueError, match="not a multiple"):

@@ -1,0 +1,214 @@
+"""Decode forwards captured as CUDA graphs, one per batch-size bucket.
+
+A decode step of a large model launches hundreds of small kernels; launched one by one
+from Python the GPU waits on the host. At warm-up the whole decode forward (embedding →
+layers with attention → final norm → LM head) is captured once per bucket
+(``torch.cuda.CUDAGraph``, see PyTorch's "CUDA Graphs" notes); a step copies its inputs
+into the static buffers and replays the smallest bucket that holds the batch.
+
+Padded rows (bucket size minus batch size) get slot -1, so they never write a real KV
+slot, and a context of one token in block 0, which is read and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from shard.attention.metadata import AttentionMetadata
+from shard.decode_state import DecodeRows, decode_slot_mapping
+
+
+class DecodeModel(Protocol):
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def default_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including ``max_batch_size``."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    buckets += list(range(16, max_batch_size, 16))
+    return sorted({*buckets, max_batch_size})
+
+
+def parse_buckets(spec: str, max_batch_size: int) -> list[int]:
+    """``--cuda-graphs`` value → sorted bucket sizes.
+
+    ``"auto"``: :func:`default_buckets`; ``"0"`` or ``""``: none (eager decode);
+    otherwise comma-separated sizes, e.g. ``"1,2,4,8,16,32"`` (TGI's spelling); sizes
+    above ``max_batch_size`` are dropped.
+
+    Raises:
+        ValueError: a size that is not a positive integer (names the flag).
+    """
+    spec = spec.strip()
+    if spec in ("", "0"):
+        return []
+    if spec == "auto":
+        return default_buckets(max_batch_size)
+    try:
+        sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(
+            f"--cuda-graphs must be 'auto', '0' or comma-separated batch sizes, got {spec!r}"
+        ) from None
+    if any(size <= 0 for size in sizes):
+        raise ValueError(f"--cuda-graphs batch sizes must be positive, got {spec!r}")
+    return [size for size in sizes if size <= max_batch_size]
+
+
+class DecodeGraphs:
+    """Captured decode forwards over shared static buffers.
+
+    Args:
+        model: the causal LM (``model(input_ids, positions, metadata)`` and
+            ``compute_logits``).
+        buckets: batch sizes to capture, e.g. [1, 2, 4, 8, 16, ...].
+        block_size: tokens per KV block.
+        max_seqlen_k: the longest context a request can reach (max_total_tokens); the
+            attention kernels are launched for it (their split count depends on it).
+        device: the CUDA device.
+
+    The KV cache must be bound before :meth:`capture` (its addresses are recorded in
+    the graphs); capture again after binding another cache.
+    """
+
+    def __init__(
+        self,
+        model: DecodeModel,
+        buckets: Sequence[int],
+        block_size: int,
+        max_seqlen_k: int,
+        device: torch.device,
+    ) -> None:
+        assert buckets, "no batch-size buckets"
+        self.model = model
+        self.buckets = sorted(buckets)
+        self.block_size = block_size
+        self.max_seqlen_k = max_seqlen_k
+        self.device = device
+        size = self.buckets[-1]
+        width = -(-max_seqlen_k // block_size)
+        # static inputs: [max bucket] (block_tables [max bucket, width]); bucket b uses [:b]
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(size, width, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.cu_seqlens_k = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest captured bucket holding ``batch`` rows, or None."""
+        for bucket in self.buckets:
+            if bucket >= batch:
+                return bucket
+        return None
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        """The captured region: inputs from the static buffers → logits [bucket, vocab]."""
+        seq_lens = self.seq_lens[:bucket]
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self.cu_seqlens_k[1 : bucket + 1])
+        metadata = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self.slot_mapping[:bucket],
+            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+            cu_seqlens_k=self.cu_seqlens_k[: bucket + 1],
+            seq_lens=seq_lens,
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_seqlen_k,
+            block_tables=self.block_tables[:bucket],
+            has_skipped_slots=True,
+        )
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], metadata)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one shared memory pool.
+
+        NOTE: each bucket first runs once eagerly (Triton compiles its kernels, cuBLAS
+        picks its algorithms) on a side stream, as capture requires.
+        """
+        self.release()
+        self._reset_padding(0)
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                self._forward(bucket)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[bucket] = self._forward(bucket)
+                pool = graph.pool()
+                self._graphs[bucket] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool (before the KV cache is replaced)."""
+        self._graphs.clear()
+        self._logits.clear()
+
+    def _reset_padding(self, batch: int) -> None:
+        """Rows from ``batch`` on: no cache write, a one-token context in block 0."""
+        self.slot_mapping[batch:].fill_(-1)
+        self.seq_lens[batch:].fill_(1)
+        self.input_ids[batch:].zero_()
+        self.positions[batch:].zero_()
+
+    def run(self, rows: DecodeRows) -> torch.Tensor:
+        """One decode forward of ``rows`` by graph replay.
+
+        Returns:
+            logits [len(rows), vocab] float32 (a view of the graph's output buffer,
+            valid until the next replay).
+
+        Raises:
+            ValueError: no captured bucket holds the batch or a block table is wider
+                than max_seqlen_k allows.
+        """
+        n = len(rows)
+        bucket = self.bucket_for(n)
+        if bucket is None or bucket not in self._graphs:
+            raise ValueError(f"no CUDA graph captured for a batch of {n}")
+        width = rows.block_tables.shape[1]
+        if width > self.block_tables.shape[1]:
+            raise ValueError(
+                f"block table of {width} blocks exceeds the captured {self.block_tables.shape[1]}"
+            )
+        self.input_ids[:n].copy_(rows.tokens)
+        self.positions[:n].copy_(rows.seq_lens)
+        self.seq_lens[:n].copy_(rows.seq_lens)
+        self.seq_lens[:n] += 1
+        self.block_tables[:n, :width].copy_(rows.block_tables)
+        self.slot_mapping[:n].copy_(
+            decode_slot_mapping(rows.block_tables, self.positions[:n], self.block_size)
+        )
+        if n < bucket:
+            self._reset_padding(n)
+        self._graphs[bucket].replay()
+        return self._logits[bucket][:n]
+
+
+def capture_memory_bytes(graphs: DecodeGraphs) -> int:
+    """Capture ``graphs`` and return the memory its pool keeps reserved, in bytes."""
+    device = graphs.device
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)
+    graphs.capture()
+    return max(0, torch.cuda.memory_reserved(device) - before)
+
