@@ -126,9 +126,10 @@ def test_dummy_weights_from_config_alone(tiny_models: TinyModels, tmp_path: Path
         )
     )
     state: dict[str, Any] = runner.model.state_dict()
-    for name in ("model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"):
-        assert torch.equal(state[name], torch.ones(32)), name
-    assert runner.warmup(32, 64) > 0
+    for name in ("layers.0.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"):
+        assert torch.equal(state[f"model.{name}"], torch.ones(32)), name
+    # KV blocks sized by head_dim 32: 1 MiB / (2 layers * K,V * 4 tokens * 2 heads * 32 * 4 B)
+    assert runner.warmup(32, 64) == 256
     pool = BlockPool(runner.num_blocks)
     first = prefill(runner, 1, request(1, PROMPTS[2], pool.for_tokens(len(PROMPTS[2]))))
     assert 0 <= first[1] < 256
