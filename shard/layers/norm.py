@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, hidden_size] any float dtype → same shape and dtype."""
+        """x: [..., hidden_size] any float dtype (e.g. [num_tokens, hidden_size], or
+        [num_tokens, num_heads, head_dim] for per-head norms) → same shape and dtype."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused op; with nothing to cast it is the same arithmetic as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -9,6 +9,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm from ModelConfig.qk_norm
 }
 
 __all__ = ["MODEL_REGISTRY", "ModelConfig", "get_model_class"]

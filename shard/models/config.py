@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# Architectures that RMS-normalise each query and key head before rotary (Qwen3).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ModelConfig:
         attention_bias: q/k/v (and o, for Llama) projections carry a bias.
         o_proj_bias: o_proj carries a bias (Llama: = attention_bias; Qwen2: False).
         mlp_bias: gate/up/down projections carry a bias.
+        qk_norm: each query and key head vector goes through an RMSNorm of size
+            head_dim (weights ``self_attn.q_norm`` / ``self_attn.k_norm``, shared by all
+            heads) before rotary, as in Qwen3.
         rope: rotary settings.
         bos_token_id, eos_token_ids: special tokens (eos may be several).
         torch_dtype: checkpoint dtype string, e.g. ``"bfloat16"`` (informational).
@@ -71,6 +76,7 @@ class ModelConfig:
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     rope: RopeConfig = RopeConfig()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -82,7 +88,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: when the file is missing.
-            ValueError: on an unsupported rope type or inconsistent head counts.
+            ValueError: on an unsupported rope type, inconsistent head counts or
+                sliding-window attention.
         """
         with open(Path(path) / "config.json", encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
@@ -98,6 +105,12 @@ class ModelConfig:
         if heads % kv_heads != 0:
             raise ValueError(
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        sliding = sliding_window_layers(cfg)
+        if sliding:
+            raise ValueError(
+                f"layers {sliding} use sliding-window attention (use_sliding_window / "
+                "layer_types), which is not supported"
             )
         # NOTE: Qwen2 has q/k/v bias but no o_proj bias and no attention_bias key.
         is_qwen2 = arch.startswith("Qwen2")
@@ -124,11 +137,27 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             rope=parse_rope(cfg),
             bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
             eos_token_ids=eos_ids,
             torch_dtype=None if dtype is None else str(dtype),
         )
+
+
+def sliding_window_layers(cfg: dict[str, Any]) -> list[int]:
+    """Indices of the layers Hugging Face runs with sliding-window attention, in the
+    Qwen2/Qwen3 spelling: ``layer_types`` entries ``"sliding_attention"`` or, in configs
+    without ``layer_types``, layers from ``max_window_layers`` on when
+    ``use_sliding_window`` is true. Empty for configs with neither key.
+    """
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        return []
+    num_layers = int(cfg["num_hidden_layers"])
+    return list(range(int(cfg.get("max_window_layers", num_layers)), num_layers))
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama).
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, TinyLlama).
+
+The family's variations are read from :class:`ModelConfig`: q/k/v and o_proj biases
+(Qwen2), per-head q/k RMSNorm before rotary (Qwen3, ``qk_norm``), an explicit
+``head_dim`` that may differ from ``hidden_size / num_attention_heads``, tied embeddings.
 
 Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj`` ...), except
 that q/k/v and gate/up are fused; :attr:`LlamaForCausalLM.packed_modules` maps
@@ -35,7 +39,13 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with GQA, rotary embeddings and a paged KV cache."""
+    """Self-attention with GQA, rotary embeddings and a paged KV cache.
+
+    With ``config.qk_norm`` every query and key head vector is RMS-normalised (one
+    weight of size head_dim per projection, shared by the heads) before rotary, as in
+    Qwen3 (Qwen team 2025, "Qwen3 Technical Report", arXiv:2505.09388, §2). The norms
+    act per head, so every tensor-parallel rank holds them whole.
+    """
 
     def __init__(
         self,
@@ -65,6 +75,11 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.attn = Attention(
             backend, self.num_heads, self.num_kv_heads, self.head_dim, config.head_dim**-0.5
         )
@@ -81,6 +96,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head alone
         q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(-1, q_size))

@@ -19,6 +19,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from shard.config import ShardConfig
@@ -65,6 +67,15 @@ VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
         MistralForCausalLM,
         MistralConfig(**BASE, tie_word_embeddings=False, sliding_window=None),
     ),
+    # head_dim 32 != hidden_size / num_attention_heads (16): q/k/v are 128 wide, o_proj 128→64
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(**{**BASE, "head_dim": 32}, tie_word_embeddings=False),
+    ),
+    "qwen3_tied": (
+        Qwen3ForCausalLM,
+        Qwen3Config(**{**BASE, "vocab_size": 128}, tie_word_embeddings=True),
+    ),
     "llama3_rope": (LlamaForCausalLM, LlamaConfig(**BASE, rope_parameters=LLAMA3_ROPE)),
     "linear_rope": (
         LlamaForCausalLM,
@@ -90,6 +101,12 @@ def make_hf_model(variant: str, folder: Path) -> PreTrainedModel:
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.1)
+    if variant.startswith("qwen3"):
+        # HF initialises the q/k norm weights to one; make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
     model.save_pretrained(folder)
     return model
 

@@ -4,6 +4,7 @@ the model registry."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -147,9 +148,43 @@ def test_model_config_qwen2_bias_and_bad_rope() -> None:
         ModelConfig.from_dict({**HF, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
 
 
+def test_model_config_qwen3_qk_norm_and_head_dim() -> None:
+    qwen3 = {**HF, "architectures": ["Qwen3ForCausalLM"], "head_dim": 128}
+    mc = ModelConfig.from_dict(qwen3)
+    assert mc.qk_norm and mc.head_dim == 128  # not hidden_size / heads = 16
+    assert not (mc.attention_bias or mc.o_proj_bias)
+    assert ModelConfig.from_dict({**qwen3, "attention_bias": True}).o_proj_bias
+    assert get_model_class(mc).__name__ == "LlamaForCausalLM"
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        assert not ModelConfig.from_dict({**HF, "architectures": [arch]}).qk_norm
+
+
+@pytest.mark.parametrize(
+    ("extra", "layers"),
+    [
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "[1]"),
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, "[0, 1]"),
+    ],
+)
+def test_model_config_rejects_sliding_window(extra: dict, layers: str) -> None:
+    cfg = {**HF, "architectures": ["Qwen3ForCausalLM"], **extra}
+    with pytest.raises(ValueError, match=re.escape(f"layers {layers} use sliding-window")):
+        ModelConfig.from_dict(cfg)
+
+
+def test_model_config_accepts_full_attention_layer_types() -> None:
+    full = {"layer_types": ["full_attention"] * 2, "use_sliding_window": False}
+    assert ModelConfig.from_dict({**HF, "architectures": ["Qwen3ForCausalLM"], **full}).qk_norm
+    # use_sliding_window with max_window_layers past the last layer slides nowhere
+    late = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}
+    assert ModelConfig.from_dict({**HF, **late}).num_hidden_layers == 2
+
+
 def test_model_registry_lists_supported() -> None:
     with pytest.raises(
-        ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+        ValueError,
+        match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM",
     ):
         get_model_class(ModelConfig.from_dict({**HF, "architectures": ["GPT2LMHeadModel"]}))
 

@@ -8,7 +8,9 @@ import torch
 from shard.inputs import SeqChunk
 from tests.unit.shard.helpers import PROMPTS, BlockPool, hf_logits, make_runner
 
-VARIANTS = ["llama", "llama_tied", "qwen2", "mistral", "llama3_rope", "linear_rope"]
+VARIANTS = [
+    "llama", "llama_tied", "qwen2", "qwen3", "qwen3_tied", "mistral", "llama3_rope", "linear_rope"
+]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
