@@ -44,7 +44,7 @@ from shard.sampling import SamplingParams
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+    num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192,
     rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
     bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
 )
@@ -72,11 +72,12 @@ class Blocks:
 
 
 def _runner(args: argparse.Namespace, model: str, rank: int, tp: int, port: int,
-            dtype: str, dummy: bool) -> ModelRunner:
+            dtype: str, dummy: bool, graphs: str) -> ModelRunner:
     return ModelRunner(ShardConfig(
         model_path=model, device=args.device, dtype=dtype, block_size=BLOCK,
         kv_cache_bytes=256 << 20, gpu_memory_fraction=0.85, rank=rank, world_size=tp,
         master_addr="127.0.0.1", master_port=port, load_format="dummy" if dummy else "safetensors",
+        attention_backend=args.attention_backend, cuda_graphs=graphs,
     ))
 
 
@@ -123,8 +124,9 @@ def _time_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
 
 def _worker(args: argparse.Namespace, job: dict[str, Any], rank: int, port: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // job["tp"]))
-    runner = _runner(args, job["model"], rank, job["tp"], port, job["dtype"], job["dummy"])
-    runner.warmup(4096, 2048)
+    runner = _runner(args, job["model"], rank, job["tp"], port, job["dtype"], job["dummy"],
+                     job["graphs"])
+    runner.warmup(4096, 2048, max(args.batch))
     if job["kind"] == "check":
         result: Any = _greedy(runner, job["prompts"], job["new_tokens"])
     else:
@@ -172,26 +174,31 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--out", default="tp-decode.md")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graphs", nargs="+", default=["auto"],
+                   help="decode modes to time side by side: 0 (eager), auto, or bucket lists")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp())
     tiny, big = tmp / "tiny", tmp / "big"
     tiny_model(tiny)
     big.mkdir()
-    (big / "config.json").write_text(json.dumps(SMALL if args.small else LLAMA3_8B))
+    cfg = SMALL if args.small else LLAMA3_8B
+    (big / "config.json").write_text(json.dumps(cfg))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 7, 23, 40)]
     checks = {}
-    for tp in args.tp:
+    modes = [(tp, g) for tp in args.tp for g in args.cuda_graphs]
+    for tp, g in modes:
         job = dict(kind="check", tp=tp, model=str(tiny), dtype="float32", dummy=False,
-                   prompts=prompts, new_tokens=16, out=str(tmp / f"check{tp}.json"))
-        checks[tp] = run_job(args, job)
-    same = all(checks[tp] == checks[args.tp[0]] for tp in args.tp)
+                   prompts=prompts, new_tokens=16, out=str(tmp / f"check{tp}.json"), graphs=g)
+        checks[(tp, g)] = run_job(args, job)
+    same = all(checks[m] == checks[modes[0]] for m in modes)
     timings = {}
     bf = "bfloat16" if args.device.startswith("cuda") else "float32"
-    for tp in args.tp:
+    for tp, g in modes:
         job = dict(kind="time", tp=tp, model=str(big), dtype=bf, dummy=True,
-                   out=str(tmp / f"time{tp}.json"))
-        timings[tp] = run_job(args, job)
+                   out=str(tmp / f"time{tp}.json"), graphs=g)
+        timings[(tp, g)] = run_job(args, job)
     dev = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()
     lines = [
         f"# Tensor-parallel decode step time ({'small' if args.small else 'Llama-3-8B'}-shaped, "
@@ -202,13 +209,15 @@ def main() -> int:
         f"; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}",
         f"- prompts of {args.prompt_len} tokens, median of {args.steps} decode steps after 3 "
         "warm-up steps; ModelRunner.decode (forward, all-reduces, sampling, host work)",
-        f"- greedy check, tiny fp32 Llama, 4 prompts × 16 tokens: TP={args.tp} identical: {same}",
+        f"- greedy check, tiny fp32 Llama, 4 prompts × 16 tokens, every TP size and CUDA-graph "
+        f"mode ({', '.join(f'TP={tp} graphs={g}' for tp, g in modes)}) identical: {same}",
+        f"- attention backend: {args.attention_backend}; vocabulary {cfg['vocab_size']}",
         "",
-        "| batch | " + " | ".join(f"TP={tp} (ms/step)" for tp in args.tp) + " |",
-        "|---|" + "---|" * len(args.tp),
+        "| batch | " + " | ".join(f"TP={tp} graphs={g} (ms/step)" for tp, g in modes) + " |",
+        "|---|" + "---|" * len(modes),
     ]
     for b in args.batch:
-        lines.append(f"| {b} | " + " | ".join(f"{timings[tp][str(b)]:.2f}" for tp in args.tp)
+        lines.append(f"| {b} | " + " | ".join(f"{timings[m][str(b)]:.2f}" for m in modes)
                      + " |")
     table = "\n".join(lines) + "\n"
     sys.stdout.write(table)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
-from shard.sampling import SamplingParams
+from shard.sampling import SamplingParams, is_plain_greedy
 
 
 @dataclass
@@ -35,6 +35,11 @@ class RequestState:
     num_generated: int
     sampling: SamplingParams
     top_n_tokens: int = 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, no penalties, no alternatives: the sampler's fast path applies."""
+        return self.top_n_tokens == 0 and is_plain_greedy(self.sampling)
 
     @property
     def last_token(self) -> int:

@@ -37,7 +37,7 @@ from shard.requests import (
     StepOutput,
     TopToken,
 )
-from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample
+from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample, sample_greedy
 from shard.validate import validate_decode, validate_prefill
 
 
@@ -277,7 +277,10 @@ class ModelRunner:
         t0 = time.perf_counter_ns()
         max_seqlen_k = max(r.seq_len for r in batch.requests) + 1
         logits = self._decode_logits(batch.rows, max_seqlen_k)
-        out = sample(logits, [_decode_sampling_row(r) for r in batch.requests])
+        if all(r.plain_greedy for r in batch.requests):
+            out = sample_greedy(logits)
+        else:
+            out = sample(logits, [_decode_sampling_row(r) for r in batch.requests])
         batch.rows.advance(out.token_ids)
         generations = _generations(
             list(batch.request_ids),

@@ -254,6 +254,30 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_lp)
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Argmax of the raw logits: greedy with no penalty (see :func:`sample_greedy`)."""
+    return (
+        not params.do_sample
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+    )
+
+
+def sample_greedy(logits: torch.Tensor) -> SamplerOutput:
+    """:func:`sample` for a batch whose rows are all :func:`is_plain_greedy` and ask for
+    no alternatives: argmax, and its logprob as ``logit - logsumexp(logits)`` (no full
+    log_softmax, no per-row host work).
+
+    Args:
+        logits: [batch, vocab] raw model logits.
+    """
+    logits = logits.to(torch.float32)
+    token_ids = logits.argmax(dim=-1)
+    chosen = logits.gather(1, token_ids[:, None]).squeeze(1)
+    return SamplerOutput(token_ids, chosen - logits.logsumexp(dim=-1), None, None)
+
+
 class TokenSuffix(SequenceABC[int]):
     """The last ``n`` of ``tokens`` as a read-only sequence, without copying them (a
     decode step builds one per request; only the penalties read it)."""

@@ -61,16 +61,36 @@ def validate_decode(
     block_size: int,
     num_blocks: int,
 ) -> None:
-    """Check block appends name known requests and every request has a block for its
-    next token (position seq_len) once the appends are applied.
+    """Check block appends name known requests with block ids in range, and every
+    request has a block for its next token (position seq_len) once they are applied.
+
+    NOTE: O(1) per request plus the appended ids: block tables were checked when their
+    blocks arrived, and this runs on every decode step.
 
     Raises:
-        ValueError: unknown request id in appends, or a block table too short.
+        ValueError: unknown request id in appends, a block id out of range, or a block
+            table too short.
     """
-    known = {r.request_id for r in requests}
-    unknown = sorted(set(appends) - known)
-    if unknown:
-        raise ValueError(f"block_appends name request ids {unknown} not in the decoded batches")
+    if appends:
+        known = {r.request_id for r in requests}
+        unknown = sorted(set(appends) - known)
+        if unknown:
+            raise ValueError(
+                f"block_appends name request ids {unknown} not in the decoded batches"
+            )
+        for rid, blocks in appends.items():
+            bad = [b for b in blocks if not 0 <= b < num_blocks]
+            if bad:
+                raise ValueError(
+                    f"request {rid}: block ids {bad[:5]} out of range [0, {num_blocks})"
+                )
     for r in requests:
-        table = r.block_table + appends.get(r.request_id, [])
-        _check_blocks(f"request {r.request_id}", table, r.seq_len + 1, block_size, num_blocks)
+        have = len(r.block_table) + len(appends.get(r.request_id, ())) if appends else len(
+            r.block_table
+        )
+        if have * block_size < r.seq_len + 1:
+            needed = -(-(r.seq_len + 1) // block_size)
+            raise ValueError(
+                f"request {r.request_id}: block_ids has {have} blocks but {r.seq_len + 1} "
+                f"tokens need {needed} (block_size {block_size})"
+            )

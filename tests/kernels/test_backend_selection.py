@@ -156,7 +156,10 @@ def test_info_reports_the_backend_block_size(
     assert (info.attention_backend, info.block_size) == ("flash_attn", 256)
     assert "raised to 256" in info.attention_backend_reason
     torch_runner = ModelRunner(
-        ShardConfig(model_path=str(tmp_path), device="cpu", dtype="float32", block_size=16)
+        ShardConfig(
+            model_path=str(tmp_path), device="cpu", dtype="float32", block_size=16,
+            attention_backend="torch",
+        )
     )
     assert torch_runner.info().block_size == 16
 

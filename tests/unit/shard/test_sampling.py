@@ -192,3 +192,18 @@ def test_penalties_change_greedy_choice() -> None:
 def test_invalid_params_raise(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_greedy_fast_path_matches_the_general_sampler() -> None:
+    from shard.sampling import is_plain_greedy, sample_greedy
+
+    torch.manual_seed(3)
+    logits = torch.randn(5, 40) * 4
+    fast = sample_greedy(logits)
+    full = sample(logits, [SamplingRow(SamplingParams()) for _ in range(5)])
+    assert fast.token_ids.tolist() == full.token_ids.tolist()
+    assert torch.allclose(fast.logprobs, full.logprobs, atol=1e-5)
+    assert is_plain_greedy(SamplingParams())
+    assert not is_plain_greedy(SamplingParams(do_sample=True))
+    assert not is_plain_greedy(SamplingParams(repetition_penalty=1.2))
+    assert not is_plain_greedy(SamplingParams(presence_penalty=0.5))

@@ -1,0 +1,132 @@
+"""Decode CUDA graphs: bucket parsing everywhere; on a CUDA GPU (skipped elsewhere) graph
+replay against eager decode (the reference): identical greedy tokens in float32,
+close logits in bfloat16, and padded rows that never write a KV slot."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from shard.config import ShardConfig
+from shard.cuda_graphs import default_buckets, parse_buckets
+from shard.model_runner import ModelRunner
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_default_buckets() -> None:
+    assert default_buckets(1) == [1]
+    assert default_buckets(8) == [1, 2, 4, 8]
+    assert default_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_parse_buckets() -> None:
+    assert parse_buckets("0", 64) == [] and parse_buckets("", 64) == []
+    assert parse_buckets("auto", 16) == [1, 2, 4, 8, 16]
+    assert parse_buckets("8, 1,2,128", 64) == [1, 2, 8]
+    with pytest.raises(ValueError, match="--cuda-graphs"):
+        parse_buckets("1,two", 64)
+    with pytest.raises(ValueError, match="positive"):
+        parse_buckets("0,4", 64)
+
+
+def _runner(folder: Path, dtype: str, graphs: str) -> ModelRunner:
+    runner = ModelRunner(ShardConfig(model_path=str(folder), device="cuda", dtype=dtype,
+                                     block_size=4, attention_backend="triton",
+                                     cuda_graphs=graphs, gpu_memory_fraction=0.2))
+    runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=8)
+    return runner
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Decode ``prompts``; after ``steps // 2`` steps the first request leaves the batch
+    (the batch shrinks into a padded bucket)."""
+    from tests.unit.shard.helpers import BlockPool, DecodeDriver, prefill, request
+
+    pool = BlockPool(min(runner.num_blocks, 4096), seed=5)
+    reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(prompts)]
+    got = {rid: [tok] for rid, tok in prefill(runner, 1, *reqs).items()}
+    driver = DecodeDriver(runner, pool)
+    for step in range(steps):
+        if step == steps // 2:
+            runner.filter_batch(1, list(range(1, len(prompts))))
+        for rid, tok in driver.step([1]).items():
+            got[rid].append(tok)
+    return [got[i] for i in range(len(prompts))]
+
+
+@needs_cuda
+def test_graph_replay_gives_eager_tokens_fp32(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    from tests.unit.shard.helpers import PROMPTS, make_hf_model
+
+    make_hf_model("llama", tmp_path)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS[2:]]  # 6 rows → bucket 8, then 5
+    eager_runner = _runner(tmp_path, "float32", "0")
+    assert eager_runner.graphs is None
+    eager = _greedy(eager_runner, prompts, 24)
+    del eager_runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner = _runner(tmp_path, "float32", "auto")
+    assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8]
+    graphed = _greedy(runner, prompts, 24)
+    assert graphed == eager
+
+
+@needs_cuda
+def test_graph_logits_close_to_eager_bf16(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    from tests.unit.shard.helpers import make_hf_model
+
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path, "bfloat16", "auto")
+    assert runner.graphs is not None
+    from shard.decode_state import DecodeRows
+
+    torch.manual_seed(0)
+    rows = DecodeRows.build([5, 9, 13], [7, 30, 2], [[3, 4], [5, 6, 7, 8, 9, 10, 11, 12], [1]],
+                            torch.device("cuda"))
+    with torch.inference_mode():
+        graphed = runner.graphs.run(rows).clone()
+        inputs = rows.model_inputs(runner.block_size, 31)
+        eager = runner.model.compute_logits(
+            runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        )
+    err = ((graphed - eager).norm() / eager.norm()).item()
+    print(f"\nGPU-CHECK graph vs eager bf16 logits rel_err={err:.2e}")
+    assert err < 2e-2
+
+
+@needs_cuda
+def test_padded_rows_write_no_kv_slot(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    from tests.unit.shard.helpers import make_hf_model
+
+    from shard.decode_state import DecodeRows
+
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path, "float32", "auto")
+    assert runner.graphs is not None
+    # 3 rows in bucket 4; the 4th (padded) row must not write anything
+    rows = DecodeRows.build([1, 2, 3], [4, 5, 6], [[10, 11], [12, 13], [14, 15]],
+                            torch.device("cuda"))
+    with torch.inference_mode():
+        runner.graphs.run(DecodeRows.build([1] * 4, [9] * 4, [[20, 21, 22]] * 4,
+                                           torch.device("cuda")))  # 4 rows fill bucket 4
+        for layer in runner.kv_cache:
+            layer.key.fill_(7.0)
+            layer.value.fill_(7.0)
+        runner.graphs.run(rows)
+    torch.cuda.synchronize()
+    # slot of each row's new token (position seq_len): table[pos // 4] * 4 + pos % 4
+    written = {11 * 4 + 0, 13 * 4 + 1, 15 * 4 + 2}
+    for layer in runner.kv_cache:
+        for cache in (layer.key, layer.value):
+            flat = cache.reshape(cache.shape[0] * cache.shape[1], -1)
+            changed = (flat != 7.0).any(dim=1).nonzero().flatten().tolist()
+            assert set(changed) == written
