@@ -219,13 +219,13 @@ class ModelRunner:
             states = [_new_state(r, g.token_id) for r, g in zip(final, generations, strict=True)]
         forward_ns = time.perf_counter_ns() - t0
         if states:
-            rows = DecodeRows.build(
+            device_rows = DecodeRows.build(
                 [s.last_token for s in states],
                 [s.seq_len for s in states],
                 [s.block_table for s in states],
                 self.device,
             )
-            self.batches.add(Batch(batch.batch_id, states, rows))
+            self.batches.add(Batch(batch.batch_id, states, device_rows))
         info = CachedBatchInfo(batch.batch_id, tuple(s.request_id for s in states))
         return StepOutput(tuple(generations), info, forward_ns)
 

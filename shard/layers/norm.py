@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard.layers import fused
 from shard.layers.linear import default_weight_loader, set_weight_loader
 
 
@@ -24,14 +27,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         set_weight_loader(self.weight, default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden_size] any float dtype (e.g. [num_tokens, hidden_size], or
-        [num_tokens, num_heads, head_dim] for per-head norms) → same shape and dtype."""
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused op; with nothing to cast it is the same arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(input_dtype)
+        [num_tokens, num_heads, head_dim] for per-head norms) → same shape and dtype.
+
+        With ``residual`` (same shape and dtype) the residual add comes first and its
+        sum is returned too: ``(norm(x + residual), x + residual)``, one kernel on CUDA
+        (see :mod:`shard.layers.fused`).
+        """
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not x.is_cuda:
+            # one fused op; with nothing to cast it is the same arithmetic as rms_norm
+            if residual is None:
+                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            total = x + residual
+            return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)

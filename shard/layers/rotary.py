@@ -19,6 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shard.layers.fused import apply_rotary
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "compute_inv_freq"]
+
 if TYPE_CHECKING:  # NOTE: runtime import would cycle through shard.models
     from shard.models.config import RopeConfig
 
@@ -54,14 +58,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1 | x2] → [-x2 | x1]`` over the last dimension."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """RoPE angles of arbitrary (flattened) positions, applied by :func:`apply_rotary`.
+    """RoPE angles of arbitrary (flattened) positions, applied by
+    :func:`shard.layers.fused.apply_rotary`.
 
     cos/sin are computed on the fly from ``positions`` (one multiply per element, so no
     table bounded by max_position_embeddings is kept), once per forward for all layers.
@@ -93,19 +92,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate queries and keys by the angles of :meth:`RotaryEmbedding.forward`.
-
-    Args:
-        q: [num_tokens, num_heads, head_dim].
-        k: [num_tokens, num_kv_heads, head_dim].
-        cos, sin: [num_tokens, 1, head_dim], the dtype of q and k.
-
-    Returns:
-        (q, k) rotated, same shapes and dtypes.
-    """
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

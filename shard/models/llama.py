@@ -145,10 +145,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, rope: Rope, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        rope: Rope,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's output, residual: the residual stream before it
+        (None in the first layer) → (this layer's output, residual stream), each
+        [num_tokens, hidden_size]. The residual adds are fused into the norms."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -175,9 +188,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)  # once for all layers
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, metadata)
+        if residual is None:  # a model without layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -105,9 +105,8 @@ def test_graph_logits_close_to_eager_bf16(tmp_path: Path) -> None:
 @needs_cuda
 def test_padded_rows_write_no_kv_slot(tmp_path: Path) -> None:
     pytest.importorskip("triton")
-    from tests.unit.shard.helpers import make_hf_model
-
     from shard.decode_state import DecodeRows
+    from tests.unit.shard.helpers import make_hf_model
 
     make_hf_model("llama", tmp_path)
     runner = _runner(tmp_path, "float32", "auto")
