@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from loguru import logger
 
@@ -30,6 +30,7 @@ from router.request import (
     FinishReason,
     GenerationRequest,
     Sequence,
+    Status,
     TokenEvent,
     TopToken,
 )
@@ -51,6 +52,32 @@ class QueueFullError(RuntimeError):
 
 class ShuttingDownError(QueueFullError):
     """The server is draining (SIGTERM, or its shard group is gone): no new requests."""
+
+
+@dataclass
+class _InFlight:
+    """A shard call sent and not yet processed.
+
+    Attributes:
+        task: the call.
+        kind: "prefill" or "decode".
+        sampled: the sequences it samples a token for, in response order, with the
+            epoch each was in when sent.
+        sent_at: ``time.perf_counter()`` when sent, seconds.
+    """
+
+    task: asyncio.Future[Any]
+    kind: str
+    sampled: list[tuple[Sequence, int]]
+    sent_at: float
+
+
+def _sampled(sequences: list[Sequence]) -> list[tuple[Sequence, int]]:
+    """Count one token in flight for each of ``sequences``; (sequence, epoch) pairs to
+    match the results against."""
+    for seq in sequences:
+        seq.pending_tokens += 1
+    return [(seq, seq.epoch) for seq in sequences]
 
 
 @dataclass
@@ -88,6 +115,9 @@ class Engine:
         self.metrics = Metrics(self._metrics_state)
         self._text: dict[int, _TextState] = {}
         self._batches: list[pb.CachedBatch] = []
+        # shard calls sent in the last iteration, processed in the next one
+        self._inflight: list[_InFlight] = []
+        self._decode_done = 0.0  # perf_counter() of the last decode result
         # token events of the last step, delivered once the next shard call is sent
         self._outbox: list[tuple[Sequence, TokenEvent]] = []
         self._ids = itertools.count()
@@ -106,6 +136,7 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._drop_inflight()
         self._deliver()
 
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -197,53 +228,117 @@ class Engine:
                 await self._clear_shards()
 
     async def _step(self) -> bool:
-        """One prefill and/or decode step; False when nothing could run."""
+        """Send this iteration's shard calls, then process the previous iteration's
+        results while the shards compute (overlapped scheduling); False when nothing
+        could run.
+
+        The router's structural state (running set, blocks, the shards' cached batches)
+        changes when a call is sent, since the shards run calls in the order sent; tokens
+        are applied when their results are processed, one iteration later. A sequence
+        that finished in step N was already sent in step N+1: it leaves the shards'
+        batch in step N+2 and its extra token is discarded (:meth:`_process`).
+        """
         self._reap_cancelled()
+        sent: list[_InFlight] = []
         chunks = self.scheduler.schedule_prefill()
         if chunks:
-            batch = pb.Batch(
-                id=next(self._batch_ids), requests=[self._to_proto(chunk) for chunk in chunks]
-            )
-            self._on_admitted([chunk.seq for chunk in chunks])
-            prefill = await self._send(self.client.prefill(batch))
-            self.metrics.prefill_step.observe(prefill.timings.forward_ns / 1e9)
-            for chunk in chunks:
-                self.scheduler.on_prefilled(chunk)
-            if prefill.batch.request_ids:
-                self._batches.append(prefill.batch)
-            self._on_generations(prefill.generations)
-        worked = bool(chunks)
-        self._reap_cancelled()  # cancelled while the prefill was in flight
-        if self.scheduler.running:
-            worked = True
-            plan = self.scheduler.plan_decode()
+            sent.append(self._send_prefill(chunks))
+        decoding = [seq for seq in self.scheduler.running if self._needs_step(seq)]
+        if decoding:
+            plan = self.scheduler.plan_decode(decoding)
             for seq in plan.preempted:
                 logger.info("preempted request {} (out of KV blocks)", seq.id)
+            step = self._send_decode(plan.block_appends)
+            if step is not None:
+                sent.append(step)
+        previous, self._inflight = self._inflight, sent
+        for call in previous:
+            await self._process(call)
+        if not sent and not previous:
             await self._sync_batches()
-            if self._batches:
-                started = time.perf_counter()
-                decode = await self._send(self.client.decode(self._batches, plan.block_appends))
-                self.metrics.decode_step_wall.observe(time.perf_counter() - started)
-                self.metrics.decode_step.observe(decode.timings.forward_ns / 1e9)
-                self._batches = [decode.batch]
-                self._on_generations(decode.generations)
-        await self._sync_batches()
+            return False
         self._failed_at = None
-        return worked
+        return True
 
-    async def _send(self, call: Awaitable[T]) -> T:
-        """Await a shard call, delivering the token events queued so far only once the
-        call is on its way: the woken stream handlers then write their responses while
-        the shards compute, instead of delaying the request (a grpc.aio call is sent by
-        a task of its own, which would otherwise queue behind the handlers). Events are
-        also delivered before the loop goes idle, on failure and on stop."""
-        task = asyncio.ensure_future(call)
+    def _needs_step(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still needs a decode step: not when the tokens in flight
+        already reach its ``max_new_tokens`` or ``max_total_tokens`` (its last token is
+        being computed; another step would compute a token that is always discarded)."""
+        generated = len(seq.output_ids) + seq.pending_tokens
+        return (
+            generated < seq.request.stopping.max_new_tokens
+            and seq.num_tokens + seq.pending_tokens < self.config.max_total_tokens
+        )
+
+    def _send_prefill(self, chunks: list[PrefillChunk]) -> _InFlight:
+        batch = pb.Batch(
+            id=next(self._batch_ids), requests=[self._to_proto(chunk) for chunk in chunks]
+        )
+        self._on_admitted([chunk.seq for chunk in chunks])
+        task = asyncio.ensure_future(self.client.prefill(batch))
+        for chunk in chunks:
+            self.scheduler.on_prefilled(chunk)
+        final = [chunk.seq for chunk in chunks if not chunk.partial]
+        if final:
+            self._batches.append(pb.CachedBatch(id=batch.id, request_ids=[s.id for s in final]))
+        return _InFlight(task, "prefill", _sampled(final), time.perf_counter())
+
+    def _send_decode(self, block_appends: dict[int, list[int]]) -> _InFlight | None:
+        """One Decode over every cached batch; requests no longer stepping leave it in
+        the same call. None when no request is left to step."""
+        stepping = {seq.id: seq for seq in self.scheduler.running if self._needs_step(seq)}
+        held = [rid for batch in self._batches for rid in batch.request_ids]
+        kept = [rid for rid in held if rid in stepping]
+        if not kept:
+            return None
+        removed = [rid for rid in held if rid not in stepping]
+        task = asyncio.ensure_future(self.client.decode(self._batches, block_appends, removed))
+        self._batches = [pb.CachedBatch(id=self._batches[0].id, request_ids=kept)]
+        return _InFlight(
+            task, "decode", _sampled([stepping[rid] for rid in kept]), time.perf_counter()
+        )
+
+    async def _process(self, call: _InFlight) -> None:
+        """Await ``call`` and apply its tokens. The token events queued so far are
+        delivered first, once the calls just created have sent their requests: the
+        stream handlers then write their responses while the shards compute.
+
+        A token is applied only to a sequence still running in the epoch it was sent
+        in (not finished, cancelled or preempted since)."""
+        await asyncio.sleep(0)  # the new calls' tasks run and queue their sends first
+        self._deliver()
         try:
-            await asyncio.sleep(0)  # the call's task runs and queues its send first
-            self._deliver()
-            return await task
+            response = await call.task
         finally:
-            task.cancel()  # no-op once done; stops the call if this step is cancelled
+            call.task.cancel()  # no-op once done; stops the call if this step is cancelled
+        now = time.perf_counter()
+        rows: list[tuple[int, float, pb.Generation | None]]
+        if call.kind == "prefill":
+            self.metrics.prefill_step.observe(response.timings.forward_ns / 1e9)
+            rows = [(g.token_id, g.logprob, g) for g in response.generations]
+        else:
+            # with calls overlapped, a step's wall time runs from the later of its send
+            # and the previous step's result (the time the shards could work on it)
+            self.metrics.decode_step_wall.observe(now - max(call.sent_at, self._decode_done))
+            self.metrics.decode_step.observe(response.timings.forward_ns / 1e9)
+            self._decode_done = now
+            extras = {g.request_id: g for g in response.generations}
+            rows = [
+                (token, logprob, extras.get(rid))
+                for rid, token, logprob in zip(
+                    response.batch.request_ids, response.token_ids, response.logprobs,
+                    strict=True,
+                )
+            ]
+        assert len(rows) == len(call.sampled), (
+            f"{call.kind} returned {len(rows)} tokens for {len(call.sampled)} requests"
+        )
+        for (seq, epoch), (token, logprob, extra) in zip(call.sampled, rows, strict=True):
+            if seq.epoch != epoch or seq.status != Status.RUNNING:
+                continue
+            seq.pending_tokens -= 1
+            if not seq.cancelled:
+                self._on_token(seq, token, logprob, extra)
 
     def _deliver(self) -> None:
         """Put the queued token events on their sequences' streams, in order."""
@@ -280,9 +375,9 @@ class Engine:
         for batch in self._batches:
             keep = [rid for rid in batch.request_ids if rid in running]
             if not keep:
-                await self._send(self.client.clear_cache(batch.id))
+                await self.client.clear_cache(batch.id)
             elif len(keep) < len(batch.request_ids):
-                kept.append(await self._send(self.client.filter_batch(batch.id, keep)))
+                kept.append(await self.client.filter_batch(batch.id, keep))
             else:
                 kept.append(batch)
         self._batches = kept
@@ -300,16 +395,11 @@ class Engine:
                 self.metrics.queue_time.observe(now - seq.arrival_time)
                 self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
-    def _on_generations(self, generations: list[pb.Generation]) -> None:
-        by_id = {seq.id: seq for seq in self.scheduler.running}
-        for generation in generations:
-            seq = by_id.get(generation.request_id)
-            if seq is None or seq.cancelled:
-                continue
-            self._on_token(seq, generation)
-
-    def _on_token(self, seq: Sequence, generation: pb.Generation) -> None:
-        token_id = generation.token_id
+    def _on_token(
+        self, seq: Sequence, token_id: int, logprob: float, extra: pb.Generation | None
+    ) -> None:
+        """Apply one generated token: stop checks, text, the event for the stream.
+        ``extra`` carries top tokens and prompt logprobs when the request asked."""
         seq.output_ids.append(token_id)
         now = time.monotonic()
         if seq.first_token_time is None:
@@ -346,12 +436,14 @@ class Engine:
             finish = Finish(reason, generated_tokens=len(seq.output_ids), stop_sequence=stop_text)
         event = TokenEvent(
             id=token_id,
-            logprob=generation.logprob,
+            logprob=logprob,
             text=text,
             special=self.tokenizer.is_special(token_id),
-            top_tokens=tuple(TopToken(t.token_id, t.logprob) for t in generation.top_tokens),
+            top_tokens=()
+            if extra is None
+            else tuple(TopToken(t.token_id, t.logprob) for t in extra.top_tokens),
             finish=finish,
-            prompt_logprobs=tuple(generation.prompt_logprobs),
+            prompt_logprobs=() if extra is None else tuple(extra.prompt_logprobs),
         )
         self._outbox.append((seq, event))
         if finish is not None:
@@ -390,6 +482,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
         self.scheduler.block_manager = self.block_manager
         self._batches = []
+        self._drop_inflight()
         self._failed_at = None
 
     @property
@@ -418,3 +511,10 @@ class Engine:
             self._text.pop(seq.id, None)
             self.metrics.requests.labels("error").inc()
         self._batches = []
+        self._drop_inflight()
+
+    def _drop_inflight(self) -> None:
+        """Forget the calls in flight (after a failure: their results no longer apply)."""
+        for call in self._inflight:
+            call.task.cancel()
+        self._inflight = []

@@ -135,6 +135,11 @@ class Sequence:
     # extends them as the sequence grows, so each block is hashed once).
     block_hashes: list[bytes] = field(default_factory=list)
     cancelled: bool = False
+    # Tokens sampled by shard calls sent but not yet processed (overlapped scheduling):
+    # the cache holds num_tokens + pending_tokens - 1 tokens once they are computed.
+    pending_tokens: int = 0
+    # Bumped on preemption: results of calls sent before it no longer apply.
+    epoch: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None
     first_token_time: float | None = None

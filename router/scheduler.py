@@ -180,8 +180,9 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
-    def plan_decode(self) -> DecodePlan:
-        """Make sure every running sequence has blocks for one more token.
+    def plan_decode(self, decoding: list[Sequence] | None = None) -> DecodePlan:
+        """Make sure every running sequence in ``decoding`` (default: all) has blocks
+        for one more token beyond those in flight (``pending_tokens``).
 
         When blocks run out, the most recently admitted sequences are preempted: their
         blocks are freed and they go back to the front of the queue, to be recomputed
@@ -190,11 +191,13 @@ class Scheduler:
         """
         plan = DecodePlan()
         self.steps_since_prefill += 1
+        stepping = None if decoding is None else {seq.id for seq in decoding}
         index = 0
         while index < len(self.running):
             seq = self.running[index]
-            needed = self.block_manager.blocks_for_tokens(seq.num_tokens) - len(seq.block_ids)
-            if needed <= 0:
+            tokens = seq.num_tokens + seq.pending_tokens
+            needed = self.block_manager.blocks_for_tokens(tokens) - len(seq.block_ids)
+            if needed <= 0 or (stepping is not None and seq.id not in stepping):
                 index += 1
                 continue
             if self.block_manager.can_allocate(needed):
@@ -236,6 +239,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        seq.epoch += 1  # its tokens in flight are discarded; it is recomputed instead
+        seq.pending_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

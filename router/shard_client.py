@@ -7,6 +7,7 @@ fails the call with :class:`ShardError`, so the engine can end the affected requ
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -52,6 +53,9 @@ class ShardClient:
             grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) for address in addresses
         ]
         self._stubs = [shard_pb2_grpc.ShardServiceStub(channel) for channel in self._channels]
+        # Prefill/Decode step numbers, in the order the calls are made (see
+        # PrefillRequest.step); warmup() and clear_cache() of every batch restart them.
+        self._steps = itertools.count(1)
 
     async def close(self) -> None:
         """Close every channel."""
@@ -125,27 +129,34 @@ class ShardClient:
             max_total_tokens=max_total_tokens,
             max_batch_size=max_batch_size,
         )
+        self._steps = itertools.count(1)
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=1800.0))
         return min(response.num_blocks for response in responses)
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
         """Prefill ``batch`` on every rank; rank 0's response."""
-        request = pb.PrefillRequest(batch=batch)
+        request = pb.PrefillRequest(batch=batch, step=next(self._steps))
         responses = await self._all(
             "Prefill", lambda s: s.Prefill(request, timeout=self.step_timeout_s)
         )
         return responses[0]
 
     async def decode(
-        self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]]
+        self,
+        batches: list[pb.CachedBatch],
+        block_appends: dict[int, list[int]],
+        remove_request_ids: Sequence[int] = (),
     ) -> pb.DecodeResponse:
-        """One decode step over ``batches`` (concatenated); rank 0's response."""
+        """One decode step over ``batches`` (concatenated, without
+        ``remove_request_ids``); rank 0's response."""
         request = pb.DecodeRequest(
             batches=batches,
             block_appends=[
                 pb.BlockAppend(request_id=request_id, block_ids=blocks)
                 for request_id, blocks in block_appends.items()
             ],
+            remove_request_ids=remove_request_ids,
+            step=next(self._steps),
         )
         responses = await self._all(
             "Decode", lambda s: s.Decode(request, timeout=self.step_timeout_s)
@@ -163,4 +174,6 @@ class ShardClient:
         request = (
             pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(batch_id=batch_id)
         )
+        if batch_id is None:
+            self._steps = itertools.count(1)
         await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=60.0))

@@ -93,6 +93,20 @@ def step_generations_to_pb(out: StepOutput) -> list[pb.Generation]:
     return [generation_to_pb(g) for g in out.generations]
 
 
+def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
+    """Tokens and logprobs as packed arrays in batch order; a ``Generation`` message
+    only for the requests with top tokens (a step of hundreds of requests stays a few
+    kilobytes and parses without a message per request)."""
+    gens = out.generations
+    return pb.DecodeResponse(
+        generations=[generation_to_pb(g) for g in gens if g.top_tokens],
+        batch=cached_batch_to_pb(out.batch),
+        timings=timings_to_pb(out.forward_ns, total_ns),
+        token_ids=[g.token_id for g in gens],
+        logprobs=[g.logprob for g in gens],
+    )
+
+
 def info_to_pb(i: ShardInfo) -> pb.InfoResponse:
     return pb.InfoResponse(
         model_id=i.model_id,

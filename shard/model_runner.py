@@ -249,23 +249,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(
-        self, batch_ids: Sequence[int], block_appends: Sequence[tuple[int, Sequence[int]]] = ()
+        self,
+        batch_ids: Sequence[int],
+        block_appends: Sequence[tuple[int, Sequence[int]]] = (),
+        remove_request_ids: Sequence[int] = (),
     ) -> StepOutput:
         """One decode step over the concatenation of ``batch_ids`` (kept under the
-        first id), after appending new blocks to the named requests.
+        first id), after dropping ``remove_request_ids`` from it and appending new blocks
+        to the named requests. A batch left empty by the removals is dropped and the
+        step computes nothing.
 
         Raises:
             UnknownBatchError: a batch id not held.
-            ValueError: bad block appends or a block table too short for the next token.
+            ValueError: bad block appends, a removed id not in the batches, or a block
+                table too short for the next token.
             NotWarmedUpError: before Warmup.
         """
         self.batches.check_concatenate(batch_ids)
         requests = [r for bid in batch_ids for r in self.batches.get(bid).requests]
+        if remove_request_ids:
+            remove = set(remove_request_ids)
+            unknown = remove - {r.request_id for r in requests}
+            if unknown:
+                raise ValueError(
+                    f"remove_request_ids {sorted(unknown)} are not in the decoded batches"
+                )
+            requests = [r for r in requests if r.request_id not in remove]
+            if not requests:
+                for bid in batch_ids:
+                    self.batches.clear(bid)
+                return StepOutput((), CachedBatchInfo(batch_ids[0], ()), 0)
         appends: dict[int, list[int]] = {}
         for rid, blocks in block_appends:
             appends.setdefault(rid, []).extend(blocks)
         validate_decode(requests, appends, self.block_size, self.num_blocks)
         batch = self.batches.concatenate(batch_ids)
+        if remove_request_ids:
+            batch = self.batches.filter(batch.batch_id, [r.request_id for r in requests])
         if appends:
             row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
             row_appends = []

@@ -39,10 +39,45 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     """Implements ``shardserve.shard.v1.ShardService`` over one :class:`ModelRunner`."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, step_wait_s: float = 60.0) -> None:
         self.runner = runner
         self.lock = asyncio.Lock()
         self.log = logger.bind(rank=runner.config.rank)
+        # Prefill/Decode ordering (PrefillRequest.step): the last step let through.
+        self._last_step = 0
+        self._step_turn = asyncio.Condition()
+        self._step_wait_s = step_wait_s
+
+    async def _restart_steps(self) -> None:
+        """The router's step count starts again from 1."""
+        async with self._step_turn:
+            self._last_step = 0
+            self._step_turn.notify_all()
+
+    async def _wait_turn(self, context: grpc.aio.ServicerContext, step: int) -> None:
+        """Hold a Prefill/Decode until every step before ``step`` has started (0 =
+        unordered). Steps count from 1 after Warmup and after ClearCache of every batch.
+
+        Aborts with FAILED_PRECONDITION when an earlier step never arrives within
+        ``step_wait_s`` seconds (the router lost it, e.g. after a failure).
+        """
+        if step == 0:
+            return
+        async with self._step_turn:
+            try:
+                await asyncio.wait_for(
+                    self._step_turn.wait_for(
+                        lambda: self._last_step >= step - 1
+                    ),
+                    self._step_wait_s,
+                )
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"step {step} waited {self._step_wait_s:.0f} s for step {step - 1}",
+                )
+            self._last_step = max(self._last_step, step)
+            self._step_turn.notify_all()
 
     async def _run(self, context: grpc.aio.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a worker thread under the lock; abort the RPC on error.
@@ -89,12 +124,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 request.max_batch_prefill_tokens, request.max_total_tokens, request.max_batch_size
             ),
         )
+        await self._restart_steps()
         return pb.WarmupResponse(num_blocks=num_blocks, block_size=self.runner.block_size)
 
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
         t0 = time.perf_counter_ns()
+        await self._wait_turn(context, request.step)
         out = await self._run(
             context,
             "Prefill",
@@ -112,12 +149,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         t0 = time.perf_counter_ns()
         batch_ids = [b.id for b in request.batches]
         appends = codec.block_appends_from_pb(list(request.block_appends))
-        out = await self._run(context, "Decode", lambda: self.runner.decode(batch_ids, appends))
-        return pb.DecodeResponse(
-            generations=codec.step_generations_to_pb(out),
-            batch=codec.cached_batch_to_pb(out.batch),
-            timings=codec.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
+        removed = list(request.remove_request_ids)
+        await self._wait_turn(context, request.step)
+        out = await self._run(
+            context, "Decode", lambda: self.runner.decode(batch_ids, appends, removed)
         )
+        return codec.decode_response_to_pb(out, time.perf_counter_ns() - t0)
 
     async def FilterBatch(
         self, request: pb.FilterBatchRequest, context: grpc.aio.ServicerContext
@@ -133,4 +170,6 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     ) -> pb.ClearCacheResponse:
         batch_id = request.batch_id if request.HasField("batch_id") else None
         await self._run(context, "ClearCache", lambda: self.runner.clear_cache(batch_id))
+        if batch_id is None:
+            await self._restart_steps()
         return pb.ClearCacheResponse()

@@ -167,10 +167,12 @@ class Timings(_message.Message):
     def __init__(self, forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "step")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    step: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("generations", "batch", "timings")
@@ -191,22 +193,30 @@ class BlockAppend(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "block_appends")
+    __slots__ = ("batches", "block_appends", "remove_request_ids", "step")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_APPENDS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     block_appends: _containers.RepeatedCompositeFieldContainer[BlockAppend]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_appends: _Optional[_Iterable[_Union[BlockAppend, _Mapping]]] = ...) -> None: ...
+    remove_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_appends: _Optional[_Iterable[_Union[BlockAppend, _Mapping]]] = ..., remove_request_ids: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings")
+    __slots__ = ("generations", "batch", "timings", "token_ids", "logprobs")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     timings: Timings
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")

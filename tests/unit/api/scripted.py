@@ -73,11 +73,20 @@ class ScriptedShardClient:
                                   batch=pb.CachedBatch(id=batch.id, request_ids=kept))
 
     async def decode(
-        self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]]
+        self,
+        batches: list[pb.CachedBatch],
+        block_appends: dict[int, list[int]],
+        remove_request_ids: Sequence[int] = (),
     ) -> pb.DecodeResponse:
-        ids = [rid for batch in batches for rid in batch.request_ids]
-        return pb.DecodeResponse(generations=[self._generation(rid) for rid in ids],
-                                 batch=pb.CachedBatch(id=batches[0].id, request_ids=ids))
+        removed = set(remove_request_ids)
+        ids = [rid for batch in batches for rid in batch.request_ids if rid not in removed]
+        generations = [self._generation(rid) for rid in ids]
+        return pb.DecodeResponse(
+            generations=[g for g in generations if g.top_tokens],
+            batch=pb.CachedBatch(id=batches[0].id, request_ids=ids),
+            token_ids=[g.token_id for g in generations],
+            logprobs=[g.logprob for g in generations],
+        )
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         return pb.CachedBatch(id=batch_id, request_ids=request_ids)

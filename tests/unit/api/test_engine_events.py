@@ -41,9 +41,12 @@ async def test_tokens_reach_the_stream_after_the_next_call_is_sent(tokenizer: To
             log.append(f"got {event.id}")
     finally:
         await engine.stop()
-    # each token is handed over once the step after it is under way; the last one, with
-    # no step after it, when the engine goes idle
+    # overlapped: the first decode goes out with the prefill (the shard feeds the
+    # prefill's token forward), each later step before the previous one's tokens are
+    # processed, and tokens reach the stream once a later step is under way; exactly
+    # four decodes for five tokens (the prefill samples the first), none wasted
+    # after the last; the last tokens, with no step after them, when the engine idles
     assert log == [
-        "prefill sent", "decode sent", "got 100", "decode sent", "got 101", "decode sent",
-        "got 102", "decode sent", "got 103", "got 104",
+        "prefill sent", "decode sent", "decode sent", "got 100", "decode sent", "got 101",
+        "decode sent", "got 102", "got 103", "got 104",
     ]

@@ -97,15 +97,26 @@ async def test_full_session(stub, expected_greedy) -> None:
         )
     )
     assert dec.batch.id == 1 and list(dec.batch.request_ids) == [10, 20]
-    for gen in dec.generations:
-        tokens[gen.request_id].append(gen.token_id)
+    # a Generation message only for the request that asked for top tokens
+    assert [g.request_id for g in dec.generations] == [10]
+    assert len(dec.generations[0].top_tokens) == 2
+    assert len(dec.logprobs) == 2 and all(lp <= 0.0 for lp in dec.logprobs)
+    for rid, token in zip(dec.batch.request_ids, dec.token_ids, strict=True):
+        tokens[rid].append(token)
     assert tokens[10] == expected_greedy[1][:2] and tokens[20] == expected_greedy[2][:2]
 
     filt = await stub.FilterBatch(pb.FilterBatchRequest(batch_id=1, request_ids=[20]))
     assert list(filt.batch.request_ids) == [20]
     dec = await stub.Decode(pb.DecodeRequest(batches=[filt.batch]))
-    assert [g.request_id for g in dec.generations] == [20]
-    assert dec.generations[0].token_id == expected_greedy[2][2]
+    assert list(dec.batch.request_ids) == [20]
+    assert list(dec.token_ids) == [expected_greedy[2][2]]
+    with pytest.raises(grpc.aio.AioRpcError) as removal:
+        await stub.Decode(pb.DecodeRequest(batches=[filt.batch], remove_request_ids=[10]))
+    assert removal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "remove_request_ids [10]" in (removal.value.details() or "")
+    # removing the last request drops the batch and computes nothing
+    dec = await stub.Decode(pb.DecodeRequest(batches=[filt.batch], remove_request_ids=[20]))
+    assert list(dec.token_ids) == [] and list(dec.batch.request_ids) == []
     await stub.ClearCache(pb.ClearCacheRequest(batch_id=1))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)]))
@@ -203,4 +214,4 @@ async def test_bad_requests_get_clear_status_and_server_keeps_serving(
             block_appends=[pb.BlockAppend(request_id=1, block_ids=[9])],
         )
     )
-    assert dec.generations[0].token_id == expected_greedy[0][4]
+    assert list(dec.token_ids) == [expected_greedy[0][4]]
