@@ -30,7 +30,8 @@ def run_nano_vllm(runner: Path, nano_vllm: Path, extra_site: str | None, model: 
     ``workload``, ``requests``, ``output_tokens``, ``seconds``, ``output_tok_per_s``).
 
     ``PYTHONPATH`` = ``extra_site`` (where flash-attn is installed) : ``nano_vllm`` : the
-    current ``PYTHONPATH``. stderr goes to ``log_path``.
+    current ``PYTHONPATH``. stderr goes to ``log_path``, stdout to ``log_path`` with the
+    suffix ``.stdout``.
 
     Raises:
         PeerError: non-zero exit or timeout (with the log tail).
@@ -46,9 +47,8 @@ def run_nano_vllm(runner: Path, nano_vllm: Path, extra_site: str | None, model: 
         except subprocess.TimeoutExpired as error:
             raise PeerError(f"nano-vllm timed out after {timeout:.0f}s:\n{tail(log_path)}") \
                 from error
+    log_path.with_suffix(".stdout").write_bytes(done.stdout)
     lines = done.stdout.decode(errors="replace").splitlines()
-    with open(log_path, "a") as log:
-        log.write("\n--- stdout ---\n" + "\n".join(lines) + "\n")
     if done.returncode != 0:
         raise PeerError(f"nano-vllm exited with {done.returncode}:\n{tail(log_path)}")
     results = []

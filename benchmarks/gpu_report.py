@@ -94,7 +94,7 @@ def new_report(args: argparse.Namespace, workloads: dict[str, Workload]) -> Repo
                                   f"workload" if args.limit_requests > 0 else "")),
         hf_setup=(f"static batches of ≤ {args.hf_max_batch}, first "
                   f"{args.hf_max_requests or 'all'} requests, {args.dtype}, sdpa, greedy, "
-                  f"min_new_tokens = max_new_tokens"),
+                  f"min_new_tokens = max_new_tokens" if args.hf_workloads else "not run"),
     )
 
 
@@ -169,7 +169,7 @@ def render(report: Report) -> str:
         f"- versions: {report.versions}",
         f"- checkpoint: {report.model}",
         f"- shardserve: {server}; `launch --executor local {report.server_flags}`, "
-        f"ready after {startup} s",
+        f"ready after {startup} s" if report.server_flags else "- shardserve: not run",
         f"- load: {report.load}",
         f"- transformers `generate`: {report.hf_setup}",
         f"- {floor_line(report)}",

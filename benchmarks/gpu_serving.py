@@ -90,10 +90,10 @@ def prepare_checkpoint(args: argparse.Namespace, folder: Path) -> int:
 
 # ---- our server ---------------------------------------------------------------------------
 
-def warmup_workload(vocab: int, n: int) -> Workload:
-    """``n`` requests of 16–1024 prompt ids and 4–48 output tokens (own seed, so no
+def warmup_workload(vocab: int, n: int, seed: int) -> Workload:
+    """``n`` requests of 16–1024 prompt ids and 4–48 output tokens (own seeds, so no
     prefix is shared with a measured workload): kernels compiled, allocator warm."""
-    rng = random.Random(7)
+    rng = random.Random(1000 + seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 1024))]
                for _ in range(n)]
     return Workload("warmup", prompts, [rng.randint(4, 48) for _ in range(n)])
@@ -128,8 +128,8 @@ def bench_ours(args: argparse.Namespace, ckpt: Path, workloads: list[Workload],
         report.server_info = httpx.get(f"{base}/info", timeout=10).json()
         _log(f"server up after {report.server_startup_s:.0f}s: {report.server_info}")
         if args.warmup_requests:
-            asyncio.run(run_load(base, build_workload("batch1", args.vocab).head(1), 1, True))
-            asyncio.run(run_load(base, warmup_workload(args.vocab, args.warmup_requests),
+            asyncio.run(run_load(base, warmup_workload(args.vocab, 1, 0), 1, True))
+            asyncio.run(run_load(base, warmup_workload(args.vocab, args.warmup_requests, 1),
                                  0, False))
         for w in workloads:
             row = report.rows[w.name]
@@ -172,8 +172,9 @@ class Stage:
             result = fn(*args)
         except Exception as error:  # reported; the next stages still run
             _log(f"{name} FAILED:\n{traceback.format_exc()}")
-            first = (str(error).splitlines() or [type(error).__name__])[0][:300]
-            self.report.notes.append(f"{name} failed: {type(error).__name__}: {first} "
+            lines = [line for line in str(error).splitlines() if line.strip()] or [""]
+            said = lines[0][:200] + (f" … {lines[-1][:200]}" if len(lines) > 1 else "")
+            self.report.notes.append(f"{name} failed: {type(error).__name__}: {said} "
                                      "(details on stderr and in the log dir)")
             return None
         _log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
@@ -201,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where to write the checkpoint, kept; one already there (same "
                         "dimensions) is reused (default: a temporary folder, removed)")
     s = p.add_argument_group("our server")
+    s.add_argument("--skip-ours", action="store_true",
+                   help="peers only (e.g. a second run on a reused --checkpoint-dir)")
     s.add_argument("--attention-backend", default="auto")
     s.add_argument("--block-size", type=int, default=256,
                    help="tokens per KV block (256: flash-attn's paged block, nano-vllm's)")
@@ -269,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         report.copy_bw = stage.run("copy bandwidth", copy_bandwidth, args.device)
         ours = [w.head(args.limit_requests) for w in workloads.values()]
-        stage.run("our server", bench_ours, args, ckpt, ours, report)
+        if not args.skip_ours:
+            stage.run("our server", bench_ours, args, ckpt, ours, report)
         if args.nano_vllm:
             records = stage.run("nano-vllm", run_nano_vllm, args.nano_vllm_runner,
                                 args.nano_vllm, args.extra_site, ckpt, args.workloads,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.completions_load import LoadRun
-from benchmarks.gpu_peers import HFRun
+from benchmarks.gpu_peers import HFRun, PeerError, run_nano_vllm
 from benchmarks.gpu_report import Report, Row, floor_line, render
 from benchmarks.harness import decode_step_means, metric_delta, percentile, scrape
 from benchmarks.random_checkpoint import weight_bytes
-from benchmarks.workloads import WORKLOAD_NAMES, build_workload, distinct_prefix
+from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
 from router.metrics import Metrics
 
 # Built with the runner's own ``workloads(49152)`` (nano_vllm_bench.py): requests, prompt
@@ -43,8 +44,9 @@ def test_distinct_prefix_keeps_lengths_and_changes_every_first_id() -> None:
     moved = distinct_prefix(w, 49152)
     assert [len(p) for p in moved.prompts] == [len(p) for p in w.prompts]
     assert moved.output_lens == w.output_lens
-    assert all(a[0] != b[0] and a[1:] == b[1:] for a, b in zip(moved.prompts, w.prompts))
-    assert distinct_prefix(build_workload("batch1", 49152), 1 + 48000).prompts[0][0] < 48001
+    pairs = zip(moved.prompts, w.prompts, strict=True)
+    assert all(a[0] != b[0] and a[1:] == b[1:] for a, b in pairs)
+    assert distinct_prefix(Workload("w", [[9, 5]], [1]), 10).prompts == [[0, 5]]
 
 
 def test_workload_head_and_description() -> None:
@@ -107,3 +109,34 @@ def test_table_cells_ratios_missing_values_and_floor() -> None:
     assert "nano-vllm ran 256 requests / 1000 output tokens, ours 256 / 131072" in text
     assert floor_line(report).endswith("= 2.000 ms; batch1 TPOT p50 10.20 ms = 5.1× the floor")
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and math.isnan(percentile([], 50))
+
+
+FAKE_RUNNER = """
+import json, os, sys
+print("a line that is not JSON")
+print(json.dumps({"argv": sys.argv[1:], "pythonpath": os.environ["PYTHONPATH"]}))
+for name in sys.argv[sys.argv.index("--workloads") + 1].split(","):
+    print(json.dumps({"engine": "nano-vllm", "workload": name, "requests": 1,
+                      "output_tokens": 256, "seconds": 2.0, "output_tok_per_s": 128.0}))
+print("loading on stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+"""
+
+
+def test_nano_vllm_runner_output_parsed_and_failure_reported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tmp_path / "runner.py"
+    runner.write_text(FAKE_RUNNER)
+    log = tmp_path / "logs" / "nano.log"
+    args = (runner, tmp_path / "nano-vllm", "/site/fa", tmp_path / "ckpt",
+            ["batch1", "bench"], log, 60.0)
+    records = run_nano_vllm(*args)
+    assert [r["workload"] for r in records] == ["batch1", "bench"]
+    assert records[0]["output_tok_per_s"] == 128.0
+    assert log.read_text() == "loading on stderr\n"
+    seen = json.loads(log.with_suffix(".stdout").read_text().splitlines()[1])
+    assert seen["argv"] == ["--model", str(tmp_path / "ckpt"), "--workloads", "batch1,bench"]
+    assert seen["pythonpath"].split(os.pathsep)[:2] == ["/site/fa", str(tmp_path / "nano-vllm")]
+    monkeypatch.setenv("FAKE_EXIT", "3")
+    with pytest.raises(PeerError, match="exited with 3:\nloading on stderr"):
+        run_nano_vllm(*args)
