@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +117,8 @@ def bench_ours(args: argparse.Namespace, ckpt: Path, workloads: list[Workload],
     log_path = args.log_dir / "server.log"
     flags = server_flags(args, max(len(w.prompts) for w in workloads))
     report.server_flags = " ".join(flags)
-    site = [p for p in (args.extra_site, str(REPO_ROOT)) if p]
-    env = {"RAY_AUTH_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([*site[:1], *_pythonpath(), *site[1:]])}
+    path = [*([args.extra_site] if args.extra_site else []), *_pythonpath(), str(REPO_ROOT)]
+    env = {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(path)}
     started = time.perf_counter()
     proc = start_server(port, str(ckpt), flags, log_path, env=env)
     try:
@@ -163,7 +162,6 @@ class Stage:
 
     report: Report
     out: Path | None
-    errors: list[str] = field(default_factory=list)
 
     def run(self, name: str, fn: Any, *args: Any) -> Any:
         t0 = time.perf_counter()
@@ -177,8 +175,9 @@ class Stage:
             self.report.notes.append(f"{name} failed: {type(error).__name__}: {said} "
                                      "(details on stderr and in the log dir)")
             return None
+        finally:
+            self.report.write(self.out)
         _log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
-        self.report.write(self.out)
         return result
 
 
@@ -251,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in (*args.workloads, *args.hf_workloads):
         if name not in WORKLOAD_NAMES:
             p.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOAD_NAMES)}")
+    if "bench" in args.hf_workloads:
+        p.error("--hf-workloads: bench has mixed lengths; transformers runs batch1, "
+                "prefill_heavy, decode_heavy")
     if (args.nano_vllm is None) != (args.nano_vllm_runner is None):
         p.error("--nano-vllm and --nano-vllm-runner go together")
     return args
@@ -281,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             for record in records or []:
                 if record["workload"] in report.rows:
                     report.rows[record["workload"]].nano = record
+            report.write(args.out)
         if args.hf_workloads:
             hf = [build_workload(n, args.vocab).head(args.limit_requests)
                   for n in args.hf_workloads]
