@@ -24,8 +24,12 @@ in one run that prints one markdown table.
    run (bytes read + written by a large ``Tensor.copy_``), with batch1's TPOT p50 as a
    multiple of it.
 
-Stages run one after another (each peer gets the whole GPU); after each the table so far
-is written to ``--out``. Logs of every subprocess go to ``--log-dir``.
+Stages run one after another (each engine gets the whole GPU); after each the table so
+far is written to ``--out``. A stage that fails is noted under the table (traceback and
+log tail on stderr) and the next one still runs. Logs of every subprocess go to
+``--log-dir``. ``--checkpoint-dir`` keeps the checkpoint, so that a second run can reuse
+it (e.g. ``--skip-ours`` for the peers alone). ``benchmarks/gpu_prepare.sh`` packs what a
+machine without network needs and prints the command for it.
 
     python benchmarks/gpu_serving.py --nano-vllm .device/peers/nano-vllm \\
         --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --out t.md
