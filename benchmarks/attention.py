@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention_peers import Peers, flash_attn_version, flashinfer_version
 
+from benchmarks.harness import copy_bandwidth
 from shard.attention.triton_kernels import (
     DecodeConfig,
     PrefillConfig,
@@ -67,16 +68,6 @@ def bench(fn: Callable[[], object], rep_ms: int = 60, graph: bool = True) -> flo
         except Exception as exc:
             GRAPH_NOTES.append(f"graph capture failed, timed eagerly: {str(exc)[:120]}")
     return float(triton.testing.do_bench(run, warmup=15, rep=rep_ms, return_mode="median")) * 1e3
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + written), 2 GiB buffers."""
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    # NOTE: eager: a captured copy becomes a graph memcpy node run by the copy engine
-    # (2.71 TB/s measured), not the copy kernel
-    us = bench(lambda: dst.copy_(src), rep_ms=200, graph=False)
-    return 2 * src.numel() * 4 / (us * 1e-6)
 
 
 def decode_case(batch: int, ctx: int, block_size: int = BS, seed: int = 0) -> PagedCase:

@@ -47,10 +47,6 @@ import asyncio
 import json
 import os
 import platform
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -62,6 +58,22 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import (
+    cpu_model,
+    decode_step_means,
+    find_shard,
+    free_port,
+    metric_delta,
+    percentile,
+    prefix_hits,
+    scrape,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 MIB = 1024 * 1024
 
@@ -91,17 +103,6 @@ def make_prompts(n: int, tag: str) -> list[str]:
 
 def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
     return args.num_prompts_c1 if concurrency == 1 else args.num_prompts
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class RssSampler(threading.Thread):
@@ -152,19 +153,6 @@ class ServerRun:
         return self.tokens / self.wall
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(text: str) -> dict[str, float]:
-    """``_sum``/``_count`` of the decode-step histograms and the prefix-cache counter."""
-    want = re.compile(r"^shardserve_(decode_step_\w+_seconds_(?:sum|count)|"
-                      r"prefix_cache_hit_tokens(?:_total)?) (\S+)$")
-    return {m[1]: float(m[2]) for line in text.splitlines() if (m := want.match(line))}
-
-
 async def one_request(client: httpx.AsyncClient, prompt: str, max_new_tokens: int,
                       sem: asyncio.Semaphore) -> RequestStats:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens,
@@ -200,7 +188,7 @@ async def run_server_load(base: str, prompts: list[str], concurrency: int,
         wall = time.perf_counter() - start
         rss = sampler.take() if sampler else {}
         after = scrape((await client.get("/metrics")).text)
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    delta = metric_delta(before, after)
     return ServerRun(
         concurrency=concurrency, requests=len(results),
         tokens=sum(len(r.times) for r in results), wall=wall,
@@ -210,46 +198,13 @@ async def run_server_load(base: str, prompts: list[str], concurrency: int,
         rss=rss, metrics=delta)
 
 
-def start_server(port: int, model: str, threads: int, extra: list[str],
-                 log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), RAY_AUTH_MODE="disabled")
-    script = Path(sys.executable).with_name("shardserve")
-    entry = [str(script)] if script.exists() else [sys.executable, "-m", "router.cli"]
-    cmd = [*entry, "launch", "--executor", "local", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--grpc-port", "0", *extra]
-    log = open(log_path, "wb")  # closed with the process
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(__file__).resolve().parent.parent)
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    sys.exit(f"server not healthy after {timeout:.0f}s:\n{log_path.read_text()[-3000:]}")
-
-
-def find_shard(proc: subprocess.Popen) -> psutil.Process:
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        if "shard.server" in " ".join(child.cmdline()):
-            return child
-    raise RuntimeError("no shard.server child process found")
-
-
 def bench_server(args: argparse.Namespace) -> tuple[list[ServerRun], float]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.gettempdir()) / f"shardserve-bench-{port}.log"
     started = time.perf_counter()
-    proc = start_server(port, args.model, args.threads, args.server_args.split(), log_path)
+    proc = start_server(port, args.model, args.server_args.split(), log_path,
+                        env={"OMP_NUM_THREADS": str(args.threads), "RAY_AUTH_MODE": "disabled"})
     try:
         wait_healthy(proc, base, log_path, args.startup_timeout)
         startup = time.perf_counter() - started
@@ -266,15 +221,7 @@ def bench_server(args: argparse.Namespace) -> tuple[list[ServerRun], float]:
         sampler.stop.set()
         return runs, startup
     finally:
-        shard = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        for child in shard:
-            if child.is_running():
-                child.kill()
+        stop_server(proc)
 
 
 # ---- the peer: transformers generate ----------------------------------------------------
@@ -338,16 +285,6 @@ def bench_peer(args: argparse.Namespace) -> list[PeerRun]:
 
 # ---- report ------------------------------------------------------------------------------
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def report(args: argparse.Namespace, runs: list[ServerRun], peer: list[PeerRun],
            startup: float, load: tuple[float, float]) -> str:
     import torch
@@ -377,12 +314,8 @@ def report(args: argparse.Namespace, runs: list[ServerRun], peer: list[PeerRun],
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        m = r.metrics
-        n_wall = m.get("decode_step_wall_seconds_count", 0) or float("nan")
-        n_fwd = m.get("decode_step_duration_seconds_count", 0) or float("nan")
-        wall = m.get("decode_step_wall_seconds_sum", 0) / n_wall * ms
-        fwd = m.get("decode_step_duration_seconds_sum", 0) / n_fwd * ms
-        hits = m.get("prefix_cache_hit_tokens_total", m.get("prefix_cache_hit_tokens", 0))
+        wall, fwd = (t * ms for t in decode_step_means(r.metrics))
+        hits = prefix_hits(r.metrics)
         lines.append(
             f"| {r.concurrency} | {r.requests} | {r.tok_s:.1f} "
             f"| {percentile(r.ttft, 50) * ms:.0f} / {percentile(r.ttft, 99) * ms:.0f} "

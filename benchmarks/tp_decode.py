@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import free_port
 from shard.config import ShardConfig
 from shard.distributed import destroy_distributed
 from shard.model_runner import ModelRunner
@@ -51,12 +51,6 @@ LLAMA3_8B = dict(
 SMALL = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
          "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Blocks:

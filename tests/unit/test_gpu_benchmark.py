@@ -1,0 +1,142 @@
+"""Logic of benchmarks/gpu_serving.py that needs no GPU: the workloads (the same requests
+as the nano-vllm runner), decode-step means from the server's metrics, the weight bytes
+of a checkpoint, and the table's cells."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.completions_load import LoadRun
+from benchmarks.gpu_peers import HFRun, PeerError, run_nano_vllm
+from benchmarks.gpu_report import Report, Row, floor_line, render
+from benchmarks.harness import decode_step_means, metric_delta, percentile, scrape
+from benchmarks.random_checkpoint import weight_bytes
+from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
+from router.metrics import Metrics
+
+# Built with the runner's own ``workloads(49152)`` (nano_vllm_bench.py): requests, prompt
+# tokens, output tokens, sha256 of json.dumps([prompts, output_lens]) (first 16 hex digits).
+PEER_WORKLOADS = {
+    "bench": (256, 142827, 133966, "199c6f016a1bff73"),
+    "batch1": (1, 128, 256, "2b12849e1ce42d94"),
+    "prefill_heavy": (512, 524288, 65536, "2f74fc4bbcc3cf47"),
+    "decode_heavy": (256, 32768, 131072, "e26451e7d4990f5b"),
+}
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_workloads_are_the_peer_runners(name: str) -> None:
+    w = build_workload(name, 49152)
+    digest = hashlib.sha256(json.dumps([w.prompts, w.output_lens]).encode()).hexdigest()
+    assert (len(w.prompts), w.prompt_tokens, w.output_tokens, digest[:16]) == PEER_WORKLOADS[name]
+
+
+def test_distinct_prefix_keeps_lengths_and_changes_every_first_id() -> None:
+    w = build_workload("bench", 49152)
+    moved = distinct_prefix(w, 49152)
+    assert [len(p) for p in moved.prompts] == [len(p) for p in w.prompts]
+    assert moved.output_lens == w.output_lens
+    pairs = zip(moved.prompts, w.prompts, strict=True)
+    assert all(a[0] != b[0] and a[1:] == b[1:] for a, b in pairs)
+    assert distinct_prefix(Workload("w", [[9, 5]], [1]), 10).prompts == [[0, 5]]
+
+
+def test_workload_head_and_description() -> None:
+    w = build_workload("decode_heavy", 49152)
+    assert w.describe() == "256 × 128 in / 512 out"
+    assert w.head(3).describe() == "3 × 128 in / 512 out" and w.head(0) is w
+    assert build_workload("bench", 49152).describe() == "256 × 107–1024 in / 103–1024 out"
+    with pytest.raises(ValueError, match="valid: bench"):
+        build_workload("nope", 10)
+
+
+def test_decode_step_means_from_the_servers_exposition() -> None:
+    state = dict(queue_size=0, running_batch_size=0, kv_blocks_total=1, kv_blocks_used=0,
+                 prefix_cache_hit_tokens=0)
+    metrics = Metrics(lambda: state)
+    metrics.decode_step_wall.observe(1.0)  # before the run: must not count
+    before = scrape(metrics.render().decode())
+    for wall, forward in ((0.030, 0.025), (0.034, 0.027)):
+        metrics.decode_step_wall.observe(wall)
+        metrics.decode_step.observe(forward)
+    state["prefix_cache_hit_tokens"] = 512
+    delta = metric_delta(before, scrape(metrics.render().decode()))
+    wall, forward = decode_step_means(delta)
+    assert wall == pytest.approx(0.032) and forward == pytest.approx(0.026)
+    assert delta["prefix_cache_hit_tokens_total"] == 512
+    assert all(math.isnan(x) for x in decode_step_means({}))
+
+
+def test_weight_bytes_leave_out_an_untied_embedding(tmp_path: Path) -> None:
+    tensors = {"model.embed_tokens.weight": torch.zeros(10, 4, dtype=torch.bfloat16),
+               "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 6, dtype=torch.bfloat16),
+               "model.norm.weight": torch.zeros(4, dtype=torch.float32)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert weight_bytes(tmp_path) == 10 * 4 * 2 + 4 * 6 * 2 + 4 * 4  # tied: embedding read
+    save_file({"lm_head.weight": torch.zeros(10, 4, dtype=torch.bfloat16)},
+              tmp_path / "model-2.safetensors")
+    assert weight_bytes(tmp_path) == 10 * 4 * 2 + 4 * 6 * 2 + 4 * 4
+
+
+def test_table_cells_ratios_missing_values_and_floor() -> None:
+    batch1, decode = build_workload("batch1", 49152), build_workload("decode_heavy", 49152)
+    ours_b1 = LoadRun(1, 256, 2.56, metrics={
+        "decode_step_wall_seconds_sum": 2.55, "decode_step_wall_seconds_count": 255,
+        "decode_step_duration_seconds_sum": 2.04, "decode_step_duration_seconds_count": 255})
+    stream_b1 = LoadRun(1, 256, 2.6, ttft=[0.05], tpot=[0.0102])
+    report = Report(rows={
+        "batch1": Row(batch1, ours=ours_b1, latency=stream_b1,
+                      nano={"requests": 1, "output_tokens": 256, "output_tok_per_s": 50.0},
+                      hf=HFRun("batch1", 1, 1, 256, 12.8)),
+        "decode_heavy": Row(decode, nano={"requests": 256, "output_tokens": 1000,
+                                          "output_tok_per_s": 9000.0}),
+    }, weight_bytes=6_000_000_000, copy_bw=3e12)
+    text = render(report)
+    row = next(line for line in text.splitlines() if line.startswith("| batch1"))
+    assert row == ("| batch1 (1 × 128 in / 256 out) | 100 | 50 / 50 | 10.2 / 10.2 "
+                   "| 10.0 / 8.0 | 50 | 2.00× | 20 (batch 1) | 5.00× |")
+    row = next(line for line in text.splitlines() if line.startswith("| decode_heavy"))
+    assert row == ("| decode_heavy (256 × 128 in / 512 out) | - | - | - | - | 9,000 ≠ | - "
+                   "| - | - |")
+    assert "nano-vllm ran 256 requests / 1000 output tokens, ours 256 / 131072" in text
+    assert floor_line(report).endswith("= 2.000 ms; batch1 TPOT p50 10.20 ms = 5.1× the floor")
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and math.isnan(percentile([], 50))
+
+
+FAKE_RUNNER = """
+import json, os, sys
+print("a line that is not JSON")
+print(json.dumps({"argv": sys.argv[1:], "pythonpath": os.environ["PYTHONPATH"]}))
+for name in sys.argv[sys.argv.index("--workloads") + 1].split(","):
+    print(json.dumps({"engine": "nano-vllm", "workload": name, "requests": 1,
+                      "output_tokens": 256, "seconds": 2.0, "output_tok_per_s": 128.0}))
+print("loading on stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+"""
+
+
+def test_nano_vllm_runner_output_parsed_and_failure_reported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tmp_path / "runner.py"
+    runner.write_text(FAKE_RUNNER)
+    log = tmp_path / "logs" / "nano.log"
+    args = (runner, tmp_path / "nano-vllm", "/site/fa", tmp_path / "ckpt",
+            ["batch1", "bench"], log, 60.0)
+    records = run_nano_vllm(*args)
+    assert [r["workload"] for r in records] == ["batch1", "bench"]
+    assert records[0]["output_tok_per_s"] == 128.0
+    assert log.read_text() == "loading on stderr\n"
+    seen = json.loads(log.with_suffix(".stdout").read_text().splitlines()[1])
+    assert seen["argv"] == ["--model", str(tmp_path / "ckpt"), "--workloads", "batch1,bench"]
+    assert seen["pythonpath"].split(os.pathsep)[:2] == ["/site/fa", str(tmp_path / "nano-vllm")]
+    monkeypatch.setenv("FAKE_EXIT", "3")
+    with pytest.raises(PeerError, match="exited with 3:\nloading on stderr"):
+        run_nano_vllm(*args)
