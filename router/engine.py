@@ -344,7 +344,8 @@ class Engine:
         """Put the queued token events on their sequences' streams, in order."""
         outbox, self._outbox = self._outbox, []
         for seq, event in outbox:
-            seq.events.put_nowait(event)
+            if not seq.cancelled:  # nothing reaches a stream after its cancellation
+                seq.events.put_nowait(event)
 
     def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
         seq = chunk.seq

@@ -215,3 +215,30 @@ async def test_bad_requests_get_clear_status_and_server_keeps_serving(
         )
     )
     assert list(dec.token_ids) == [expected_greedy[0][4]]
+
+
+async def test_steps_run_in_the_routers_order_whatever_the_arrival_order(
+    stub, expected_greedy
+) -> None:
+    """The router sends Decode (step 2) right behind the Prefill (step 1) it depends
+    on; when the Decode arrives first it waits for the Prefill."""
+    import asyncio
+
+    await stub.Warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=128))
+    prompt = PROMPTS[1]
+    decode = asyncio.ensure_future(
+        stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=5, request_ids=[1])], step=2))
+    )
+    await asyncio.sleep(0.2)  # the Decode is at the shard, waiting for step 1
+    assert not decode.done()
+    prefill = await stub.Prefill(
+        pb.PrefillRequest(batch=pb.Batch(id=5, requests=[req(1, prompt, [0, 1, 2])]), step=1)
+    )
+    dec = await decode
+    assert [prefill.generations[0].token_id, *dec.token_ids] == expected_greedy[1][:2]
+    # ClearCache of every batch restarts the count: step 1 runs at once again
+    await stub.ClearCache(pb.ClearCacheRequest())
+    again = await stub.Prefill(
+        pb.PrefillRequest(batch=pb.Batch(id=6, requests=[req(2, prompt, [3, 4, 5])]), step=1)
+    )
+    assert again.generations[0].token_id == expected_greedy[1][0]

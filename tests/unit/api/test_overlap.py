@@ -1,0 +1,155 @@
+"""Overlapped scheduling: the engine sends step N+1 before it has processed step N's
+tokens, so a request that stops at step N was already sent in step N+1. Its extra token
+is computed and discarded, never streamed, and the request leaves the shards' batch in
+the next step. A request that ends by length gets no extra step at all."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router.config import SchedulerConfig
+from router.engine import Engine
+from router.request import (
+    ErrorEvent,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+    TokenEvent,
+)
+from router.tokenizer import Tokenizer
+from tests.unit.api.scripted import ScriptedShardClient
+
+
+class _Recorder:
+    """Wraps the scripted shard: records which requests each Decode steps and removes."""
+
+    def __init__(self, shard: ScriptedShardClient) -> None:
+        self.stepped: list[list[int]] = []
+        self.removed: list[list[int]] = []
+        decode = shard.decode
+
+        async def recorded(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
+            ids = [rid for b in batches for rid in b.request_ids if rid not in set(remove)]
+            self.stepped.append(ids)
+            self.removed.append(list(remove))
+            await asyncio.sleep(0.002)  # the shards computing
+            return await decode(batches, block_appends, remove)
+
+        shard.decode = recorded  # type: ignore[method-assign]
+
+    def steps_of(self, rid: int) -> int:
+        return sum(rid in ids for ids in self.stepped)
+
+
+def _engine(shard: ScriptedShardClient, tokenizer: Tokenizer) -> Engine:
+    config = SchedulerConfig(max_input_tokens=64, max_total_tokens=256,
+                             max_batch_prefill_tokens=256)
+    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                    shard.block_size)
+    engine.start()
+    return engine
+
+
+async def _events(engine: Engine, request: GenerationRequest) -> list[TokenEvent]:
+    out = []
+    async for event in engine.generate(request):
+        assert not isinstance(event, ErrorEvent), event.message
+        out.append(event)
+    return out
+
+
+async def test_eos_stops_the_stream_and_the_extra_token_is_discarded(
+    tokenizer: Tokenizer,
+) -> None:
+    eos = min(tokenizer.eos_token_ids)
+    shard = ScriptedShardClient(lambda _p: [100, 101, eos, 102, 103, 104, 105, 106])
+    recorder = _Recorder(shard)
+    engine = _engine(shard, tokenizer)
+    try:
+        request = GenerationRequest((5, 6, 7), SamplingParams(),
+                                    StoppingParams(max_new_tokens=20))
+        # a second, longer request keeps steps going after the first one stops
+        other = GenerationRequest((8, 9), SamplingParams(),
+                                  StoppingParams(max_new_tokens=12, ignore_eos=True))
+        events, _ = await asyncio.gather(_events(engine, request), _events(engine, other))
+    finally:
+        await engine.stop()
+    assert [e.id for e in events] == [100, 101, eos]
+    assert events[-1].finish is not None
+    assert events[-1].finish.reason == FinishReason.EOS_TOKEN
+    # EOS came from decode step 2 (the prefill sampled 100); step 3 was already sent with
+    # the request (its token 102 computed and dropped); step 4 removed it
+    first_id = 0
+    assert recorder.steps_of(first_id) == 3
+    step_without = next(i for i, ids in enumerate(recorder.stepped) if first_id not in ids)
+    assert first_id in recorder.removed[step_without]
+    assert engine.kv_blocks_free == engine.block_manager.num_blocks
+
+
+async def test_stop_sequence_ends_the_stream_at_its_step(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(" alpha beta gamma delta epsilon zeta")
+    stop_text = tokenizer.decode(ids[2:3]).strip()
+    shard = ScriptedShardClient(lambda _p: ids)
+    engine = _engine(shard, tokenizer)
+    try:
+        request = GenerationRequest(
+            (5, 6, 7), SamplingParams(),
+            StoppingParams(max_new_tokens=len(ids), stop_sequences=(stop_text,), ignore_eos=True),
+        )
+        events = await _events(engine, request)
+    finally:
+        await engine.stop()
+    assert [e.id for e in events] == ids[:3]
+    assert events[-1].finish is not None
+    assert events[-1].finish.reason == FinishReason.STOP_SEQUENCE
+    assert engine.kv_blocks_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+async def test_length_limit_costs_no_extra_step(tokenizer: Tokenizer, max_new_tokens: int) -> None:
+    shard = ScriptedShardClient(lambda _p: [100, 101, 102])
+    recorder = _Recorder(shard)
+    engine = _engine(shard, tokenizer)
+    try:
+        request = GenerationRequest((5, 6, 7), SamplingParams(),
+                                    StoppingParams(max_new_tokens=max_new_tokens,
+                                                   ignore_eos=True))
+        events = await _events(engine, request)
+    finally:
+        await engine.stop()
+    assert len(events) == max_new_tokens
+    assert events[-1].finish is not None and events[-1].finish.reason == FinishReason.LENGTH
+    # the prefill samples the first token, each decode step one more: nothing wasted
+    assert recorder.steps_of(0) == max_new_tokens - 1
+
+
+async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer) -> None:
+    shard = ScriptedShardClient(lambda _p: list(range(100, 140)))
+    recorder = _Recorder(shard)
+    engine = _engine(shard, tokenizer)
+    try:
+        request = GenerationRequest((5, 6, 7), SamplingParams(),
+                                    StoppingParams(max_new_tokens=40, ignore_eos=True))
+        seq = engine.submit(request)
+        got: list[int] = []
+        while len(got) < 3:
+            event = await seq.events.get()
+            assert isinstance(event, TokenEvent)
+            got.append(event.id)
+        engine.cancel(seq)
+        steps_at_cancel = recorder.steps_of(seq.id)
+        await asyncio.sleep(0.05)
+        # the stream ends with the cancellation: no token after it
+        leftovers = []
+        while not seq.events.empty():
+            leftovers.append(seq.events.get_nowait())
+        assert [e for e in leftovers if isinstance(e, TokenEvent)] == []
+        # at most the steps already sent ran with it; then it left the batch
+        assert recorder.steps_of(seq.id) <= steps_at_cancel + 1
+        assert engine.kv_blocks_free == engine.block_manager.num_blocks
+    finally:
+        await engine.stop()
