@@ -333,12 +333,16 @@ class Engine:
         assert len(rows) == len(call.sampled), (
             f"{call.kind} returned {len(rows)} tokens for {len(call.sampled)} requests"
         )
+        arrived = time.monotonic()
+        applied = 0
         for (seq, epoch), (token, logprob, extra) in zip(call.sampled, rows, strict=True):
             if seq.epoch != epoch or seq.status != Status.RUNNING:
                 continue
             seq.pending_tokens -= 1
             if not seq.cancelled:
-                self._on_token(seq, token, logprob, extra)
+                self._on_token(seq, token, logprob, extra, arrived)
+                applied += 1
+        self.metrics.generation_tokens.inc(applied)
 
     def _deliver(self) -> None:
         """Put the queued token events on their sequences' streams, in order."""
@@ -397,19 +401,23 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     def _on_token(
-        self, seq: Sequence, token_id: int, logprob: float, extra: pb.Generation | None
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float,
+        extra: pb.Generation | None,
+        now: float,
     ) -> None:
         """Apply one generated token: stop checks, text, the event for the stream.
-        ``extra`` carries top tokens and prompt logprobs when the request asked."""
+        ``extra`` carries top tokens and prompt logprobs when the request asked; ``now``
+        is ``time.monotonic()`` when the step's result arrived."""
         seq.output_ids.append(token_id)
-        now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.time_to_first_token.observe(now - seq.arrival_time)
         elif seq.last_token_time is not None:
             self.metrics.inter_token_latency.observe(now - seq.last_token_time)
         seq.last_token_time = now
-        self.metrics.generation_tokens.inc()
         state = self._text[seq.id]
         stopping = seq.request.stopping
         reason: FinishReason | None = None
