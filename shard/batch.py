@@ -51,9 +51,18 @@ class RequestState:
 
     def append_token(self, token_id: int) -> None:
         """Record a decode step: the previous last token is now cached, token_id is new."""
+        self.advance()
+        self.record_token(token_id)
+
+    def advance(self) -> None:
+        """The first half of :meth:`append_token`, done when a step is launched: one
+        more token cached and one more generated (its id is not known yet)."""
         self.seq_len += 1
-        self.token_ids.append(token_id)
         self.num_generated += 1
+
+    def record_token(self, token_id: int) -> None:
+        """The second half, done when the step's result is read: the new token's id."""
+        self.token_ids.append(token_id)
 
 
 @dataclass

@@ -9,8 +9,10 @@ Entry points: :meth:`ModelRunner.info`, :meth:`~ModelRunner.warmup`,
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from loguru import logger
@@ -23,6 +25,7 @@ from shard.cuda_graphs import DecodeGraphs, parse_buckets
 from shard.decode_state import DecodeRows
 from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
+from shard.host_copy import HostCopy
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
@@ -37,8 +40,64 @@ from shard.requests import (
     StepOutput,
     TopToken,
 )
-from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample, sample_greedy
+from shard.sampling import (
+    SamplerOutput,
+    SamplingRow,
+    TokenSuffix,
+    has_penalty,
+    sample,
+    sample_greedy,
+)
 from shard.validate import validate_decode, validate_prefill
+
+
+@dataclass
+class PendingDecode:
+    """A decode step launched on the device whose results are not read yet.
+
+    Attributes:
+        batch_id: the batch it stepped.
+        requests: the batch's requests at launch, in order.
+        host: the sampled ids, logprobs and top tokens, on their way to the host.
+        timer: the step's device time.
+        previous: the step launched before it (finished first, so that the tokens of
+            a request are recorded in order).
+        finished: set once :meth:`ModelRunner.finish_decode` has recorded the tokens.
+    """
+
+    batch_id: int
+    requests: list[RequestState]
+    host: HostCopy
+    timer: StepTimer
+    previous: PendingDecode | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class StepTimer:
+    """Device time of a step: CUDA events around its kernels (the time the device spent
+    on it, not the host's), or the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._start_ns = time.perf_counter_ns()
+        self._end_ns = self._start_ns
+        if device.type == "cuda":
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._end_ns = time.perf_counter_ns()
+
+    def elapsed_ns(self) -> int:
+        """Nanoseconds; on CUDA call once the step's results are read."""
+        if self._events is not None:
+            return int(self._events[0].elapsed_time(self._events[1]) * 1e6)
+        return self._end_ns - self._start_ns
 
 
 class ModelRunner:
@@ -80,6 +139,7 @@ class ModelRunner:
         self.kv_cache: list[KVCacheLayer] = []
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
         self.graphs: DecodeGraphs | None = None
+        self._last_pending: PendingDecode | None = None  # the last launched decode step
 
     @property
     def num_blocks(self) -> int:
@@ -145,6 +205,7 @@ class ModelRunner:
             ValueError: a budget is 0.
         """
         self.batches.clear()
+        self._last_pending = None
         self.unbind_kv_cache()  # a failed warmup leaves the shard without a cache
         buckets = self.graph_buckets(max_batch_size)
         num_blocks = warmup_lib.run_warmup(
@@ -247,17 +308,37 @@ class ModelRunner:
         targets = torch.tensor(chunk.token_ids[1:], dtype=torch.int64, device=logprobs.device)
         return tuple(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
 
-    @torch.inference_mode()
     def decode(
         self,
         batch_ids: Sequence[int],
         block_appends: Sequence[tuple[int, Sequence[int]]] = (),
         remove_request_ids: Sequence[int] = (),
     ) -> StepOutput:
-        """One decode step over the concatenation of ``batch_ids`` (kept under the
+        """One decode step: :meth:`launch_decode`, then :meth:`finish_decode`."""
+        pending = self.launch_decode(batch_ids, block_appends, remove_request_ids)
+        if isinstance(pending, StepOutput):
+            return pending
+        return self.finish_decode(pending)
+
+    @torch.inference_mode()
+    def launch_decode(
+        self,
+        batch_ids: Sequence[int],
+        block_appends: Sequence[tuple[int, Sequence[int]]] = (),
+        remove_request_ids: Sequence[int] = (),
+    ) -> PendingDecode | StepOutput:
+        """Start one decode step over the concatenation of ``batch_ids`` (kept under the
         first id), after dropping ``remove_request_ids`` from it and appending new blocks
-        to the named requests. A batch left empty by the removals is dropped and the
-        step computes nothing.
+        to the named requests; its results are read by :meth:`finish_decode`.
+
+        Launching does not wait for the device: the step's inputs come from device state
+        (the previous step's sampled tokens included), so the next step can be launched
+        while this one computes. Only a batch with penalties, which need the host's
+        token history, first waits for the previous step's :meth:`finish_decode`.
+
+        Returns:
+            the pending step, or an empty :class:`StepOutput` when the removals left no
+            request (the batch is dropped).
 
         Raises:
             UnknownBatchError: a batch id not held.
@@ -294,26 +375,64 @@ class ModelRunner:
                 row_appends.append((row_of[rid], len(r.block_table), blocks))
                 r.block_table.extend(blocks)
             batch.rows.append_blocks(row_appends)
-        t0 = time.perf_counter_ns()
+        timer = StepTimer(self.device)
         max_seqlen_k = max(r.seq_len for r in batch.requests) + 1
         logits = self._decode_logits(batch.rows, max_seqlen_k)
-        if all(r.plain_greedy for r in batch.requests):
+        requests = list(batch.requests)
+        if all(r.plain_greedy for r in requests):
             out = sample_greedy(logits)
         else:
-            out = sample(logits, [_decode_sampling_row(r) for r in batch.requests])
+            if any(has_penalty(r.sampling) for r in requests):
+                self._wait_previous_finish()  # penalties read the host's token history
+            out = sample(logits, [_decode_sampling_row(r) for r in requests])
         batch.rows.advance(out.token_ids)
-        generations = _generations(
-            list(batch.request_ids),
-            [r.top_n_tokens for r in batch.requests],
-            out,
-            [()] * len(batch.requests),
+        for r in requests:
+            r.advance()
+        timer.stop()
+        pending = PendingDecode(
+            batch_id=batch.batch_id,
+            requests=requests,
+            host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
+            timer=timer,
+            previous=self._last_pending,
         )
-        for r, g in zip(batch.requests, generations, strict=True):
-            r.append_token(g.token_id)
-        forward_ns = time.perf_counter_ns() - t0
-        return StepOutput(
-            tuple(generations), CachedBatchInfo(batch.batch_id, batch.request_ids), forward_ns
-        )
+        self._last_pending = pending
+        return pending
+
+    @torch.inference_mode()
+    def finish_decode(self, pending: PendingDecode) -> StepOutput:
+        """Wait for a launched step's results and record its tokens on the host.
+
+        Steps must be finished in the order they were launched.
+        """
+        try:
+            if pending.previous is not None and not pending.previous.finished.wait(120.0):
+                raise RuntimeError("the previous decode step was not finished within 120 s")
+            pending.previous = None  # let the chain of steps be freed
+            tokens, logprobs, top_ids, top_lps = pending.host.wait()
+            assert tokens is not None and logprobs is not None
+            out = SamplerOutput(tokens, logprobs, top_ids, top_lps)
+            requests = pending.requests
+            generations = _generations(
+                [r.request_id for r in requests],
+                [r.top_n_tokens for r in requests],
+                out,
+                [()] * len(requests),
+            )
+            for r, g in zip(requests, generations, strict=True):
+                r.record_token(g.token_id)
+        finally:
+            pending.finished.set()
+        info = CachedBatchInfo(pending.batch_id, tuple(r.request_id for r in requests))
+        return StepOutput(tuple(generations), info, pending.timer.elapsed_ns())
+
+    def _wait_previous_finish(self, timeout_s: float = 120.0) -> None:
+        """Block until the last launched step is finished (its tokens recorded)."""
+        pending = self._last_pending
+        if pending is not None and not pending.finished.wait(timeout_s):
+            raise RuntimeError(
+                f"the previous decode step was not finished within {timeout_s:.0f} s"
+            )
 
     def _decode_logits(self, rows: DecodeRows, max_seqlen_k: int) -> torch.Tensor:
         """Logits [batch, vocab] float32 of one decode step: a CUDA graph replay when a
@@ -337,8 +456,12 @@ class ModelRunner:
         return CachedBatchInfo(batch.batch_id, batch.request_ids)
 
     def clear_cache(self, batch_id: int | None = None) -> None:
-        """Drop one batch, or all with None (KV contents stay; the router owns blocks)."""
+        """Drop one batch, or all with None (KV contents stay; the router owns blocks).
+        Clearing all also forgets a launched step whose results were never read (its
+        RPC was cancelled), so later steps do not wait for it."""
         self.batches.clear(batch_id)
+        if batch_id is None:
+            self._last_pending = None
 
 
 def _prefill_chunk(r: RequestInput) -> SeqChunk:

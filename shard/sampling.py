@@ -254,14 +254,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     return SamplerOutput(token_ids, token_logprobs, top_ids, top_lp)
 
 
+def has_penalty(params: SamplingParams) -> bool:
+    """Whether a repetition, frequency or presence penalty is on (they read the tokens
+    seen so far)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Argmax of the raw logits: greedy with no penalty (see :func:`sample_greedy`)."""
-    return (
-        not params.do_sample
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-    )
+    return not params.do_sample and not has_penalty(params)
 
 
 def sample_greedy(logits: torch.Tensor) -> SamplerOutput:

@@ -8,6 +8,7 @@ that maps exceptions to gRPC status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -17,7 +18,7 @@ from loguru import logger
 
 from shard import codec
 from shard.errors import NotWarmedUpError, UnknownBatchError
-from shard.model_runner import ModelRunner
+from shard.model_runner import ModelRunner, PendingDecode
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
 
@@ -79,14 +80,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             self._last_step = max(self._last_step, step)
             self._step_turn.notify_all()
 
-    async def _run(self, context: grpc.aio.ServicerContext, rpc: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in a worker thread under the lock; abort the RPC on error.
+    async def _run(
+        self,
+        context: grpc.aio.ServicerContext,
+        rpc: str,
+        fn: Callable[[], T],
+        locked: bool = True,
+    ) -> T:
+        """Run ``fn`` in a worker thread, under the lock unless ``locked`` is False;
+        abort the RPC on error.
 
         NOTE: a cancelled RPC (deadline, client gone) cannot stop the thread, so the lock
         is held until the thread is done: the next step never runs beside it.
         """
         try:
-            async with self.lock:
+            async with self.lock if locked else contextlib.nullcontext():
                 work = asyncio.ensure_future(asyncio.to_thread(fn))
                 try:
                     return await asyncio.shield(work)
@@ -151,9 +159,18 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         appends = codec.block_appends_from_pb(list(request.block_appends))
         removed = list(request.remove_request_ids)
         await self._wait_turn(context, request.step)
-        out = await self._run(
-            context, "Decode", lambda: self.runner.decode(batch_ids, appends, removed)
+        # Launch under the lock, then wait for the results without it: the next step
+        # (already sent by the router) is launched while this one computes.
+        launched = await self._run(
+            context, "Decode", lambda: self.runner.launch_decode(batch_ids, appends, removed)
         )
+        if isinstance(launched, PendingDecode):
+            pending = launched
+            out = await self._run(
+                context, "Decode", lambda: self.runner.finish_decode(pending), locked=False
+            )
+        else:
+            out = launched
         return codec.decode_response_to_pb(out, time.perf_counter_ns() - t0)
 
     async def FilterBatch(

@@ -134,3 +134,26 @@ def _batch(batch_id, *requests):
     from shard.requests import PrefillBatch
 
     return PrefillBatch(batch_id, tuple(requests))
+
+
+def test_next_step_launched_before_the_previous_is_read(llama, expected_greedy) -> None:
+    """launch_decode of step N+1 before finish_decode of step N (what the servicer does
+    when the router has sent N+1 already) gives the same tokens as one step at a time."""
+    from shard.model_runner import PendingDecode
+
+    runner = make_runner(llama[0])
+    pool = BlockPool(runner.num_blocks, seed=3)
+    prompt = PROMPTS[2]
+    first = prefill(runner, 1, request(1, prompt, pool.for_tokens(len(prompt) + 8)))
+    got = [first[1]]
+    pending = runner.launch_decode([1])
+    for _ in range(5):
+        assert isinstance(pending, PendingDecode)
+        following = runner.launch_decode([1])
+        got.append(runner.finish_decode(pending).generations[0].token_id)
+        pending = following
+    assert isinstance(pending, PendingDecode)
+    got.append(runner.finish_decode(pending).generations[0].token_id)
+    assert got == expected_greedy[2][:7]
+    state = runner.batches.get(1).requests[0]
+    assert state.token_ids[len(prompt):] == got and state.seq_len == len(prompt) + 6
