@@ -130,7 +130,9 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             await state.engine.client.health()
         except Exception as error:
-            return _error(request, 503, f"shards unhealthy: {error}", "unhealthy")
+            logger.warning("health check failed: {}", error)
+            plain = getattr(error, "public_message", "the model shards did not answer")
+            return _error(request, 503, f"shards unhealthy: {plain}", "unhealthy")
         if not state.engine.healthy:
             return _error(request, 503, "the last generation step failed", "unhealthy")
         if state.engine.draining:

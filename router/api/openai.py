@@ -15,9 +15,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from loguru import logger
 from sse_starlette.sse import EventSourceResponse
 
-from router.api.generation import Completion, MergedStream, run_all, text_without_stop
+from router.api.generation import (
+    Completion,
+    GenerationFailed,
+    MergedStream,
+    run_all,
+    text_without_stop,
+)
 from router.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -308,7 +315,11 @@ async def _sse(
                 yield usage_chunk(done)
             yield "[DONE]"
         except Exception as error:
-            message = f"generation failed: {error}"
+            if isinstance(error, GenerationFailed):
+                message = f"generation failed: {error}"  # plain words (see ShardError)
+            else:
+                logger.opt(exception=error).error("OpenAI stream failed")
+                message = "generation failed: internal error; see the server log"
             yield json.dumps({"error": {"message": message, "type": "server_error",
                                         "param": None, "code": None}})
         finally:
