@@ -29,7 +29,10 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
                        help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    model.add_argument("--model-id", default=None, help="name reported by /info")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names the model answers to in the OpenAI `model` field (another "
+                       "is a 404); the first is reported by /info, /v1/models and responses "
+                       "(default: the folder's name or the repository id)")
     model.add_argument("--dtype", default="auto",
                        help="float32 | bfloat16 | float16 | auto (float32 on CPU, bf16 on GPU)")
     model.add_argument("--device", default="auto", help="cpu | cuda | auto")
@@ -106,10 +109,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ValueError: a flag has an invalid value (the message names it).
         FileNotFoundError: ``--model`` is not a model folder.
     """
-    files = resolve_model(args.model, args.model_id)
+    files = resolve_model(args.model)
     check_tp_size_for_folder(files.path, args.num_shard)  # fail before starting any shard
+    names = tuple(args.served_model_name or [files.model_id])
     shard = ShardLaunchConfig(
-        model_path=str(files.path), model_id=files.model_id, num_shard=args.num_shard,
+        model_path=str(files.path), model_id=names[0], num_shard=args.num_shard,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_fraction=args.gpu_memory_fraction, load_format=args.load_format,
@@ -138,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
         placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=args.max_request_bytes, served_model_names=names,
     )
 
 

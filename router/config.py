@@ -198,6 +198,9 @@ class ServerConfig:
     master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
     # Token budgets as given on the command line (None = derive; see derive_budgets).
     budget_flags: dict[str, int | None] = field(default_factory=dict)
+    # Names the model answers to (OpenAI ``model``); the first is the reported one.
+    # Empty = the shard's model id.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):
@@ -214,3 +217,6 @@ class ServerConfig:
             raise ValueError("--port must be in [0, 65535]")
         if not 0 <= self.grpc_port < 65536:
             raise ValueError("--grpc-port must be in [0, 65535] (0 = no gRPC API)")
+        names = self.served_model_names
+        if any(not name.strip() for name in names) or len(set(names)) != len(names):
+            raise ValueError("--served-model-name: names must be non-empty and distinct")

@@ -128,13 +128,14 @@ async def build_state(
     return ServerState(
         engine=engine,
         validator=validator,
-        model_id=first.model_id,
+        model_id=config.served_model_names[0] if config.served_model_names else first.model_id,
         dtype=first.dtype,
         device_type=first.device.split(":")[0],
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
         max_request_bytes=config.max_request_bytes,
+        model_aliases=config.served_model_names[1:],
     ), warmup
 
 

@@ -13,8 +13,10 @@ class ServerState:
     """Shared by the HTTP app and the public gRPC service.
 
     Attributes:
-        model_id: Name reported by /info, /v1/models and ModelInfo.
+        model_id: Name reported by /info, /v1/models, ModelInfo and OpenAI responses.
         device_type: "cpu" or "cuda".
+        model_aliases: Further names the OpenAI routes accept in ``model``
+            (``--served-model-name`` after the first).
     """
 
     engine: Engine
@@ -26,3 +28,9 @@ class ServerState:
     attention_backend: str
     version: str
     max_request_bytes: int = 1 << 20
+    model_aliases: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model is served as, the reported one first."""
+        return (self.model_id, *self.model_aliases)
