@@ -88,6 +88,13 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest HTTP request body, bytes (413 beyond)")
     server.add_argument("--graceful-timeout", type=int, default=30,
                         help="seconds running requests may take to finish after SIGTERM")
+    server.add_argument("--api-key", default=env_default("api_key"),
+                        help="require `Authorization: Bearer <key>` on every HTTP route but "
+                        "/health and /metrics, and the same gRPC metadata on every public gRPC "
+                        "call but health checks (default: no key)")
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a client has to send a request's headers; slower or "
+                        "idle connections are closed")
 
 
 _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
@@ -143,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
         max_request_bytes=args.max_request_bytes, served_model_names=names,
+        api_key=args.api_key, header_timeout_s=args.header_timeout,
     )
 
 

@@ -201,6 +201,9 @@ class ServerConfig:
     # Names the model answers to (OpenAI ``model``); the first is the reported one.
     # Empty = the shard's model id.
     served_model_names: tuple[str, ...] = ()
+    # Bearer key HTTP (but /health, /metrics) and public gRPC calls need; None = open.
+    api_key: str | None = field(default=None, repr=False)
+    header_timeout_s: float = 10.0  # to receive a request's headers, seconds
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):
@@ -217,6 +220,10 @@ class ServerConfig:
             raise ValueError("--port must be in [0, 65535]")
         if not 0 <= self.grpc_port < 65536:
             raise ValueError("--grpc-port must be in [0, 65535] (0 = no gRPC API)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        if self.header_timeout_s <= 0:
+            raise ValueError("--header-timeout must be positive")
         names = self.served_model_names
         if any(not name.strip() for name in names) or len(set(names)) != len(names):
             raise ValueError("--served-model-name: names must be non-empty and distinct")

@@ -13,16 +13,16 @@ again and hands the engine the new client with an empty block manager.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
 from loguru import logger
 
 from router.api.app import ServerState, create_app
+from router.api.http_server import make_http_server
 from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
@@ -33,15 +33,6 @@ from router.validation import Validator
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: :func:`serve` installs handlers that
-    ask it to exit, so shutdown runs our clean-up instead of re-raising the signal."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def package_version() -> str:
@@ -136,6 +127,7 @@ async def build_state(
         version=package_version(),
         max_request_bytes=config.max_request_bytes,
         model_aliases=config.served_model_names[1:],
+        api_key=config.api_key,
     ), warmup
 
 
@@ -151,11 +143,8 @@ async def serve(config: ServerConfig) -> int:
         client = await start_group(executor, SHARD_START_TIMEOUT_S)
         state, warmup = await build_state(config, client)
         state.engine.start()
-        server = _Server(
-            uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                           log_level="warning", lifespan="off",
-                           timeout_graceful_shutdown=config.graceful_timeout_s)
-        )
+        server = make_http_server(create_app(state), config.host, config.port,
+                                  config.header_timeout_s, config.graceful_timeout_s)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, _request_exit, server, state.engine, signum)

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from loguru import logger
@@ -92,14 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(argv: Sequence[str] | None = None) -> tuple[ShardConfig, str, int]:
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[ShardConfig, str, int]:
     """Parse flags (environment variables supply defaults) into (config, host, port).
+
+    Args:
+        environ: Where ``SHARDSERVE_*`` defaults are read; ``os.environ`` when None.
 
     Raises:
         SystemExit: on bad flags (argparse) or an invalid configuration.
     """
     parser = build_parser()
-    parser.set_defaults(**env_overrides())
+    parser.set_defaults(**env_overrides(environ))
     args = vars(parser.parse_args(argv))
     host, port = args.pop("host"), args.pop("port")
     if not args.get("model_path"):

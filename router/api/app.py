@@ -25,6 +25,7 @@ from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.api.auth import ApiKeyAuth
 from router.api.generation import ClientDisconnected, GenerationFailed
 from router.api.limits import BodySizeLimit
 from router.api.openai import ModelNotFoundError, openai_routes
@@ -146,6 +147,8 @@ def create_app(state: ServerState) -> FastAPI:
         return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
 
     app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes, on_reject=rejected)
+    if state.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=state.api_key)  # outermost: checked first
     app.include_router(tgi_routes(state))
     app.include_router(openai_routes(state))
 

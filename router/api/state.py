@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.engine import Engine
 from router.validation import Validator
@@ -17,6 +17,7 @@ class ServerState:
         device_type: "cpu" or "cuda".
         model_aliases: Further names the OpenAI routes accept in ``model``
             (``--served-model-name`` after the first).
+        api_key: Bearer key every call needs (see router/api/auth.py); None = open.
     """
 
     engine: Engine
@@ -29,6 +30,7 @@ class ServerState:
     version: str
     max_request_bytes: int = 1 << 20
     model_aliases: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def model_names(self) -> tuple[str, ...]:
