@@ -27,8 +27,10 @@ from shard.layers.tp_layout import check_tp_size_for_folder
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None,
-                       help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    model.add_argument("--model", "--model-id", dest="model", default=None, metavar="PATH",
+                       help="the model to serve: a Hugging Face model folder, or ORG/NAME "
+                       "already in the local Hugging Face cache; --model-id is TGI's name "
+                       "for it (default: SmolLM2-135M-Instruct, converted once)")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names the model answers to in the OpenAI `model` field (another "
                        "is a 404); the first is reported by /info, /v1/models and responses "

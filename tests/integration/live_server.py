@@ -77,16 +77,17 @@ class LiveServer:
 
 def launch_tiny(
     model_dir: Path, log_path: Path, args: list[str] | None = None,
-    env: dict[str, str] | None = None, wait: bool = True,
+    env: dict[str, str] | None = None, wait: bool = True, model_flag: str = "--model",
 ) -> LiveServer:
-    """Start ``shardserve launch --model model_dir`` on free ports with ``args`` after the
-    tiny-model budgets (so ``args`` override them) and ``env`` added to this
-    process's environment; wait until healthy unless ``wait`` is False."""
+    """Start ``shardserve launch --model model_dir`` (``model_flag`` instead of
+    ``--model``) on free ports with ``args`` after the tiny-model budgets (so ``args``
+    override them) and ``env`` added to this process's environment; wait until healthy
+    unless ``wait`` is False."""
     port, grpc_port = free_port(), free_port()
     full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "launch", "--model", str(model_dir),
+            [sys.executable, "-m", "router.cli", "launch", model_flag, str(model_dir),
              "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
              *TINY_BUDGETS, *(args or [])],
             stdout=log, stderr=subprocess.STDOUT, env=full_env,
