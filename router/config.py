@@ -1,16 +1,43 @@
 """Router and launcher configuration: frozen dataclasses validated at construction.
 
-Command-line flags (``router/cli.py``) map onto these; environment variables with the
-``SHARDSERVE_`` prefix are read only by :func:`env_default`, called while parsing flags.
+Command-line flags (``router/cli.py``) map onto these. Environment variables with the
+``SHARDSERVE_`` prefix are read in two places only, both at call time: every flag's
+``SHARDSERVE_<FLAG>`` by ``router.cli.apply_env_defaults``, and the cache folder by
+:func:`default_cache_dir`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV_PREFIX = "SHARDSERVE_"
+# Names of shard/attention's registry plus "auto" (the router cannot import it: torch).
+ATTENTION_BACKENDS = ("auto", "flash_attn", "flashinfer", "triton", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+# Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
+# 2Gi = 2GiB = 2 x 2**30); case does not matter, a trailing B is optional.
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*?)b?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes from ``text``: a number of bytes, or a number with a unit —
+    ``512MiB`` (2**20), ``1GiB`` / ``1Gi`` (2**30), ``2G`` / ``2GB`` (10**9), ``64k`` —
+    rounded down to whole bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
+                         "(K, M, G, T for powers of 1000; KiB, MiB, GiB, TiB for powers of 1024)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def env_default(name: str, default: str | None = None) -> str | None:
@@ -138,7 +165,7 @@ class ShardLaunchConfig:
     num_shard: int = 1
     dtype: str = "auto"
     device: str = "auto"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024
     gpu_memory_fraction: float = 0.9

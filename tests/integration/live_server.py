@@ -21,7 +21,7 @@ from router.executors import free_port
 
 # Small budgets keep warm-up short; the tiny model's context is 512 tokens.
 TINY_BUDGETS = ["--executor", "local", "--max-batch-prefill-tokens", "256",
-                "--max-total-tokens", "512", "--kv-cache-bytes", "8388608"]
+                "--max-total-tokens", "512", "--kv-cache-bytes", "8MiB"]
 STARTUP_TIMEOUT_S = 120.0
 _SHARD_PID = re.compile(r"shard rank (\d+): pid (\d+)")
 
@@ -78,18 +78,19 @@ class LiveServer:
 def launch_tiny(
     model_dir: Path, log_path: Path, args: list[str] | None = None,
     env: dict[str, str] | None = None, wait: bool = True, model_flag: str = "--model",
+    budgets: list[str] | None = None,
 ) -> LiveServer:
     """Start ``shardserve launch --model model_dir`` (``model_flag`` instead of
-    ``--model``) on free ports with ``args`` after the tiny-model budgets (so ``args``
-    override them) and ``env`` added to this process's environment; wait until healthy
-    unless ``wait`` is False."""
+    ``--model``) on free ports with ``args`` after ``budgets`` (default: the tiny-model
+    budgets; ``args`` override them) and ``env`` added to this process's environment;
+    wait until healthy unless ``wait`` is False."""
     port, grpc_port = free_port(), free_port()
     full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "launch", model_flag, str(model_dir),
              "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
-             *TINY_BUDGETS, *(args or [])],
+             *(TINY_BUDGETS if budgets is None else budgets), *(args or [])],
             stdout=log, stderr=subprocess.STDOUT, env=full_env,
         )
     server = LiveServer(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", process, log_path)
