@@ -117,6 +117,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grpc-port", type=int, default=3001,
                         help="port of the public gRPC API (0 = off)")
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
+    server.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="while busy, log throughput, running/waiting requests and KV "
+                        "cache use this often (0 = never)")
     server.add_argument("--max-request-bytes", type=_size, default="1MiB", metavar="SIZE",
                         help="largest HTTP request body (413 beyond): bytes or with a unit")
     server.add_argument("--graceful-timeout", type=int, default=30, metavar="SECONDS",
@@ -296,6 +299,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
         max_request_bytes=args.max_request_bytes, served_model_names=names,
         api_key=args.api_key, header_timeout_s=args.header_timeout,
+        status_interval_s=args.status_interval,
     )
 
 

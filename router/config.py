@@ -231,6 +231,7 @@ class ServerConfig:
     # Bearer key HTTP (but /health, /metrics) and public gRPC calls need; None = open.
     api_key: str | None = field(default=None, repr=False)
     header_timeout_s: float = 10.0  # to receive a request's headers, seconds
+    status_interval_s: float = 5.0  # between status lines of a busy server; 0 = none
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):
@@ -251,6 +252,8 @@ class ServerConfig:
             raise ValueError("--api-key must not be empty")
         if self.header_timeout_s <= 0:
             raise ValueError("--header-timeout must be positive")
+        if self.status_interval_s < 0:
+            raise ValueError("--status-interval must be >= 0 (0 = no status lines)")
         names = self.served_model_names
         if any(not name.strip() for name in names) or len(set(names)) != len(names):
             raise ValueError("--served-model-name: names must be non-empty and distinct")

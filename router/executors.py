@@ -73,6 +73,7 @@ class LocalExecutor:
             logger.info("shard rank {}: pid {} on node local at {}:{}", rank, process.pid,
                         self.host, port)
             addresses.append(f"{self.host}:{port}")
+        logger.info("waiting for {} shard process(es) to load the model", len(addresses))
         return addresses
 
     async def dead_rank(self) -> int | None:
@@ -191,6 +192,10 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
+            if not (sys.stdout.isatty() and sys.stderr.isatty()):
+                # Shard lines reach our log through log_to_driver with a "(ShardActor
+                # pid=N)" prefix, ANSI-coloured unless this is 0: no escapes in log files.
+                os.environ.setdefault("RAY_COLOR_PREFIX", "0")
             ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         use_gpu = self.config.device.startswith("cuda") or (
@@ -202,6 +207,7 @@ class RayExecutor:
         logger.info("waiting for a placement group of {} x {} ({})", self.config.num_shard,
                     bundle, strategy)
         await self._placement_group.ready()
+        logger.info("placement group ready; starting {} shard actor(s)", self.config.num_shard)
         actor_class = ray.remote(ShardActor)
         for rank in range(self.config.num_shard):
             options = actor_class.options(
@@ -220,6 +226,8 @@ class RayExecutor:
         if loopback:
             logger.info("every rank runs on this node: shard gRPC servers bind 127.0.0.1")
         master_addr, master_port = await self.actors[0].rendezvous.remote()
+        logger.info("waiting for {} shard(s) to join the process group and load the model",
+                    self.config.num_shard)
         # NOTE: all at once: each start blocks in init_process_group until every rank joins.
         starts = [actor.start.remote(master_addr, master_port, loopback) for actor in self.actors]
         return list(await asyncio.gather(*starts))

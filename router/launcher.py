@@ -4,6 +4,8 @@ Order: resolve the model (converting the default one once) → start one shard p
 (Ray actors, or local processes) → wait for every gRPC server → ``Info`` and ``Warmup``
 (KV blocks = minimum over ranks) → build the engine → serve HTTP (uvicorn) and the
 public gRPC API (``--grpc-port``) until SIGINT/SIGTERM → stop the engine and the shards.
+Each wait is announced in the log (placement, model load, warm-up phases), and while
+serving a busy server logs a status line every ``--status-interval`` seconds.
 
 While serving, :class:`Supervisor` polls the executor; when a rank dies it fails the
 in-flight requests, restarts the whole group (``--max-restarts`` times), warms it up
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
@@ -28,11 +31,13 @@ from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
 from router.grpc_api.server import start_grpc_server
 from router.shard_client import ShardClient
+from router.status_log import StatusLogger
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
+STILL_WAITING_S = 15  # seconds between "still waiting" lines during start-up
 
 
 def package_version() -> str:
@@ -69,12 +74,18 @@ async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
     addresses = await executor.start()
     client = ShardClient(addresses)
     ready = asyncio.ensure_future(client.wait_ready(timeout_s))
+    started = time.monotonic()
+    next_note = started + STILL_WAITING_S
     try:
         while not ready.done():
             await asyncio.wait({ready}, timeout=1.0)
             rank = None if ready.done() else await executor.dead_rank()
             if rank is not None:
                 raise RuntimeError(f"shard rank {rank} exited during start-up (see its log)")
+            if not ready.done() and time.monotonic() >= next_note:
+                logger.info("still waiting for {} shard(s) to load the model ({:.0f} s)",
+                            len(addresses), time.monotonic() - started)
+                next_note += STILL_WAITING_S
         ready.result()
     except BaseException:
         ready.cancel()
@@ -92,7 +103,12 @@ async def build_state(
     max_position = first.max_position_embeddings
     chunked = config.scheduler.chunked_prefill
     before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked)
+    logger.info("warming up {} shard(s) on {}: a worst-case prefill of {} tokens, then sizing "
+                "the KV cache (each phase is logged)", len(infos), first.device,
+                before["max_batch_prefill_tokens"])
+    started = time.monotonic()
     num_blocks = await client.warmup(before["max_batch_prefill_tokens"], before["max_total_tokens"])
+    logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
     budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
                              chunked_prefill=chunked)
     scheduler = dataclasses.replace(
@@ -155,12 +171,16 @@ async def serve(config: ServerConfig) -> int:
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
                                 on_give_up=lambda: setattr(server, "should_exit", True))
-        watch = asyncio.ensure_future(supervisor.run())
+        watches = [asyncio.ensure_future(supervisor.run())]
+        if config.status_interval_s:
+            status = StatusLogger(state.engine, config.status_interval_s)
+            watches.append(asyncio.ensure_future(status.run()))
         try:
             await server.serve()
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
             client = state.engine.client
             if grpc_server is not None:
                 await grpc_server.stop(grace=5)

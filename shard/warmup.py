@@ -5,6 +5,8 @@ CUDA: run the worst-case prefill with a temporary cache just big enough for it,
 measure peak memory, then give the KV cache what is left of
 ``total × gpu_memory_fraction`` (the vLLM profiling approach).
 Either way the real cache is then allocated and the worst-case prefill runs through it.
+Each of these phases is announced (see shard/progress.py): warm-up can take tens of
+seconds on a GPU and must not look like a hang.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import torch
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
 from shard.kv_cache import allocate_kv_cache, bytes_per_block
+from shard.progress import PhaseProgress
 from shard.sampling import SamplingParams, SamplingRow, sample
 
 if TYPE_CHECKING:
     from shard.model_runner import ModelRunner
+
+# Phases shown while warming up (log lines, and a bar on rank 0's terminal).
+WARMUP_PHASES = 3
 
 
 def dummy_chunks(
@@ -106,10 +112,22 @@ def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tok
         runner.model_config, runner.block_size, runner.dtype, runner.config.world_size
     )
     chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, runner.block_size)
+    with PhaseProgress("warm-up", WARMUP_PHASES, runner.log,
+                       show_bar=runner.config.rank == 0) as progress:
+        return _warmup(runner, chunks, per_block, max_batch_prefill_tokens, max_total_tokens,
+                       progress)
+
+
+def _warmup(runner: ModelRunner, chunks: list[SeqChunk], per_block: int,
+            max_batch_prefill_tokens: int, max_total_tokens: int,
+            progress: PhaseProgress) -> int:
+    """:func:`run_warmup` once the worst-case prefill is known, phase by phase."""
     if runner.device.type == "cuda":
+        progress.phase(f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens")
         num_blocks = _cuda_num_blocks(runner, chunks, per_block)
         memory_flag = "--gpu-memory-fraction"
     else:
+        progress.phase("sizing the KV cache (--kv-cache-bytes)")
         num_blocks = runner.config.kv_cache_bytes // per_block
         memory_flag = "--kv-cache-bytes"
     need = max(blocks_needed(chunks), -(-max_total_tokens // runner.block_size))
@@ -121,11 +139,13 @@ def run_warmup(runner: ModelRunner, max_batch_prefill_tokens: int, max_total_tok
             f"max_total_tokens={max_total_tokens}: raise {memory_flag} or lower "
             "--max-batch-prefill-tokens / --max-total-tokens"
         )
+    progress.phase(f"allocating the KV cache: {num_blocks} blocks of {runner.block_size} tokens")
     runner.bind_kv_cache(
         allocate_kv_cache(
             runner.model_config, num_blocks, runner.block_size, runner.dtype, runner.device,
             runner.config.world_size,
         )
     )
+    progress.phase("running the worst-case prefill through the cache")
     _run_dummy_prefill(runner, chunks)
     return num_blocks

@@ -1,5 +1,6 @@
 """Ray on one node (the tiny model): the shard gRPC servers bind loopback, since the
-router runs on the same host."""
+router runs on the same host; the log, written to a file, carries no ANSI colour codes
+from Ray's prefixes."""
 
 from __future__ import annotations
 
@@ -40,3 +41,9 @@ def test_shards_bind_loopback_on_a_single_node(ray_tiny: LiveServer) -> None:
     assert httpx.post(f"{ray_tiny.url}/generate", json=body, timeout=60).status_code == 200
     assert "shard gRPC servers bind 127.0.0.1" in ray_tiny.log()
     assert wait_for(ray_tiny, r"listening on (\S+):\d+") == ["127.0.0.1"]
+
+
+def test_log_file_has_no_ansi_escapes(ray_tiny: LiveServer) -> None:
+    assert wait_for(ray_tiny, r"\(ShardActor pid=\d+\)")  # shard lines reached the driver
+    log = ray_tiny.log()
+    assert "\x1b[" not in log, [line for line in log.splitlines() if "\x1b[" in line][:5]
