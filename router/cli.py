@@ -222,7 +222,8 @@ class _HelpFormatter(argparse.HelpFormatter):
         if "(default:" not in text:
             extras.append(f"default: {_shown_default(action)}")
         extras.append("env: " + ", ".join(names))
-        return f"{text} [{'; '.join(extras)}]".replace("%", "%%")
+        # The flag's own help may use argparse's %(default)s; what is added here is literal.
+        return f"{text} [{'; '.join(extras).replace('%', '%%')}]"
 
 
 def _shown_default(action: argparse.Action) -> str:

@@ -60,9 +60,11 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._disarm_header_deadline()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # Armed first: uvicorn starts a pipelined request inside the call below, and
+        # that request's headers (already here) must disarm it.
         if not self.transport.is_closing():
             self._arm_header_deadline()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()

@@ -104,3 +104,24 @@ def test_requests_in_time_and_long_streams_are_served(server: LiveServer) -> Non
                     time.sleep(0.005)  # a slow reader
         assert time.monotonic() - started > HEADER_TIMEOUT_S
         assert len(events) == 400 and events[-1]["details"]["generated_tokens"] == 400
+
+
+def test_pipelined_long_request_is_not_cut(server: LiveServer) -> None:
+    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 400,
+                                                      "ignore_eos": True}}).encode()
+    stream = (b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock = connect(server)
+    try:
+        # Both requests in one write: uvicorn starts the second as the first one ends.
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + stream)
+        received, started = b"", time.monotonic()
+        sock.settimeout(30)
+        while b'"generated_tokens":400' not in received:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {time.monotonic() - started:.1f} s"
+            received += chunk
+            time.sleep(0.01)  # a slow reader keeps the stream longer than the timeout
+        assert time.monotonic() - started > HEADER_TIMEOUT_S
+    finally:
+        sock.close()
