@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from loguru import logger
 
 from router.config import ENV_PREFIX, ShardLaunchConfig
+from router.log import announce_wait
 
 LIVENESS_TIMEOUT_S = 5.0
 
@@ -206,7 +207,8 @@ class RayExecutor:
         self._placement_group = placement_group([bundle] * self.config.num_shard, strategy=strategy)
         logger.info("waiting for a placement group of {} x {} ({})", self.config.num_shard,
                     bundle, strategy)
-        await self._placement_group.ready()
+        await announce_wait(self._placement_group.ready(),
+                            f"Ray to place {self.config.num_shard} x {bundle}")
         logger.info("placement group ready; starting {} shard actor(s)", self.config.num_shard)
         actor_class = ray.remote(ShardActor)
         for rank in range(self.config.num_shard):
@@ -230,7 +232,7 @@ class RayExecutor:
                     self.config.num_shard)
         # NOTE: all at once: each start blocks in init_process_group until every rank joins.
         starts = [actor.start.remote(master_addr, master_port, loopback) for actor in self.actors]
-        return list(await asyncio.gather(*starts))
+        return list(await announce_wait(asyncio.gather(*starts), "the shards to load the model"))
 
     async def dead_rank(self) -> int | None:
         """The first rank whose actor does not answer a ping within 5 s, if any."""

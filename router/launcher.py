@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -30,6 +31,7 @@ from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
 from router.grpc_api.server import start_grpc_server
+from router.log import STILL_WAITING_S, announce_wait
 from router.shard_client import ShardClient
 from router.status_log import StatusLogger
 from router.tokenizer import Tokenizer
@@ -37,7 +39,6 @@ from router.validation import Validator
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
-STILL_WAITING_S = 15  # seconds between "still waiting" lines during start-up
 
 
 def package_version() -> str:
@@ -83,8 +84,8 @@ async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
             if rank is not None:
                 raise RuntimeError(f"shard rank {rank} exited during start-up (see its log)")
             if not ready.done() and time.monotonic() >= next_note:
-                logger.info("still waiting for {} shard(s) to load the model ({:.0f} s)",
-                            len(addresses), time.monotonic() - started)
+                logger.info("still waiting for the shards to load the model ({:.0f} s)",
+                            time.monotonic() - started)
                 next_note += STILL_WAITING_S
         ready.result()
     except BaseException:
@@ -107,7 +108,11 @@ async def build_state(
                 "the KV cache (each phase is logged)", len(infos), first.device,
                 before["max_batch_prefill_tokens"])
     started = time.monotonic()
-    num_blocks = await client.warmup(before["max_batch_prefill_tokens"], before["max_total_tokens"])
+    # Local shards share this terminal, where rank 0 draws a bar: no lines across it.
+    quiet = config.executor == "local" and sys.stderr.isatty()
+    num_blocks = await announce_wait(
+        client.warmup(before["max_batch_prefill_tokens"], before["max_total_tokens"]),
+        "the warm-up", quiet=quiet)
     logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
     budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
                              chunked_prefill=chunked)
