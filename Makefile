@@ -40,11 +40,11 @@ lint:
 
 ## test: lint, then the whole test suite
 test: lint
-	$(VENV)/bin/pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q -rs $(ARGS)
 
 ## test-fast: the suite without the end-to-end tests
 test-fast:
-	$(VENV)/bin/pytest -q -m "not e2e" $(ARGS)
+	$(VENV)/bin/pytest -q -rs -m "not e2e" $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -3,22 +3,33 @@
 Subcommands:
     launch   start the shards (Ray by default) and serve the HTTP and gRPC APIs
     prepare  convert the default model into the cache folder (done by ``launch`` too)
+
+Every flag can come from an environment variable, ``SHARDSERVE_<FLAG>``
+(``--kv-cache-bytes`` ← ``SHARDSERVE_KV_CACHE_BYTES``): :func:`apply_env_defaults`
+walks the parser, so a new flag needs no code for it. Sizes take units (``1GiB``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from loguru import logger
 
 from router.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    ENV_PREFIX,
     SchedulerConfig,
     ServerConfig,
     ShardLaunchConfig,
     ValidationLimits,
     derive_budgets,
-    env_default,
+    parse_size,
 )
 from router.log import setup_logging
 from router.model_files import prepare_default_model, resolve_model
@@ -26,82 +37,229 @@ from shard.layers.tp_layout import check_tp_size_for_folder
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """Every ``launch`` flag. Each needs help text; the formatter adds its default,
+    choices and environment variable (tests/unit/router/test_cli.py checks them all)."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None,
-                       help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    model.add_argument("--model-id", default=None, help="name reported by /info")
-    model.add_argument("--dtype", default="auto",
-                       help="float32 | bfloat16 | float16 | auto (float32 on CPU, bf16 on GPU)")
-    model.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    model.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    model.add_argument("--model", "--model-id", dest="model", default=None, metavar="PATH",
+                       help="the model to serve: a Hugging Face model folder, or ORG/NAME "
+                       "already in the local Hugging Face cache; --model-id is TGI's name "
+                       "for it (default: SmolLM2-135M-Instruct, converted once)")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names the model answers to in the OpenAI `model` field (another "
+                       "is a 404); the first is reported by /info, /v1/models and responses "
+                       "(default: the folder's name or the repository id)")
+    model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                       help="weights and activations; auto = float32 on CPU, bfloat16 on GPU")
+    model.add_argument("--device", default="auto",
+                       help="cpu, cuda, cuda:N or auto (cuda when available)")
+    model.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                       help="read the checkpoint, or random weights from config.json alone")
 
     shards = parser.add_argument_group("shards")
     shards.add_argument("--num-shard", type=int, default=1, help="tensor-parallel ranks")
     shards.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="start shards as Ray actors or local processes")
     shards.add_argument("--ray-address", default=None,
-                        help="join this Ray cluster instead of starting one (e.g. auto)")
+                        help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) "
+                        "(default: start a local Ray instance)")
     shards.add_argument("--placement", default="pack", choices=["pack", "spread"],
                         help="Ray placement of the ranks: pack onto few nodes, or one per node")
     shards.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of the shard group after a rank dies, then exit")
     shards.add_argument("--master-port", type=int, default=0,
                         help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
-    shards.add_argument("--attention-backend",
-                        default=env_default("attention_backend", "auto"),
-                        help="attention implementation: auto (the fastest that runs here: "
-                             "triton, then flash_attn, flashinfer, torch), or one by name "
-                             "(env SHARDSERVE_ATTENTION_BACKEND)")
-    shards.add_argument("--cuda-graphs", default=env_default("cuda_graphs", "auto"),
+    shards.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="attention kernels; auto = the fastest that runs here (our Triton "
+                        "kernels, then flash-attn, FlashInfer on a GPU; PyTorch on CPU; the log "
+                        "and /info say why)")
+    shards.add_argument("--cuda-graphs", default="auto", metavar="SIZES",
                         help="decode batch sizes captured as CUDA graphs at warm-up: auto "
-                             "(1,2,4,8, then multiples of 16 up to --max-batch-size), 0 (off), "
-                             "or a list such as 1,2,4,8,16,32 (env SHARDSERVE_CUDA_GRAPHS)")
+                        "(1,2,4,8, then multiples of 16 up to --max-batch-size), 0 (off), "
+                        "or a list such as 1,2,4,8,16,32")
     shards.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    shards.add_argument("--kv-cache-bytes", type=int, default=512 * 1024 * 1024,
-                        help="KV cache size per rank on CPU, bytes")
+    shards.add_argument("--kv-cache-bytes", type=_size, default="512MiB", metavar="SIZE",
+                        help="KV cache per rank on CPU: bytes, or with a unit (512MiB, 1GiB, 2G)")
     shards.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                         help="share of GPU memory for weights, activations and KV cache")
 
     budgets = parser.add_argument_group("scheduling")
+    derived = {"max_total_tokens": "min(context length, 4096, KV capacity)",
+               "max_input_tokens": "max-total-tokens - 1",
+               "max_batch_prefill_tokens": "min(max-input-tokens + 1, 4096)"}
+    meaning = {"max_total_tokens": "longest prompt + generated tokens of one request",
+               "max_input_tokens": "longest prompt, tokens",
+               "max_batch_prefill_tokens": "prompt tokens computed by one prefill step"}
     for name in _DERIVED_BUDGETS:
-        budgets.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                             help="default: derived from the model and the KV cache")
+        budgets.add_argument(_flag(name), type=int, default=None,
+                             help=f"{meaning[name]} (default: {derived[name]})")
     defaults = SchedulerConfig()
-    for name in ("max_batch_size", "max_concurrent_requests", "max_waiting_tokens"):
-        budgets.add_argument("--" + name.replace("_", "-"), type=int,
-                             default=getattr(defaults, name))
+    budgets.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+                         help="requests in the running batch")
+    budgets.add_argument("--max-concurrent-requests", type=int,
+                         default=defaults.max_concurrent_requests,
+                         help="queued + running requests; more are refused with 429")
     budgets.add_argument("--waiting-served-ratio", type=float,
-                         default=defaults.waiting_served_ratio)
+                         default=defaults.waiting_served_ratio,
+                         help="while a batch runs, prefill newcomers once there are this many "
+                         "per running request ...")
+    budgets.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens,
+                         help="... or after this many decode steps since the last prefill")
     budgets.add_argument("--prefix-caching", default="on", choices=["on", "off"],
                          help="reuse KV blocks of identical prompt prefixes")
     budgets.add_argument("--chunked-prefill", default="on", choices=["on", "off"],
                          help="split long prompts over steps shared with decodes")
     limits = ValidationLimits()
-    for name in ("max_stop_sequences", "max_top_n_tokens", "max_best_of"):
-        budgets.add_argument("--" + name.replace("_", "-"), type=int,
-                             default=getattr(limits, name))
+    budgets.add_argument("--max-stop-sequences", type=int, default=limits.max_stop_sequences,
+                         help="stop strings per request")
+    budgets.add_argument("--max-top-n-tokens", type=int, default=limits.max_top_n_tokens,
+                         help="alternatives per token (top_n_tokens, logprobs, top_logprobs)")
+    budgets.add_argument("--max-best-of", type=int, default=limits.max_best_of,
+                         help="sequences per request (best_of, n)")
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--host", default="0.0.0.0", help="interface of the HTTP and gRPC APIs")
     server.add_argument("--port", type=int, default=3000, help="HTTP port")
     server.add_argument("--grpc-port", type=int, default=3001,
                         help="port of the public gRPC API (0 = off)")
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
-    server.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                        help="largest HTTP request body, bytes (413 beyond)")
-    server.add_argument("--graceful-timeout", type=int, default=30,
+    server.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="while busy, log throughput, running/waiting requests and KV "
+                        "cache use this often (0 = never)")
+    server.add_argument("--max-request-bytes", type=_size, default="1MiB", metavar="SIZE",
+                        help="largest HTTP request body (413 beyond): bytes or with a unit")
+    server.add_argument("--graceful-timeout", type=int, default=30, metavar="SECONDS",
                         help="seconds running requests may take to finish after SIGTERM")
+    server.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require `Authorization: Bearer <key>` on every HTTP route but "
+                        "/health and /metrics, and the same gRPC metadata on every public gRPC "
+                        "call but health checks; none = the APIs are open")
+    server.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds a client has to send a request's headers; slower or "
+                        "idle connections are closed")
 
 
 _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
+# Flags whose value the help never shows (it may come from the environment).
+_SECRET_DESTS = frozenset({"api_key"})
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Argument parser of the ``shardserve`` command."""
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _size(text: str) -> int:
+    """argparse type of size flags (bytes, or with a unit: see ``parse_size``)."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def env_names(action: argparse.Action) -> list[str]:
+    """``SHARDSERVE_<FLAG>`` for each long spelling of ``action`` (``--model-id`` →
+    ``SHARDSERVE_MODEL_ID``); none for ``--help``."""
+    if action.default == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+        return []
+    return [ENV_PREFIX + option[2:].upper().replace("-", "_")
+            for option in action.option_strings if option.startswith("--")]
+
+
+def _convert(action: argparse.Action, raw: str) -> Any:
+    """``raw`` converted as if it were given on the command line for ``action``.
+
+    Raises:
+        ValueError: not a valid value (argparse.ArgumentTypeError included).
+    """
+    if action.nargs == 0:  # a switch such as --json-output
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError("expected true/false (1/0, yes/no, on/off)")
+        return action.const if word in _TRUE else action.default
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    values = [convert(word) for word in (shlex.split(raw) if many else [raw])]
+    for value in values:
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise ValueError(f"invalid choice {value!r} (choose from {choices})")
+    if many and not values:
+        raise ValueError("expected at least one value")
+    return values if many else values[0]
+
+
+def apply_env_defaults(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str]
+) -> None:
+    """Let every flag of ``parser`` (and of its sub-commands) default to its
+    ``SHARDSERVE_<FLAG>`` variable: values are parsed as on the command line (types,
+    units, choices; switches take true/false; lists are space-separated), and a flag
+    given on the command line still wins. Flags added later get it without more code.
+
+    Raises:
+        SystemExit: a variable holds an invalid value (the message names it).
+    """
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                apply_env_defaults(subparser, environ)
+            continue
+        for name in env_names(action):
+            if name in environ:
+                try:
+                    action.default = _convert(action, environ[name])
+                except (ValueError, argparse.ArgumentTypeError) as error:
+                    parser.error(f"{name}={environ[name]!r}: {error}")
+                break
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, its choices and its variables."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        names = env_names(action)
+        if not names:
+            return text
+        extras = []
+        if action.choices is not None:
+            extras.append("choices: " + ", ".join(map(str, action.choices)))
+        if "(default:" not in text:
+            extras.append(f"default: {_shown_default(action)}")
+        extras.append("env: " + ", ".join(names))
+        # The flag's own help may use argparse's %(default)s; what is added here is literal.
+        return f"{text} [{'; '.join(extras).replace('%', '%%')}]"
+
+
+def _shown_default(action: argparse.Action) -> str:
+    value = action.default
+    if action.dest in _SECRET_DESTS:
+        return "set (hidden)" if value else "none"
+    if action.nargs == 0:
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Argument parser of the ``shardserve`` command; flags default to their
+    ``SHARDSERVE_<FLAG>`` variables in ``environ`` (``os.environ`` when None).
+
+    Raises:
+        SystemExit: a ``SHARDSERVE_<FLAG>`` variable holds an invalid value.
+    """
     parser = argparse.ArgumentParser(prog="shardserve", description="LLM text-generation server")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_launch_flags(sub.add_parser("launch", help="start shards and serve the HTTP API"))
+    _add_launch_flags(sub.add_parser("launch", help="start shards and serve the HTTP API",
+                                     formatter_class=_HelpFormatter,
+                                     description="Start the shards and serve the HTTP and "
+                                     "gRPC APIs. Every flag can also come from the environment "
+                                     "variable shown with it; the command line wins."))
     sub.add_parser("prepare", help="convert the default model into the cache folder")
+    apply_env_defaults(parser, os.environ if environ is None else environ)
     return parser
 
 
@@ -112,10 +270,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ValueError: a flag has an invalid value (the message names it).
         FileNotFoundError: ``--model`` is not a model folder.
     """
-    files = resolve_model(args.model, args.model_id)
+    files = resolve_model(args.model)
     check_tp_size_for_folder(files.path, args.num_shard)  # fail before starting any shard
+    names = tuple(args.served_model_name or [files.model_id])
     shard = ShardLaunchConfig(
-        model_path=str(files.path), model_id=files.model_id, num_shard=args.num_shard,
+        model_path=str(files.path), model_id=names[0], num_shard=args.num_shard,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
@@ -145,7 +304,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
         placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=args.max_request_bytes, served_model_names=names,
+        api_key=args.api_key, header_timeout_s=args.header_timeout,
+        status_interval_s=args.status_interval,
     )
 
 

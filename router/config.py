@@ -1,16 +1,43 @@
 """Router and launcher configuration: frozen dataclasses validated at construction.
 
-Command-line flags (``router/cli.py``) map onto these; environment variables with the
-``SHARDSERVE_`` prefix are read only by :func:`env_default`, called while parsing flags.
+Command-line flags (``router/cli.py``) map onto these. Environment variables with the
+``SHARDSERVE_`` prefix are read in two places only, both at call time: every flag's
+``SHARDSERVE_<FLAG>`` by ``router.cli.apply_env_defaults``, and the cache folder by
+:func:`default_cache_dir`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV_PREFIX = "SHARDSERVE_"
+# Names of shard/attention's registry plus "auto" (the router cannot import it: torch).
+ATTENTION_BACKENDS = ("auto", "flash_attn", "flashinfer", "triton", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+# Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
+# 2Gi = 2GiB = 2 x 2**30); case does not matter, a trailing B is optional.
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*?)b?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes from ``text``: a number of bytes, or a number with a unit —
+    ``512MiB`` (2**20), ``1GiB`` / ``1Gi`` (2**30), ``2G`` / ``2GB`` (10**9), ``64k`` —
+    rounded down to whole bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
+                         "(K, M, G, T for powers of 1000; KiB, MiB, GiB, TiB for powers of 1024)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def env_default(name: str, default: str | None = None) -> str | None:
@@ -200,6 +227,13 @@ class ServerConfig:
     master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
     # Token budgets as given on the command line (None = derive; see derive_budgets).
     budget_flags: dict[str, int | None] = field(default_factory=dict)
+    # Names the model answers to (OpenAI ``model``); the first is the reported one.
+    # Empty = the shard's model id.
+    served_model_names: tuple[str, ...] = ()
+    # Bearer key HTTP (but /health, /metrics) and public gRPC calls need; None = open.
+    api_key: str | None = field(default=None, repr=False)
+    header_timeout_s: float = 10.0  # to receive a request's headers, seconds
+    status_interval_s: float = 5.0  # between status lines of a busy server; 0 = none
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):
@@ -216,3 +250,12 @@ class ServerConfig:
             raise ValueError("--port must be in [0, 65535]")
         if not 0 <= self.grpc_port < 65536:
             raise ValueError("--grpc-port must be in [0, 65535] (0 = no gRPC API)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        if self.header_timeout_s <= 0:
+            raise ValueError("--header-timeout must be positive")
+        if self.status_interval_s < 0:
+            raise ValueError("--status-interval must be >= 0 (0 = no status lines)")
+        names = self.served_model_names
+        if any(not name.strip() for name in names) or len(set(names)) != len(names):
+            raise ValueError("--served-model-name: names must be non-empty and distinct")

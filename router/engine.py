@@ -220,11 +220,12 @@ class Engine:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout=0.05)
             except ShardError as error:
-                self._fail_all(str(error))
+                logger.error("generation step failed: {}", error)  # clients get plain words
+                self._fail_all(error.public_message)
                 await self._clear_shards()
-            except Exception as error:
+            except Exception:
                 logger.exception("engine step failed")
-                self._fail_all(f"internal error: {error}")
+                self._fail_all("internal error in the generation loop; see the server log")
                 await self._clear_shards()
 
     async def _step(self) -> bool:

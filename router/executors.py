@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from router.config import ShardLaunchConfig
+from router.config import ENV_PREFIX, ShardLaunchConfig
+from router.log import announce_wait
 
 LIVENESS_TIMEOUT_S = 5.0
 
@@ -66,11 +67,14 @@ class LocalExecutor:
                 rank=rank, port=port, host=self.host, master_addr=self.host,
                 master_port=master_port,
             )
-            process = subprocess.Popen([sys.executable, "-m", "shard.server", *args])
+            # Every shard setting is a flag: the router's SHARDSERVE_* variables stay out.
+            env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+            process = subprocess.Popen([sys.executable, "-m", "shard.server", *args], env=env)
             self.processes.append(process)
             logger.info("shard rank {}: pid {} on node local at {}:{}", rank, process.pid,
                         self.host, port)
             addresses.append(f"{self.host}:{port}")
+        logger.info("waiting for {} shard process(es) to load the model", len(addresses))
         return addresses
 
     async def dead_rank(self) -> int | None:
@@ -120,17 +124,24 @@ class ShardActor:
         return {"pid": os.getpid(), "node_id": context.get_node_id(),
                 "ip": ray.util.get_node_ip_address()}
 
-    async def start(self, master_addr: str, master_port: int) -> str:
+    async def start(self, master_addr: str, master_port: int, loopback: bool = False) -> str:
         """Join the process group, load the model, start the gRPC server; return its
-        ``host:port``. Runs concurrently on every rank (the rendezvous waits for all)."""
+        ``host:port``. Runs concurrently on every rank (the rendezvous waits for all).
+
+        Args:
+            loopback: Bind 127.0.0.1 (the router runs on this node) instead of the
+                node's IP, so the shard service is not reachable from the network.
+        """
         import ray
 
         from shard.server import config_from_args, configure_logging, start_server
 
         args = [*self.args, "--master-addr", master_addr, "--master-port", str(master_port)]
-        config, _, _ = config_from_args(args)
+        # Every shard setting is a flag: the router's SHARDSERVE_* variables are not the
+        # shard's (they may use spellings only the router understands, such as 1GiB).
+        config, _, _ = config_from_args(args, environ={})
         configure_logging(config.rank, config.json_logs)
-        host = ray.util.get_node_ip_address()
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self._server, port = await start_server(config, host=host, port=0)
         return f"{host}:{port}"
 
@@ -142,6 +153,18 @@ class ShardActor:
         """Stop the gRPC server."""
         if self._server is not None:
             await self._server.stop(grace=5)
+
+
+def _all_on_this_node(places: list[dict[str, Any]]) -> bool:
+    """Whether every rank (``ShardActor.where`` answers) runs on the router's node, so
+    the shards can bind loopback. Never through Ray Client (``ray://``), where the
+    driver's node is the cluster's head, not the router's machine."""
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        return False
+    here = ray.get_runtime_context().get_node_id()
+    return all(place["node_id"] == here for place in places)
 
 
 class RayExecutor:
@@ -170,6 +193,10 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
+            if not (sys.stdout.isatty() and sys.stderr.isatty()):
+                # Shard lines reach our log through log_to_driver with a "(ShardActor
+                # pid=N)" prefix, ANSI-coloured unless this is 0: no escapes in log files.
+                os.environ.setdefault("RAY_COLOR_PREFIX", "0")
             ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         use_gpu = self.config.device.startswith("cuda") or (
@@ -180,7 +207,9 @@ class RayExecutor:
         self._placement_group = placement_group([bundle] * self.config.num_shard, strategy=strategy)
         logger.info("waiting for a placement group of {} x {} ({})", self.config.num_shard,
                     bundle, strategy)
-        await self._placement_group.ready()
+        await announce_wait(self._placement_group.ready(),
+                            f"Ray to place {self.config.num_shard} x {bundle}")
+        logger.info("placement group ready; starting {} shard actor(s)", self.config.num_shard)
         actor_class = ray.remote(ShardActor)
         for rank in range(self.config.num_shard):
             options = actor_class.options(
@@ -195,10 +224,15 @@ class RayExecutor:
         for rank, place in enumerate(places):
             logger.info("shard rank {}: pid {} on node {} at {}", rank, place["pid"],
                         place["node_id"], place["ip"])
+        loopback = _all_on_this_node(places)
+        if loopback:
+            logger.info("every rank runs on this node: shard gRPC servers bind 127.0.0.1")
         master_addr, master_port = await self.actors[0].rendezvous.remote()
+        logger.info("waiting for {} shard(s) to join the process group and load the model",
+                    self.config.num_shard)
         # NOTE: all at once: each start blocks in init_process_group until every rank joins.
-        starts = [actor.start.remote(master_addr, master_port) for actor in self.actors]
-        return list(await asyncio.gather(*starts))
+        starts = [actor.start.remote(master_addr, master_port, loopback) for actor in self.actors]
+        return list(await announce_wait(asyncio.gather(*starts), "the shards to load the model"))
 
     async def dead_rank(self) -> int | None:
         """The first rank whose actor does not answer a ping within 5 s, if any."""

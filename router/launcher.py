@@ -4,6 +4,8 @@ Order: resolve the model (converting the default one once) → start one shard p
 (Ray actors, or local processes) → wait for every gRPC server → ``Info`` and ``Warmup``
 (KV blocks = minimum over ranks) → build the engine → serve HTTP (uvicorn) and the
 public gRPC API (``--grpc-port``) until SIGINT/SIGTERM → stop the engine and the shards.
+Each wait is announced in the log (placement, model load, warm-up phases), and while
+serving a busy server logs a status line every ``--status-interval`` seconds.
 
 While serving, :class:`Supervisor` polls the executor; when a rank dies it fails the
 in-flight requests, restarts the whole group (``--max-restarts`` times), warms it up
@@ -13,35 +15,30 @@ again and hands the engine the new client with an empty block manager.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import signal
-from collections.abc import Callable, Iterator
+import sys
+import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
 from loguru import logger
 
 from router.api.app import ServerState, create_app
+from router.api.http_server import make_http_server
 from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
 from router.grpc_api.server import start_grpc_server
+from router.log import STILL_WAITING_S, announce_wait
 from router.shard_client import ShardClient
+from router.status_log import StatusLogger
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: :func:`serve` installs handlers that
-    ask it to exit, so shutdown runs our clean-up instead of re-raising the signal."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def package_version() -> str:
@@ -79,12 +76,18 @@ async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
     addresses = await executor.start()
     client = ShardClient(addresses)
     ready = asyncio.ensure_future(client.wait_ready(timeout_s))
+    started = time.monotonic()
+    next_note = started + STILL_WAITING_S
     try:
         while not ready.done():
             await asyncio.wait({ready}, timeout=1.0)
             rank = None if ready.done() else await executor.dead_rank()
             if rank is not None:
                 raise RuntimeError(f"shard rank {rank} exited during start-up (see its log)")
+            if not ready.done() and time.monotonic() >= next_note:
+                logger.info("still waiting for the shards to load the model ({:.0f} s)",
+                            time.monotonic() - started)
+                next_note += STILL_WAITING_S
         ready.result()
     except BaseException:
         ready.cancel()
@@ -106,9 +109,18 @@ async def build_state(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
         config.scheduler.max_batch_size,
     )
-    num_blocks = await client.warmup(
-        warmup.max_batch_prefill_tokens, warmup.max_total_tokens, warmup.max_batch_size
-    )
+    logger.info("warming up {} shard(s) on {}: a worst-case prefill of {} tokens, then sizing "
+                "the KV cache (each phase is logged)", len(infos), first.device,
+                before["max_batch_prefill_tokens"])
+    started = time.monotonic()
+    # Local shards share this terminal, where rank 0 draws a bar: no lines across it.
+    quiet = config.executor == "local" and sys.stderr.isatty()
+    num_blocks = await announce_wait(
+        client.warmup(
+            warmup.max_batch_prefill_tokens, warmup.max_total_tokens, warmup.max_batch_size
+        ),
+        "the warm-up", quiet=quiet)
+    logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
     budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
                              chunked_prefill=chunked)
     scheduler = dataclasses.replace(
@@ -134,13 +146,15 @@ async def build_state(
     return ServerState(
         engine=engine,
         validator=validator,
-        model_id=first.model_id,
+        model_id=config.served_model_names[0] if config.served_model_names else first.model_id,
         dtype=first.dtype,
         device_type=first.device.split(":")[0],
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
         max_request_bytes=config.max_request_bytes,
+        model_aliases=config.served_model_names[1:],
+        api_key=config.api_key,
     ), warmup
 
 
@@ -156,11 +170,8 @@ async def serve(config: ServerConfig) -> int:
         client = await start_group(executor, SHARD_START_TIMEOUT_S)
         state, warmup = await build_state(config, client)
         state.engine.start()
-        server = _Server(
-            uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                           log_level="warning", lifespan="off",
-                           timeout_graceful_shutdown=config.graceful_timeout_s)
-        )
+        server = make_http_server(create_app(state), config.host, config.port,
+                                  config.header_timeout_s, config.graceful_timeout_s)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, _request_exit, server, state.engine, signum)
@@ -171,12 +182,16 @@ async def serve(config: ServerConfig) -> int:
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
                                 on_give_up=lambda: setattr(server, "should_exit", True))
-        watch = asyncio.ensure_future(supervisor.run())
+        watches = [asyncio.ensure_future(supervisor.run())]
+        if config.status_interval_s:
+            status = StatusLogger(state.engine, config.status_interval_s)
+            watches.append(asyncio.ensure_future(status.run()))
         try:
             await server.serve()
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
             client = state.engine.client
             if grpc_server is not None:
                 await grpc_server.stop(grace=5)

@@ -58,24 +58,25 @@ def from_hf_cache(repo_id: str) -> Path | None:
         return None
 
 
-def resolve_model(model: str | None, model_id: str | None = None) -> ModelFiles:
+def resolve_model(model: str | None) -> ModelFiles:
     """The folder to serve: ``model`` as a folder (e.g. a mounted volume) or as a
     repository id already in the Hugging Face cache; the default model when ``None``.
+    ``model_id`` is the name it is served as unless ``--served-model-name`` says
+    otherwise: the folder's name, the repository id, or the default model's id.
 
     Raises:
         FileNotFoundError: ``model`` is neither a folder with a ``config.json`` nor a
             repository in the local Hugging Face cache.
     """
     if model is None:
-        files = prepare_default_model()
-        return ModelFiles(files.path, model_id or files.model_id)
+        return prepare_default_model()
     path = Path(model).expanduser()
     if (path / "config.json").exists():
-        return ModelFiles(path=path.resolve(), model_id=model_id or path.resolve().name)
+        return ModelFiles(path=path.resolve(), model_id=path.resolve().name)
     if not path.exists() and model.count("/") == 1:
         snapshot = from_hf_cache(model)
         if snapshot is not None and (snapshot / "config.json").exists():
-            return ModelFiles(path=snapshot, model_id=model_id or model)
+            return ModelFiles(path=snapshot, model_id=model)
     raise FileNotFoundError(
         f"--model {model}: expected a Hugging Face model folder with config.json, or a "
         "repository id present in the local Hugging Face cache (downloads are not made)"

@@ -25,13 +25,35 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+# What each RPC is, and what each status code means, in words a client understands.
+_CALL_WORDS = {
+    "Prefill": "while reading the prompt", "Decode": "while generating",
+    "FilterBatch": "while updating its batch", "ClearCache": "while clearing its batches",
+    "Health": "to a health check", "Info": "to an info request", "Warmup": "while warming up",
+}
+_CODE_WORDS = {
+    grpc.StatusCode.UNAVAILABLE: "stopped responding (it may have crashed or be restarting)",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "ran out of memory",
+    grpc.StatusCode.CANCELLED: "was interrupted",
+}
+
+
 class ShardError(RuntimeError):
-    """A shard rank failed an RPC (crashed, unreachable or raised)."""
+    """A shard rank failed an RPC (crashed, unreachable or raised).
+
+    ``str(error)`` carries gRPC's detail for the log; :attr:`public_message` says what
+    failed in plain words, for clients (never transport internals such as
+    ``recvmsg:Connection reset by peer``).
+    """
 
     def __init__(self, rank: int, method: str, code: grpc.StatusCode | None, details: str):
         self.rank = rank
         self.code = code
         code_name = code.name if code is not None else "UNKNOWN"
+        what = _CODE_WORDS.get(code, "failed") if code is not None else "failed"
+        when = _CALL_WORDS.get(method, f"on {method}")
+        self.public_message = f"model shard {rank} {what} {when}; see the server log"
         super().__init__(f"shard rank {rank} failed {method}: {code_name}: {details}")
 
 

@@ -12,7 +12,8 @@ the API reports back: the same seed reproduces the text.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +37,15 @@ class RequestValidationError(ValueError):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}")
+
+    def renamed(self, names: Mapping[str, str]) -> RequestValidationError:
+        """The same error in another API's words: ``names`` maps field names (whole
+        words, in the field and in the message) to the names to show instead."""
+        if not names:
+            return self
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+        message = pattern.sub(lambda match: names[match.group(1)], self.message)
+        return RequestValidationError(names.get(self.field, self.field), message)
 
 
 def parameters_from(values: dict[str, Any], prefix: str = "") -> GenerateParameters:
@@ -256,8 +266,8 @@ class Validator:
         if total > budgets.max_total_tokens:
             raise RequestValidationError(
                 "max_new_tokens",
-                f"inputs tokens + max_new_tokens must be <= max_total_tokens="
-                f"{budgets.max_total_tokens}; given {num_input} input tokens and "
+                f"prompt tokens + max_new_tokens must be <= max_total_tokens="
+                f"{budgets.max_total_tokens}; given {num_input} prompt tokens and "
                 f"{params.max_new_tokens} max_new_tokens",
             )
         if total > self.kv_capacity_tokens:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from loguru import logger
@@ -19,6 +18,7 @@ from loguru import logger
 from shard.config import MiB, ShardConfig, env_overrides
 from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2_grpc
+from shard.progress import tqdm_safe_write
 from shard.servicer import ShardServicer
 
 MAX_MESSAGE_BYTES = 256 * MiB
@@ -96,14 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(argv: Sequence[str] | None = None) -> tuple[ShardConfig, str, int]:
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[ShardConfig, str, int]:
     """Parse flags (environment variables supply defaults) into (config, host, port).
+
+    Args:
+        environ: Where ``SHARDSERVE_*`` defaults are read; ``os.environ`` when None.
 
     Raises:
         SystemExit: on bad flags (argparse) or an invalid configuration.
     """
     parser = build_parser()
-    parser.set_defaults(**env_overrides())
+    parser.set_defaults(**env_overrides(environ))
     args = vars(parser.parse_args(argv))
     host, port = args.pop("host"), args.pop("port")
     if not args.get("model_path"):
@@ -119,11 +124,12 @@ def configure_logging(rank: int, json_logs: bool = False) -> None:
     """One stderr sink; every line carries the rank (JSON lines with ``json_logs``)."""
     logger.remove()
     logger.configure(extra={"rank": rank})
+    # Through tqdm, so a progress bar on the terminal (warm-up) is redrawn below lines.
     if json_logs:
-        logger.add(sys.stderr, serialize=True)
+        logger.add(tqdm_safe_write, serialize=True)
         return
     logger.add(
-        sys.stderr,
+        tqdm_safe_write,
         format=(
             "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | shard rank={extra[rank]} | "
             "{name}:{line} - {message}"

@@ -7,6 +7,8 @@ measure peak memory, then give the KV cache what is left of
 Either way the real cache is then allocated and the worst-case prefill runs through it.
 With decode CUDA graphs, their memory pool is measured by a capture over the temporary
 cache and left out of the KV budget; the graphs are captured again over the real cache.
+Each of these phases is announced (see shard/progress.py): warm-up can take tens of
+seconds on a GPU and must not look like a hang.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import torch
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
 from shard.kv_cache import allocate_kv_cache, bytes_per_block
+from shard.progress import PhaseProgress
 from shard.sampling import SamplingParams, SamplingRow, sample
 
 if TYPE_CHECKING:
     from shard.model_runner import ModelRunner
+
+# Phases shown while warming up (log lines, and a bar on rank 0's terminal).
+WARMUP_PHASES = 3  # plus one for the decode CUDA graphs when there are any
 
 
 def dummy_chunks(
@@ -131,12 +137,27 @@ def run_warmup(
         runner.model_config, runner.block_size, runner.dtype, runner.config.world_size
     )
     chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, runner.block_size)
+    with PhaseProgress("warm-up", WARMUP_PHASES + bool(graph_buckets), runner.log,
+                       show_bar=runner.config.rank == 0) as progress:
+        return _warmup(runner, chunks, per_block, max_batch_prefill_tokens, max_total_tokens,
+                       graph_buckets, progress)
+
+
+def _warmup(runner: ModelRunner, chunks: list[SeqChunk], per_block: int,
+            max_batch_prefill_tokens: int, max_total_tokens: int,
+            graph_buckets: Sequence[int], progress: PhaseProgress) -> int:
+    """:func:`run_warmup` once the worst-case prefill is known, phase by phase."""
     if runner.device.type == "cuda":
+        progress.phase(
+            f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
+            + (" and the decode CUDA graphs" if graph_buckets else "")
+        )
         num_blocks = _cuda_num_blocks(
             runner, chunks, per_block, graph_buckets, max_total_tokens
         )
         memory_flag = "--gpu-memory-fraction"
     else:
+        progress.phase("sizing the KV cache (--kv-cache-bytes)")
         num_blocks = runner.config.kv_cache_bytes // per_block
         memory_flag = "--kv-cache-bytes"
     need = max(blocks_needed(chunks), -(-max_total_tokens // runner.block_size))
@@ -148,14 +169,17 @@ def run_warmup(
             f"max_total_tokens={max_total_tokens}: raise {memory_flag} or lower "
             "--max-batch-prefill-tokens / --max-total-tokens"
         )
+    progress.phase(f"allocating the KV cache: {num_blocks} blocks of {runner.block_size} tokens")
     runner.bind_kv_cache(
         allocate_kv_cache(
             runner.model_config, num_blocks, runner.block_size, runner.dtype, runner.device,
             runner.config.world_size,
         )
     )
+    progress.phase("running the worst-case prefill through the cache")
     _run_dummy_prefill(runner, chunks)
     if graph_buckets:
+        progress.phase(f"capturing decode CUDA graphs for batch sizes up to {graph_buckets[-1]}")
         started = time.perf_counter()
         runner.capture_graphs(graph_buckets, max_total_tokens)
         runner.log.info(

@@ -7,9 +7,11 @@ the OpenAPI document at ``/openapi.json`` and its viewer at ``/docs``.
 
 Errors: on TGI routes a bad request is 422 ``{"error", "error_type": "validation"}``
 naming the field; on ``/v1/*`` it is 400 ``{"error": {"message", "type", "param",
-"code"}}`` (OpenAI's shape). A full queue is 429, a failure after acceptance 500 (or an
-error event when streaming). No input reaches a 5xx: anything unexpected is logged and
-answered 500 with a JSON body, and the server keeps serving.
+"code"}}`` (OpenAI's shape), and an unknown ``model`` 404. A full queue is 429 with
+``Retry-After``, a failure after acceptance 500 (or an error event when streaming),
+in plain words (the detail goes to the log). Every refused request counts in
+``shardserve_requests_total{outcome="rejected"}``. No input reaches a 5xx: anything
+unexpected is logged and answered 500 with a JSON body, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.api.auth import ApiKeyAuth
 from router.api.generation import ClientDisconnected, GenerationFailed
 from router.api.limits import BodySizeLimit
-from router.api.openai import openai_routes
+from router.api.openai import ModelNotFoundError, openai_routes
 from router.api.schemas import ErrorResponse, Info
 from router.api.state import ServerState
 from router.api.tgi import tgi_routes
@@ -40,21 +43,30 @@ def _is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
 
 
+# Seconds a client refused with 429 is told to wait (Retry-After): about the time a
+# running request needs to free its place.
+RETRY_AFTER_S = 1
+
+
 def _error(
-    request: Request, status: int, message: str, error_type: str, param: str | None = None
+    request: Request, status: int, message: str, error_type: str, param: str | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
-    """An error body in the shape of the route's API (TGI or OpenAI)."""
+    """An error body in the shape of the route's API (TGI or OpenAI); a 429 carries
+    ``Retry-After``."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
     if _is_openai(request):
         openai_type = {
-            400: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+            400: "invalid_request_error", 404: "invalid_request_error",
+            422: "invalid_request_error", 429: "rate_limit_error",
         }.get(status, "server_error")
         content: dict[str, Any] = {
-            "error": {"message": message, "type": openai_type, "param": param, "code": None}
+            "error": {"message": message, "type": openai_type, "param": param, "code": code}
         }
-        return JSONResponse(status_code=400 if status == 422 else status, content=content)
-    return JSONResponse(
-        status_code=status, content=ErrorResponse(error=message, error_type=error_type).model_dump()
-    )
+        return JSONResponse(status_code=400 if status == 422 else status, content=content,
+                            headers=headers)
+    body = ErrorResponse(error=message, error_type=error_type).model_dump()
+    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 def _describe_schema_errors(errors: list[Any]) -> tuple[str, str | None]:
@@ -79,18 +91,30 @@ def create_app(state: ServerState) -> FastAPI:
         description="LLM text generation: TGI-compatible and OpenAI-compatible APIs.",
     )
 
+    def rejected() -> None:
+        """Count a request refused before it reached the engine."""
+        state.engine.metrics.requests.labels("rejected").inc()
+
     @app.exception_handler(SchemaValidationError)
     async def _schema_error(request: Request, exc: SchemaValidationError) -> JSONResponse:
+        rejected()
         message, field = _describe_schema_errors(list(exc.errors()))
         return _error(request, 422, message, "validation", field)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        rejected()
         return _error(request, 422, str(exc), "validation", exc.field)
 
     @app.exception_handler(ChatTemplateError)
     async def _template_error(request: Request, exc: ChatTemplateError) -> JSONResponse:
+        rejected()
         return _error(request, 422, f"messages: {exc}", "validation", "messages")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        rejected()
+        return _error(request, 404, str(exc), "not_found", "model", code="model_not_found")
 
     @app.exception_handler(ShuttingDownError)
     async def _shutting_down(request: Request, exc: ShuttingDownError) -> JSONResponse:
@@ -112,6 +136,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # E.g. a body that is not UTF-8 or nests too deeply to parse: name the body.
+        if exc.status_code in (400, 413):
+            rejected()
         message = f"body: {exc.detail}" if exc.status_code in (400, 413) else exc.detail
         return _error(request, exc.status_code, str(message), "validation", "body")
 
@@ -120,7 +146,9 @@ def create_app(state: ServerState) -> FastAPI:
         logger.opt(exception=exc).error("unhandled error on {}", request.url.path)
         return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
 
-    app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes, on_reject=rejected)
+    if state.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=state.api_key)  # outermost: checked first
     app.include_router(tgi_routes(state))
     app.include_router(openai_routes(state))
 
@@ -130,7 +158,9 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             await state.engine.client.health()
         except Exception as error:
-            return _error(request, 503, f"shards unhealthy: {error}", "unhealthy")
+            logger.warning("health check failed: {}", error)
+            plain = getattr(error, "public_message", "the model shards did not answer")
+            return _error(request, 503, f"shards unhealthy: {plain}", "unhealthy")
         if not state.engine.healthy:
             return _error(request, 503, "the last generation step failed", "unhealthy")
         if state.engine.draining:

@@ -7,6 +7,7 @@ drives generation, stalling every running stream.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,12 +17,16 @@ class BodySizeLimit:
     """Reject HTTP request bodies larger than ``max_bytes`` with 413.
 
     Checks ``Content-Length`` up front (answering before the body is read) and counts
-    the bytes of chunked bodies as they arrive.
+    the bytes of chunked bodies as they arrive. ``on_reject`` is called for each
+    request refused up front (a chunked one is refused by the app's error handler).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,6 +56,8 @@ class BodySizeLimit:
         return f"request body larger than {self.max_bytes} bytes (--max-request-bytes)"
 
     async def _reject(self, send: Send) -> None:
+        if self.on_reject is not None:
+            self.on_reject()
         body = json.dumps({"error": f"body: {self._message()}", "error_type": "validation"})
         body_bytes = body.encode()
         await send({"type": "http.response.start", "status": 413,

@@ -11,13 +11,27 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request
+from loguru import logger
 from sse_starlette.sse import EventSourceResponse
 
-from router.api.generation import Completion, MergedStream, run_all, text_without_stop
+from router.api.generation import (
+    Completion,
+    GenerationFailed,
+    MergedStream,
+    run_all,
+    text_without_stop,
+)
+from router.api.openai_logprobs import (
+    EchoedPrompt,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt,
+)
 from router.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -25,30 +39,48 @@ from router.api.openai_schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChoiceLogprobs,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
     ModelCard,
     ModelList,
     SamplingFields,
-    TokenLogprob,
-    TopLogprob,
     Usage,
+    unsupported_field,
 )
 from router.api.schemas import GenerateParameters
 from router.api.state import ServerState
-from router.api.tgi import token_text
 from router.chat_template import encode_chat_prompt, render_chat
 from router.request import Finish, FinishReason, GenerationRequest, TokenEvent
-from router.tokenizer import Tokenizer
 from router.validation import RequestValidationError, check_text, parameters_from
 
 # Chat requests without max_tokens generate at most this many tokens.
 DEFAULT_CHAT_MAX_TOKENS = 100
+# The shared validator speaks /generate's names; errors of the OpenAI routes use these.
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "top_n_tokens": "logprobs",
+                    "decoder_input_details": "echo", "inputs": "prompt"}
+
+
+class ModelNotFoundError(LookupError):
+    """The request's ``model`` is none of the served names (HTTP 404, as vLLM)."""
+
+    def __init__(self, model: str, served: tuple[str, ...]) -> None:
+        self.model = model
+        super().__init__(
+            f"The model `{model}` does not exist; this server serves: {', '.join(served)}"
+        )
+
+
+@contextmanager
+def openai_field_names(names: dict[str, str]) -> Iterator[None]:
+    """Re-raise :class:`RequestValidationError` with OpenAI's field names (``names``:
+    /generate name → OpenAI name) in its field and message."""
+    try:
+        yield
+    except RequestValidationError as error:
+        raise error.renamed(names) from None
 
 
 def finish_reason(finish: Finish | None) -> str | None:
@@ -58,9 +90,18 @@ def finish_reason(finish: Finish | None) -> str | None:
     return "length" if finish.reason is FinishReason.LENGTH else "stop"
 
 
-def _parameters(body: SamplingFields, max_tokens: int, top_n: int) -> GenerateParameters:
-    if body.logit_bias:
-        raise RequestValidationError("logit_bias", "is not supported")
+def _check_request(body: SamplingFields, state: ServerState) -> None:
+    """Refuse unsupported fields (400 naming the field) and unknown models (404)."""
+    refused = unsupported_field(body.model_extra or {})
+    if refused is not None:
+        raise RequestValidationError(*refused)
+    if body.model is not None and body.model not in state.model_names:
+        raise ModelNotFoundError(body.model, state.model_names)
+
+
+def _parameters(
+    body: SamplingFields, max_tokens: int, top_n: int, prompt_logprobs: bool = False
+) -> GenerateParameters:
     temperature = 1.0 if body.temperature is None else body.temperature
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     values: dict[str, Any] = {
@@ -73,6 +114,7 @@ def _parameters(body: SamplingFields, max_tokens: int, top_n: int) -> GeneratePa
         "stop_token_ids": body.stop_token_ids or [],
         "ignore_eos": body.ignore_eos,
         "truncate": body.truncate,
+        "decoder_input_details": prompt_logprobs,
     }
     for name in ("top_p", "top_k", "min_p", "typical_p", "repetition_penalty",
                  "frequency_penalty", "presence_penalty"):
@@ -88,36 +130,6 @@ def _usage(prompt_tokens: int, completions: list[Completion]) -> Usage:
     generated = sum(c.num_generated for c in completions)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
                  total_tokens=prompt_tokens + generated)
-
-
-def _chat_logprobs(tokenizer: Tokenizer, events: list[TokenEvent]) -> ChoiceLogprobs:
-    content = []
-    for event in events:
-        text = token_text(tokenizer, event.id)
-        tops = [
-            TopLogprob(token=(t := token_text(tokenizer, top.id)), logprob=top.logprob,
-                       bytes=list(t.encode()))
-            for top in event.top_tokens
-        ]
-        content.append(TokenLogprob(token=text, logprob=event.logprob, bytes=list(text.encode()),
-                                    top_logprobs=tops))
-    return ChoiceLogprobs(content=content)
-
-
-def _completion_logprobs(
-    tokenizer: Tokenizer, events: list[TokenEvent], offset: int
-) -> CompletionLogprobs:
-    result = CompletionLogprobs()
-    for event in events:
-        text = token_text(tokenizer, event.id)
-        result.tokens.append(text)
-        result.token_logprobs.append(event.logprob)
-        result.top_logprobs.append(
-            {token_text(tokenizer, top.id): top.logprob for top in event.top_tokens}
-        )
-        result.text_offset.append(offset)
-        offset += len(text)
-    return result
 
 
 def openai_routes(state: ServerState) -> APIRouter:
@@ -145,18 +157,88 @@ def openai_routes(state: ServerState) -> APIRouter:
 
     @router.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        """The one model served (OpenAI ``GET /v1/models``)."""
-        return ModelList(data=[ModelCard(id=state.model_id, created=0,
-                                         max_model_len=state.engine.config.max_total_tokens)])
+        """The model, once per served name (OpenAI ``GET /v1/models``)."""
+        max_len = state.engine.config.max_total_tokens
+        return ModelList(data=[ModelCard(id=name, created=0, max_model_len=max_len)
+                               for name in state.model_names])
 
     @router.post("/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, http_request: Request) -> Any:
         """Text completion (OpenAI ``POST /v1/completions``)."""
-        if body.suffix:
-            raise RequestValidationError("suffix", "is not supported")
+        _check_request(body, state)
+        with openai_field_names(COMPLETION_NAMES):
+            prompts, requests, width = _completion_requests(body)
+        echoes: list[EchoedPrompt | None] = [
+            echoed_prompt(tokenizer, p, len(r.input_ids)) if body.echo else None
+            for p, r in zip(prompts, requests[::width], strict=True)
+        ]
+        prompt_tokens = sum(len(r.input_ids) for r in requests[::width])
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def choice(index: int, completion: Completion, events: list[TokenEvent], start: int,
+                   text: str) -> CompletionChoice:
+            """Choice ``index`` with ``events``, the first starting at character ``start``
+            of the choice's text; the echoed prompt's tokens lead its logprobs when
+            ``events`` are the choice's first."""
+            echo = echoes[index // body.n]  # streaming needs best_of == n
+            logprobs = None
+            if body.logprobs is not None:
+                prompt = None
+                if echo is not None and events and events[0] is completion.tokens[0]:
+                    prompt = (echo, completion.request.input_ids, completion.prompt_logprobs)
+                logprobs = completion_logprobs(tokenizer, events, start, prompt)
+            finish = events[-1].finish if events else completion.finish
+            return CompletionChoice(index=index, text=text, finish_reason=finish_reason(finish),
+                                    logprobs=logprobs)
+
+        if body.stream:
+            streamed = [Completion(r) for r in requests]
+            offsets = [len(e.text) if e is not None else 0 for e in echoes for _ in range(width)]
+
+            def on_event(index: int, event: TokenEvent) -> list[str]:
+                completion = streamed[index]
+                completion.tokens.append(event)
+                echo = echoes[index // width]
+                first = len(completion.tokens) == 1
+                text = text_without_stop(event.text, event.finish)
+                if first and echo is not None:
+                    text = echo.text + text
+                start = offsets[index]
+                offsets[index] += len(event.text)
+                return [CompletionChunk(
+                    id=ident, created=created, model=state.model_id,
+                    choices=[choice(index, completion, [event], start, text)],
+                ).model_dump_json(exclude_none=True)]
+
+            def usage_chunk(done: list[Completion]) -> str:
+                return CompletionChunk(
+                    id=ident, created=created, model=state.model_id, choices=[],
+                    usage=_usage(prompt_tokens, done),
+                ).model_dump_json()
+
+            return await _sse(state, requests, [], on_event, usage_chunk, body)
+
+        done = await run_all(state.engine, requests, http_request.is_disconnected)
+        result = []
+        for p, echo in enumerate(echoes):
+            group = done[p * width : (p + 1) * width]
+            if width > body.n:
+                group = sorted(group, key=lambda c: c.logprob_sum, reverse=True)[: body.n]
+            for j, c in enumerate(group):
+                prefix = echo.text if echo is not None else ""
+                out = prefix + text_without_stop(c.text, c.finish)
+                result.append(choice(p * body.n + j, c, c.tokens, len(prefix), out))
+        return CompletionResponse(id=ident, created=created, model=state.model_id,
+                                  choices=result, usage=_usage(prompt_tokens, done))
+
+    def _completion_requests(
+        body: CompletionRequest,
+    ) -> tuple[list[str | list[int]], list[GenerationRequest], int]:
+        """(prompts, requests: ``width`` per prompt, width = best_of or n)."""
         width = _check_n(body, body.best_of)
         top_n = _top_n(body.logprobs or 0, "logprobs")
-        params = _parameters(body, body.max_tokens or 16, top_n)
+        echo_logprobs = body.echo and body.logprobs is not None
+        params = _parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs)
         prompts: list[Any]
         if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
             prompts = [body.prompt]
@@ -170,72 +252,29 @@ def openai_routes(state: ServerState) -> APIRouter:
         for prompt in prompts:
             request = validator.validate(prompt, params, field="prompt")
             requests += validator.fan_out(request, width)
-        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
-        prompt_tokens = sum(len(r.input_ids) for r in requests[::width])
-        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def choice(index: int, events: list[TokenEvent], finish: Finish | None,
-                   text: str) -> CompletionChoice:
-            return CompletionChoice(
-                index=index, text=text, finish_reason=finish_reason(finish),
-                logprobs=(_completion_logprobs(tokenizer, events, 0)
-                          if body.logprobs is not None else None),
-            )
-
-        if body.stream:
-            def chunk(index: int, event: TokenEvent) -> str:
-                prefix = texts[index // width] if body.echo and event is first_of[index] else ""
-                text = prefix + text_without_stop(event.text, event.finish)
-                return CompletionChunk(
-                    id=ident, created=created, model=state.model_id,
-                    choices=[choice(index, [event], event.finish, text)],
-                ).model_dump_json(exclude_none=True)
-
-            first_of: dict[int, TokenEvent] = {}
-
-            def on_event(index: int, event: TokenEvent) -> list[str]:
-                first_of.setdefault(index, event)
-                return [chunk(index, event)]
-
-            def usage_chunk(done: list[Completion]) -> str:
-                return CompletionChunk(
-                    id=ident, created=created, model=state.model_id, choices=[],
-                    usage=_usage(prompt_tokens, done),
-                ).model_dump_json()
-
-            return await _sse(state, requests, [], on_event, usage_chunk, body)
-
-        done = await run_all(state.engine, requests, http_request.is_disconnected)
-        chosen: list[Completion] = []
-        result = []
-        for p, text in enumerate(texts):
-            group = done[p * width : (p + 1) * width]
-            if width > body.n:
-                group = sorted(group, key=lambda c: c.logprob_sum, reverse=True)[: body.n]
-            for j, c in enumerate(group):
-                chosen.append(c)
-                out = (text if body.echo else "") + text_without_stop(c.text, c.finish)
-                result.append(choice(p * body.n + j, c.tokens, c.finish, out))
-        return CompletionResponse(id=ident, created=created, model=state.model_id,
-                                  choices=result, usage=_usage(prompt_tokens, done))
+        return prompts, requests, width
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
         """Chat completion with the model's chat template (``POST /v1/chat/completions``)."""
-        if body.tools:
-            raise RequestValidationError("tools", "tool calls are not supported")
-        if body.top_logprobs and not body.logprobs:
-            raise RequestValidationError("top_logprobs", "needs logprobs: true")
-        _check_n(body, None)
-        top_n = _top_n(body.top_logprobs or 0, "top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-        params = _parameters(body, max_tokens, top_n)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = render_chat(tokenizer, messages)
-        check_text("messages", prompt)
-        prompt_ids = encode_chat_prompt(tokenizer, prompt)
-        request = validator.validate(prompt_ids, params, field="messages")
-        requests = validator.fan_out(request, body.n)
+        _check_request(body, state)
+        names = {"max_new_tokens": "max_completion_tokens"
+                 if body.max_completion_tokens is not None else "max_tokens",
+                 "top_n_tokens": "top_logprobs", "inputs": "messages"}
+        with openai_field_names(names):
+            if body.top_logprobs and not body.logprobs:
+                raise RequestValidationError("top_logprobs", "needs logprobs: true")
+            _check_n(body, None)
+            top_n = _top_n(body.top_logprobs or 0, "top_logprobs")
+            max_tokens = (body.max_completion_tokens or body.max_tokens
+                          or DEFAULT_CHAT_MAX_TOKENS)
+            params = _parameters(body, max_tokens, top_n)
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = render_chat(tokenizer, messages)
+            check_text("messages", prompt)
+            prompt_ids = encode_chat_prompt(tokenizer, prompt)
+            request = validator.validate(prompt_ids, params, field="messages")
+            requests = validator.fan_out(request, body.n)
         prompt_tokens = len(request.input_ids)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -249,7 +288,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                        for i in range(body.n)]
 
             def on_event(index: int, event: TokenEvent) -> list[str]:
-                logprobs = _chat_logprobs(tokenizer, [event]) if body.logprobs else None
+                logprobs = chat_logprobs(tokenizer, [event]) if body.logprobs else None
                 delta = Delta(content=text_without_stop(event.text, event.finish))
                 return [chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                                finish_reason=finish_reason(event.finish))])]
@@ -264,7 +303,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             ChatChoice(
                 index=i,
                 message=AssistantMessage(content=text_without_stop(c.text, c.finish)),
-                logprobs=_chat_logprobs(tokenizer, c.tokens) if body.logprobs else None,
+                logprobs=chat_logprobs(tokenizer, c.tokens) if body.logprobs else None,
                 finish_reason=finish_reason(c.finish),
             )
             for i, c in enumerate(done)
@@ -308,7 +347,11 @@ async def _sse(
                 yield usage_chunk(done)
             yield "[DONE]"
         except Exception as error:
-            message = f"generation failed: {error}"
+            if isinstance(error, GenerationFailed):
+                message = f"generation failed: {error}"  # plain words (see ShardError)
+            else:
+                logger.opt(exception=error).error("OpenAI stream failed")
+                message = "generation failed: internal error; see the server log"
             yield json.dumps({"error": {"message": message, "type": "server_error",
                                         "param": None, "code": None}})
         finally:

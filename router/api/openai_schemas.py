@@ -4,32 +4,75 @@ Source: the OpenAI API reference for ``/v1/completions`` (legacy) and
 ``/v1/chat/completions``. Extensions beyond OpenAI (``top_k``, ``min_p``, ``typical_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``truncate``) mean what they
 mean on /generate. ``temperature`` 0 is greedy; the default 1.0 samples (OpenAI's
-defaults). Unknown fields are ignored, as OpenAI clients add new ones often.
+defaults). JSON types are strict (``"5"`` is not a number, ``true`` not an integer).
+
+Fields of :data:`UNSUPPORTED_FIELDS` are refused with a 400 naming them, so a client
+never gets an answer that silently ignored what it asked for; other unknown fields are
+ignored, as OpenAI clients add new ones often.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.api.schemas import MAX_PENALTY, MAX_SEED, MIN_PENALTY
 
+# NOTE: the one list of OpenAI request fields this server does not implement: field →
+# why. Delete an entry when its feature lands (structured output will retire
+# response_format). A field is only refused when set to something other than "off":
+# null, an empty list or object, false, or a value of OFF_VALUES.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "response_format": "structured output (JSON mode, JSON schema) is not supported yet",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "modalities": "only text output is supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "insertion after a suffix is not supported",
+    "web_search_options": "web search is not supported",
+}
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+}
+
+
+def unsupported_field(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``body`` that asks for an unsupported feature, and why."""
+    for name, reason in UNSUPPORTED_FIELDS.items():
+        value = body.get(name)
+        if value in (None, False, [], {}) or value in OFF_VALUES.get(name, ()):
+            continue
+        return name, reason
+    return None
+
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Unknown fields are kept in
+    ``model_extra`` (checked against :data:`UNSUPPORTED_FIELDS`)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
-    model: str | None = Field(None, description="Ignored: the server serves one model.")
+    model: str | None = Field(
+        None, description="One of the served names (--served-model-name); another is a 404. "
+        "Omitted: the first."
+    )
     n: int = Field(1, ge=1, description="Choices to generate (<= --max-best-of).")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -43,7 +86,6 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty).")
     user: str | None = None
     # Extensions (vLLM / TGI names).
     top_k: int | None = Field(None, ge=-1, description="null, 0 or -1 = off.")
@@ -67,13 +109,12 @@ class CompletionRequest(SamplingFields):
     )
     echo: bool = Field(False, description="Prepend the prompt to each choice's text.")
     best_of: int | None = Field(None, ge=1, description="Sample best_of, return the n best.")
-    suffix: str | None = Field(None, description="Not supported (must be null).")
 
 
 class ContentPart(BaseModel):
     """A part of a message's content; only text parts are supported."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
     text: str
@@ -82,7 +123,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of a conversation."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -107,7 +148,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="Alternatives per token (needs logprobs)."
     )
-    tools: list[Any] | None = Field(None, description="Not supported (must be empty).")
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -122,7 +162,10 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+    """Legacy completions logprobs: parallel lists, one entry per token (with ``echo``
+    the prompt's tokens first: the first has no logprob, the others list only
+    themselves in ``top_logprobs``). ``text_offset``: where each token starts in the
+    choice's text, in characters."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)

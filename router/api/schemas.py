@@ -1,7 +1,9 @@
 """Request and response bodies of the TGI-compatible HTTP API (pydantic models).
 
 Field meanings follow Hugging Face Text Generation Inference; the "off" value of each
-sampling parameter is documented on its field and is the same on every endpoint.
+sampling parameter is documented on its field and is the same on every endpoint. JSON
+types are strict: ``"5"`` or ``true`` for an integer is a 422 (a JSON integer is fine
+for a number).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class GenerateParameters(BaseModel):
     penalties, temperature and truncation (see shard/sampling.py).
     """
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     do_sample: bool = Field(False, description="Sample; false = greedy (argmax).")
     max_new_tokens: int = Field(
@@ -112,7 +114,7 @@ class GenerateParameters(BaseModel):
 class GenerateRequest(BaseModel):
     """Body of ``POST /generate`` and ``POST /generate_stream``."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     inputs: str = Field(..., min_length=1, description="The prompt (non-empty).")
     parameters: GenerateParameters = Field(default_factory=lambda: GenerateParameters())
@@ -192,7 +194,7 @@ class ErrorResponse(BaseModel):
 class TokenizeRequest(BaseModel):
     """Body of ``POST /tokenize``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     inputs: str = Field(..., description="Text to tokenize.")
     add_special_tokens: bool = Field(True, description="Add BOS/EOS as the model does.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.engine import Engine
 from router.validation import Validator
@@ -13,8 +13,11 @@ class ServerState:
     """Shared by the HTTP app and the public gRPC service.
 
     Attributes:
-        model_id: Name reported by /info, /v1/models and ModelInfo.
+        model_id: Name reported by /info, /v1/models, ModelInfo and OpenAI responses.
         device_type: "cpu" or "cuda".
+        model_aliases: Further names the OpenAI routes accept in ``model``
+            (``--served-model-name`` after the first).
+        api_key: Bearer key every call needs (see router/api/auth.py); None = open.
     """
 
     engine: Engine
@@ -26,3 +29,10 @@ class ServerState:
     attention_backend: str
     version: str
     max_request_bytes: int = 1 << 20
+    model_aliases: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model is served as, the reported one first."""
+        return (self.model_id, *self.model_aliases)

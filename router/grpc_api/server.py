@@ -1,7 +1,9 @@
 """Start the public gRPC server: TextGeneration + standard health + server reflection.
 
 Stock tools work against it: ``grpcurl -plaintext HOST:PORT list`` (reflection) and
-``grpc_health_probe`` (``grpc.health.v1.Health``, SERVING once the engine is up).
+``grpc_health_probe`` (``grpc.health.v1.Health``, SERVING once the engine is up). With
+``--api-key`` every call but health checks needs ``authorization: Bearer <key>``
+metadata (``grpcurl -H 'authorization: Bearer KEY'``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.api.state import ServerState
+from router.grpc_api.auth import ApiKeyInterceptor
 from router.grpc_api.servicer import TextGenerationServicer
 from router.pb import generate_pb2, generate_pb2_grpc
 
@@ -28,7 +31,8 @@ async def start_grpc_server(
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server()
+    interceptors = [ApiKeyInterceptor(state.api_key)] if state.api_key else []
+    server = grpc.aio.server(interceptors=interceptors)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

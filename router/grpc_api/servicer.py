@@ -32,17 +32,21 @@ _FINISH = {
 
 
 def parameters_dict(message: pb.Parameters) -> dict[str, Any]:
-    """The fields set in ``message`` (unset optionals take the HTTP defaults)."""
-    values: dict[str, Any] = {
-        field.name: value for field, value in message.ListFields()
+    """The fields set in ``message`` (unset optionals take the HTTP defaults); repeated
+    fields as lists, as the strict schema wants."""
+    return {
+        field.name: list(value) if field.is_repeated else value
+        for field, value in message.ListFields()
     }
-    return values
 
 
-async def _call(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+async def _call(
+    context: grpc.aio.ServicerContext, work: Awaitable[T], state: ServerState
+) -> T:
     try:
         return await work
     except RequestValidationError as error:
+        state.engine.metrics.requests.labels("rejected").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     except QueueFullError as error:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
@@ -116,21 +120,25 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 best_of_sequences=[self._sequence(c, prefix) for c in done[1:]],
             )
 
-        return await _call(context, work())
+        return await _call(context, work(), self.state)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         """One message per generated token; the last carries the text and finish."""
-        validated, best_of = await _call(context, _now(lambda: self._validate(request)))
-        if best_of > 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "parameters.best_of: best_of > 1 is not supported when streaming")
+        def validate() -> tuple[GenerationRequest, int]:
+            validated, best_of = self._validate(request)
+            if best_of > 1:
+                raise RequestValidationError("parameters.best_of",
+                                             "best_of > 1 is not supported when streaming")
+            return validated, best_of
+
+        validated, _ = await _call(context, _now(validate), self.state)
         prefix = request.inputs if request.parameters.return_full_text else ""
         completion = Completion(validated)
         async with MergedStream(self.state.engine, [validated]) as stream:
             events = aiter(stream)
-            while (item := await _call(context, anext(events, None))) is not None:
+            while (item := await _call(context, anext(events, None), self.state)) is not None:
                 event = item[1]
                 completion.tokens.append(event)
                 message = pb.GenerateStreamResponse(token=self._token(event),

@@ -1,0 +1,113 @@
+"""The uvicorn server of the HTTP API, with a deadline for request headers.
+
+uvicorn closes a keep-alive connection that stays idle after a response
+(``timeout_keep_alive``) but nothing bounds a connection that never finishes sending a
+request's headers: a fresh connection that sends nothing, or headers trickled in byte
+by byte, stays open for ever and holds a file descriptor. :class:`HeaderTimeoutProtocol`
+gives every request ``header_timeout_s`` seconds, from the moment the connection is
+ready for it, to deliver its complete headers; then the connection is closed. A request
+whose headers have arrived (and its body and a long stream) is never cut by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from loguru import logger
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# Seconds an idle keep-alive connection stays open after a response (uvicorn's default).
+KEEP_ALIVE_S = 5
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+class HttpConfig(uvicorn.Config):
+    """uvicorn's configuration plus ``header_timeout_s`` (seconds), which
+    :class:`HeaderTimeoutProtocol` reads."""
+
+    def __init__(self, app: ASGIApp, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.header_timeout_s = header_timeout_s
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on receiving each request's headers.
+
+    The deadline is armed when the connection opens and again when a response ends
+    (the connection then waits for the next request), and disarmed once a request's
+    headers are complete (uvicorn has started its request cycle).
+    """
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout_s: float = getattr(config, "header_timeout_s",
+                                               DEFAULT_HEADER_TIMEOUT_S)
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers arrived: its cycle started
+            self._disarm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        # Armed first: uvicorn starts a pipelined request inside the call below, and
+        # that request's headers (already here) must disarm it.
+        if not self.transport.is_closing():
+            self._arm_header_deadline()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._on_deadline)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _on_deadline(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            logger.debug("closing a connection that sent no complete request headers in {} s "
+                         "(--header-timeout)", self.header_timeout_s)
+            self.transport.close()
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the launcher installs handlers that ask
+    it to exit, so shutdown runs our clean-up instead of re-raising the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_http_server(
+    app: ASGIApp, host: str, port: int, header_timeout_s: float, graceful_timeout_s: int
+) -> HttpServer:
+    """The HTTP server of ``app`` on ``host:port``.
+
+    Args:
+        header_timeout_s: Seconds a client has to send a request's complete headers.
+        graceful_timeout_s: Seconds open requests get to finish once asked to exit.
+    """
+    return HttpServer(
+        HttpConfig(app, header_timeout_s=header_timeout_s, host=host, port=port,
+                   log_level="warning", lifespan="off", http=HeaderTimeoutProtocol,
+                   timeout_keep_alive=KEEP_ALIVE_S,
+                   timeout_graceful_shutdown=graceful_timeout_s)
+    )

@@ -1,0 +1,246 @@
+"""The OpenAI routes keep OpenAI's contract, through the ``openai`` package against the
+real server on the tiny model: unsupported fields are refused by name, an unknown model
+is a 404, errors name OpenAI's fields, ``echo`` with ``logprobs`` covers the prompt,
+JSON types are strict, 429 carries Retry-After and refused requests are counted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.live_server import LiveServer, launch_tiny
+
+NAMES = ["tiny-a", "tiny-b"]
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    log_path = tmp_path_factory.mktemp("openai") / "server.log"
+    live = launch_tiny(tiny_model_dir, log_path, ["--served-model-name", *NAMES])
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def bad_request(call: Any) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as failure:
+        call()
+    return failure.value
+
+
+def param(error: openai.APIStatusError) -> str | None:
+    body = error.body
+    assert isinstance(body, dict), body
+    value = body.get("param")
+    return value if isinstance(value, str) or value is None else str(value)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+UNSUPPORTED_CHAT = [
+    ("tools", [TOOL]),
+    ("tool_choice", "auto"),
+    ("functions", [TOOL["function"]]),
+    ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("logit_bias", {"1": 5}),
+    ("prediction", {"type": "content", "content": "x"}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), UNSUPPORTED_CHAT)
+def test_unsupported_chat_fields_are_400_naming_the_field(
+    client: openai.OpenAI, field: str, value: object
+) -> None:
+    error = bad_request(lambda: client.chat.completions.create(
+        model=NAMES[0], messages=MESSAGES, max_tokens=2, extra_body={field: value}))
+    assert param(error) == field and field in error.message
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("suffix", " world"), ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
+])
+def test_unsupported_completion_fields_are_400_naming_the_field(
+    client: openai.OpenAI, field: str, value: object
+) -> None:
+    error = bad_request(lambda: client.completions.create(
+        model=NAMES[0], prompt=PROMPT, max_tokens=2, extra_body={field: value}))
+    assert param(error) == field and field in error.message
+
+
+def test_off_values_of_unsupported_fields_are_accepted(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=NAMES[0], messages=MESSAGES, max_tokens=2, tool_choice="none",
+        response_format={"type": "text"}, extra_body={"tools": [], "logit_bias": {}})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_served_names_and_unknown_model(client: openai.OpenAI, server: LiveServer) -> None:
+    assert [model.id for model in client.models.list().data] == NAMES
+    for name in NAMES:
+        completion = client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+        assert completion.model == NAMES[0]  # vLLM: responses carry the first name
+    with pytest.raises(openai.NotFoundError) as failure:
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    assert param(failure.value) == "model" and "gpt-4o" in failure.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+    assert httpx.get(f"{server.url}/info", timeout=10).json()["model_id"] == NAMES[0]
+
+
+def test_errors_name_openai_fields(client: openai.OpenAI) -> None:
+    error = bad_request(lambda: client.completions.create(
+        model=NAMES[0], prompt=PROMPT, max_tokens=600))
+    assert param(error) == "max_tokens", error.message
+    assert "max_tokens" in error.message and "max_new_tokens" not in error.message
+    error = bad_request(lambda: client.chat.completions.create(
+        model=NAMES[0], messages=MESSAGES, max_completion_tokens=600))  # type: ignore[arg-type]
+    assert param(error) == "max_completion_tokens"
+    assert "max_new_tokens" not in error.message
+    error = bad_request(lambda: client.chat.completions.create(
+        model=NAMES[0], messages=MESSAGES, max_tokens=600))  # type: ignore[arg-type]
+    assert param(error) == "max_tokens" and "max_new_tokens" not in error.message
+    error = bad_request(lambda: client.completions.create(
+        model=NAMES[0], prompt=PROMPT, max_tokens=2, extra_body={"stop_token_ids": [10**9]}))
+    assert param(error) == "stop_token_ids"
+
+
+def prompt_details(server: LiveServer) -> list[dict[str, Any]]:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "decoder_input_details": True,
+                                             "details": True}}
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    prefill: list[dict[str, Any]] = response.json()["details"]["prefill"]
+    return prefill
+
+
+def test_echo_with_logprobs_covers_the_prompt(client: openai.OpenAI, server: LiveServer) -> None:
+    prefill = prompt_details(server)
+    completion = client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=3,
+                                           temperature=0, echo=True, logprobs=1,
+                                           extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    assert choice.text.startswith(PROMPT)
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert logprobs.text_offset and logprobs.top_logprobs
+    n = len(prefill)
+    assert len(logprobs.tokens) == n + 3
+    assert logprobs.tokens[:n] == [token["text"] for token in prefill]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for got, token in zip(logprobs.token_logprobs[1:n], prefill[1:], strict=True):
+        assert got == pytest.approx(token["logprob"], abs=1e-4)
+    # Offsets point into the echoed text: each prompt token's text is found there.
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for i in range(n):
+        assert choice.text[offsets[i]:].startswith(logprobs.tokens[i])
+    assert offsets[n] == len(PROMPT)
+    # Streaming: the first chunk of the choice carries the prompt tokens too.
+    stream = client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=3,
+                                       temperature=0, echo=True, logprobs=1, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    first = chunks[0].logprobs
+    assert first is not None and first.tokens and first.token_logprobs and first.text_offset
+    assert first.tokens[:n] == logprobs.tokens[:n] and first.token_logprobs[0] is None
+    streamed_offsets = [o for chunk in chunks for o in (chunk.logprobs.text_offset or [])]  # type: ignore[union-attr]
+    assert streamed_offsets == offsets
+    assert "".join(chunk.text for chunk in chunks) == choice.text
+
+
+STRICT_BODIES = [
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": "5"}}, "max_new_tokens"),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": True}}, "max_new_tokens"),
+    ("/generate", {"inputs": "Hi", "parameters": {"temperature": "0.5"}}, "temperature"),
+    ("/generate", {"inputs": "Hi", "parameters": {"details": 1}}, "details"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": True}, "n"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": "0"}, "temperature"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": "true"}, "stream"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), STRICT_BODIES)
+def test_json_types_are_strict(server: LiveServer, path: str, body: dict[str, Any],
+                               field: str) -> None:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code in (400, 422), response.text
+    assert field in response.text
+
+
+def test_json_integers_are_accepted_for_numbers(server: LiveServer) -> None:
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "temperature": 1,
+                                           "top_p": 1, "do_sample": True}}
+    assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 200
+
+
+def rejected(server: LiveServer) -> float:
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith('shardserve_requests_total{outcome="rejected"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_refused_requests_count_as_rejected(client: openai.OpenAI, server: LiveServer) -> None:
+    before = rejected(server)
+    bad_request(lambda: client.chat.completions.create(
+        model=NAMES[0], messages=MESSAGES, max_tokens=2, extra_body={"tools": [TOOL]}))
+    bad_request(lambda: client.completions.create(model=NAMES[0], prompt=PROMPT,
+                                                  max_tokens=600))
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    response = httpx.post(f"{server.url}/generate", json={"inputs": "Hi", "parameters": {
+        "max_new_tokens": "5"}}, timeout=10)
+    assert response.status_code == 422
+    assert rejected(server) == before + 4
+
+
+@pytest.fixture(scope="module")
+def busy_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    log_path = tmp_path_factory.mktemp("busy") / "server.log"
+    live = launch_tiny(tiny_model_dir, log_path, ["--max-concurrent-requests", "1"])
+    yield live
+    live.stop()
+
+
+def test_429_carries_retry_after(busy_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{busy_server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    model = client.models.list().data[0].id
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=480, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)  # the long request is running
+    with pytest.raises(openai.RateLimitError) as failure:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    retry_after = failure.value.response.headers.get("retry-after")
+    assert retry_after is not None and int(retry_after) >= 1
+    stream.close()
+    # Once the long request is gone the server accepts again.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.1)

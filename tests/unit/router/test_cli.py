@@ -1,0 +1,143 @@
+"""The ``shardserve launch`` flags: every one has help with its default (and choices)
+and can come from ``SHARDSERVE_<FLAG>``; sizes take units. The checks walk the real
+parser, so a flag added later is held to the same rules."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+import pytest
+
+from router.cli import build_parser, env_names
+from router.config import ATTENTION_BACKENDS, parse_size
+
+
+def launch_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    parser = build_parser(environ or {})
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    launch: argparse.ArgumentParser = subparsers.choices["launch"]
+    return launch
+
+
+def flags() -> list[argparse.Action]:
+    return [action for action in launch_parser()._actions if env_names(action)]
+
+
+def help_blocks(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The help text of each flag, keyed by its first spelling, whitespace collapsed."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in parser.format_help().splitlines():
+        match = re.match(r"  (-\S+)", line)
+        if match:
+            current = match.group(1).rstrip(",")
+            blocks[current] = line
+        elif current and line.startswith("    "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return {name: " ".join(text.split()) for name, text in blocks.items()}
+
+
+@pytest.fixture(autouse=True)
+def wide_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapping inside variable names
+
+
+def test_there_are_flags_to_check() -> None:
+    assert len(flags()) >= 30
+
+
+@pytest.mark.parametrize("action", flags(), ids=lambda a: a.option_strings[0])
+def test_flag_help_shows_default_choices_and_variable(action: argparse.Action) -> None:
+    assert action.help and len(action.help) > 5, f"{action.option_strings} has no help"
+    block = help_blocks(launch_parser())[action.option_strings[0]]
+    assert "default:" in block, block
+    for name in env_names(action):
+        assert name in block, block
+    for choice in action.choices or ():
+        assert str(choice) in block.split("choices:")[1], block
+
+
+def sample(action: argparse.Action) -> tuple[str, Any]:
+    """A value for the flag's variable and what the parsed flag must be."""
+    if action.nargs == 0:
+        return "true", action.const
+    if action.choices is not None:
+        choice = next(c for c in action.choices if c != action.default)
+        return str(choice), choice
+    if action.nargs == "+":
+        return "first second", ["first", "second"]
+    if action.type is int:
+        return "7", 7
+    if action.type is float:
+        return "0.25", 0.25
+    if action.metavar == "SIZE":
+        return "3MiB", 3 * 2**20
+    return "some-value", "some-value"
+
+
+@pytest.mark.parametrize("action", flags(), ids=lambda a: a.option_strings[0])
+def test_every_flag_reads_its_environment_variable(action: argparse.Action) -> None:
+    raw, expected = sample(action)
+    for name in env_names(action):
+        args = build_parser({name: raw}).parse_args(["launch"])
+        assert getattr(args, action.dest) == expected, name
+
+
+def test_command_line_wins_over_the_environment() -> None:
+    environ = {"SHARDSERVE_PORT": "1234", "SHARDSERVE_JSON_OUTPUT": "yes"}
+    args = build_parser(environ).parse_args(["launch", "--port", "4321"])
+    assert args.port == 4321 and args.json_output is True
+    args = build_parser({"SHARDSERVE_JSON_OUTPUT": "off"}).parse_args(["launch"])
+    assert args.json_output is False
+
+
+@pytest.mark.parametrize(("name", "raw"), [
+    ("SHARDSERVE_PORT", "abc"), ("SHARDSERVE_EXECUTOR", "kubernetes"),
+    ("SHARDSERVE_KV_CACHE_BYTES", "12XB"), ("SHARDSERVE_JSON_OUTPUT", "maybe"),
+])
+def test_bad_variable_is_an_error_naming_it(
+    name: str, raw: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser({name: raw})
+    assert exit_info.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_secret_flags_never_show_their_value() -> None:
+    block = help_blocks(launch_parser({"SHARDSERVE_API_KEY": "hunter2"}))["--api-key"]
+    assert "hunter2" not in block and "hidden" in block
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("0", 0), ("4096", 4096), ("1GiB", 2**30), ("1gib", 2**30), ("1Gi", 2**30),
+    ("512MiB", 512 * 2**20), ("2G", 2 * 10**9), ("2GB", 2 * 10**9), ("64k", 64_000),
+    ("1.5KiB", 1536), (" 8 MiB ", 8 * 2**20), ("1T", 10**12), ("3b", 3),
+])
+def test_sizes_take_units(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "1XB", "-1", "1 2", "1e9", "1.2.3MiB"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_size_flags_take_units() -> None:
+    args = build_parser({}).parse_args(["launch", "--kv-cache-bytes", "1GiB",
+                                        "--max-request-bytes", "2M"])
+    assert args.kv_cache_bytes == 2**30 and args.max_request_bytes == 2 * 10**6
+    defaults = build_parser({}).parse_args(["launch"])
+    assert defaults.kv_cache_bytes == 512 * 2**20 and defaults.max_request_bytes == 2**20
+
+
+def test_attention_backend_choices_are_the_shard_registry() -> None:
+    from shard.attention import ATTENTION_BACKENDS as REGISTRY
+
+    assert set(ATTENTION_BACKENDS) == {"auto", *REGISTRY}
+    assert build_parser({}).parse_args(["launch"]).attention_backend == "auto"
