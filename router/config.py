@@ -15,7 +15,7 @@ from pathlib import Path
 
 ENV_PREFIX = "SHARDSERVE_"
 # Names of shard/attention's registry plus "auto" (the router cannot import it: torch).
-ATTENTION_BACKENDS = ("auto", "flash_attn", "flashinfer", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "flashinfer", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 # Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
 # 2Gi = 2GiB = 2 x 2**30); case does not matter, a trailing B is optional.
