@@ -349,8 +349,16 @@ class Engine:
         """Put the queued token events on their sequences' streams, in order."""
         outbox, self._outbox = self._outbox, []
         for seq, event in outbox:
-            if not seq.cancelled:  # nothing reaches a stream after its cancellation
+            if seq.cancelled:  # nothing reaches a stream after its cancellation
+                continue
+            if seq.request.stream:
                 seq.events.put_nowait(event)
+                continue
+            seq.held_events.append(event)
+            if event.finish is not None:
+                for held in seq.held_events:
+                    seq.events.put_nowait(held)
+                seq.held_events.clear()
 
     def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
         seq = chunk.seq

@@ -64,6 +64,9 @@ class GenerationRequest:
     stopping: StoppingParams
     top_n_tokens: int = 0
     prompt_logprobs: bool = False
+    # False: the caller needs only the whole answer, so the engine hands over the
+    # token events together when the request ends (one wake-up instead of one per token).
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,8 @@ class Sequence:
     pending_tokens: int = 0
     # Bumped on preemption: results of calls sent before it no longer apply.
     epoch: int = 0
+    # Token events held back until the end (requests with stream=False).
+    held_events: list[Event] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None
     first_token_time: float | None = None

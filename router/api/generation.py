@@ -9,6 +9,7 @@ failures mean the same everywhere. ``n`` / ``best_of`` run as independent reques
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +98,8 @@ async def run_all(
         ClientDisconnected: see ``disconnected``.
     """
     completions = [Completion(request) for request in requests]
+    # the answer is sent whole: the engine may hand the events over at the end
+    requests = [dataclasses.replace(request, stream=False) for request in requests]
 
     async def collect() -> None:
         async with MergedStream(engine, requests) as stream:
