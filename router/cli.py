@@ -108,6 +108,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                          help="reuse KV blocks of identical prompt prefixes")
     budgets.add_argument("--chunked-prefill", default="on", choices=["on", "off"],
                          help="split long prompts over steps shared with decodes")
+    budgets.add_argument("--steps-in-flight", type=int, default=defaults.steps_in_flight,
+                         choices=[1, 2],
+                         help="shard steps sent ahead of the one being read: 1, or 2 for "
+                         "more slack on a busy router (a stopped request then computes two "
+                         "discarded tokens instead of one)")
     limits = ValidationLimits()
     budgets.add_argument("--max-stop-sequences", type=int, default=limits.max_stop_sequences,
                          help="stop strings per request")
@@ -294,6 +299,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_waiting_tokens=args.max_waiting_tokens,
         prefix_caching=args.prefix_caching == "on",
         chunked_prefill=args.chunked_prefill == "on",
+        steps_in_flight=args.steps_in_flight,
     )
     limits = ValidationLimits(
         max_stop_sequences=args.max_stop_sequences, max_top_n_tokens=args.max_top_n_tokens,

@@ -74,6 +74,10 @@ class SchedulerConfig:
         prefix_caching: Reuse KV blocks of identical prompt prefixes.
         chunked_prefill: Split prompts longer than the prefill budget over several
             steps that also decode the running batch.
+        steps_in_flight: Shard steps sent ahead of the one whose tokens the router is
+            reading (overlapped scheduling). 1: step N+1 is sent before step N's
+            tokens are read, and a request that stops at step N leaves at N+1. 2 gives
+            the router a whole step of slack at the cost of a second discarded token.
     """
 
     max_batch_prefill_tokens: int = 4096
@@ -85,6 +89,7 @@ class SchedulerConfig:
     max_waiting_tokens: int = 20
     prefix_caching: bool = True
     chunked_prefill: bool = True
+    steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,6 +101,8 @@ class SchedulerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.steps_in_flight not in (1, 2):
+            raise ValueError("--steps-in-flight must be 1 or 2")
         if self.waiting_served_ratio < 0:
             raise ValueError("--waiting-served-ratio must be >= 0")
         if self.max_waiting_tokens < 0:

@@ -10,6 +10,7 @@ here, so shards only ever see token ids.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import time
@@ -116,7 +117,8 @@ class Engine:
         self._text: dict[int, _TextState] = {}
         self._batches: list[pb.CachedBatch] = []
         # shard calls sent in the last iteration, processed in the next one
-        self._inflight: list[_InFlight] = []
+        # shard calls sent and not yet read, one list per loop iteration, oldest first
+        self._inflight: collections.deque[list[_InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result
         # token events of the last step, delivered once the next shard call is sent
         self._outbox: list[tuple[Sequence, TokenEvent]] = []
@@ -252,12 +254,17 @@ class Engine:
             step = self._send_decode(plan.block_appends)
             if step is not None:
                 sent.append(step)
-        previous, self._inflight = self._inflight, sent
-        for call in previous:
-            await self._process(call)
-        if not sent and not previous:
+        if sent:
+            self._inflight.append(sent)
+        elif not self._inflight:
             await self._sync_batches()
             return False
+        # Read the oldest steps until config.steps_in_flight iterations stay in flight
+        # (all of them when nothing new could be sent).
+        keep = self.config.steps_in_flight if sent else 0
+        while len(self._inflight) > keep:
+            for call in self._inflight.popleft():
+                await self._process(call)
         self._failed_at = None
         return True
 
@@ -533,6 +540,7 @@ class Engine:
 
     def _drop_inflight(self) -> None:
         """Forget the calls in flight (after a failure: their results no longer apply)."""
-        for call in self._inflight:
-            call.task.cancel()
-        self._inflight = []
+        for calls in self._inflight:
+            for call in calls:
+                call.task.cancel()
+        self._inflight.clear()

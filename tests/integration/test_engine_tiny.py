@@ -121,12 +121,16 @@ async def test_joining_the_running_batch_at_different_steps(
         await engine.client.close()
 
 
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
 async def test_all_together_with_preemption(
-    tiny_shard_address: str, tiny_model_dir: Path, expected: list[list[int]]
+    tiny_shard_address: str, tiny_model_dir: Path, expected: list[list[int]],
+    steps_in_flight: int,
 ) -> None:
     # 4 blocks of 16 tokens: each request fits alone (at most 3 blocks), but the two
-    # longest (14 + 30 and 24 + 20 tokens) run out of blocks together.
-    engine = await make_engine(tiny_shard_address, tiny_model_dir, num_blocks=4)
+    # longest (14 + 30 and 24 + 20 tokens) run out of blocks together. With steps in
+    # flight, a preempted request's tokens already being computed are discarded.
+    engine = await make_engine(tiny_shard_address, tiny_model_dir, num_blocks=4,
+                               steps_in_flight=steps_in_flight)
     preempted: list[int] = []
     original = engine.scheduler._preempt
 

@@ -45,9 +45,9 @@ class _Recorder:
         return sum(rid in ids for ids in self.stepped)
 
 
-def _engine(shard: ScriptedShardClient, tokenizer: Tokenizer) -> Engine:
+def _engine(shard: ScriptedShardClient, tokenizer: Tokenizer, depth: int = 1) -> Engine:
     config = SchedulerConfig(max_input_tokens=64, max_total_tokens=256,
-                             max_batch_prefill_tokens=256)
+                             max_batch_prefill_tokens=256, steps_in_flight=depth)
     engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
                     shard.block_size)
     engine.start()
@@ -62,13 +62,14 @@ async def _events(engine: Engine, request: GenerationRequest) -> list[TokenEvent
     return out
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 async def test_eos_stops_the_stream_and_the_extra_token_is_discarded(
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer, depth: int
 ) -> None:
     eos = min(tokenizer.eos_token_ids)
     shard = ScriptedShardClient(lambda _p: [100, 101, eos, 102, 103, 104, 105, 106])
     recorder = _Recorder(shard)
-    engine = _engine(shard, tokenizer)
+    engine = _engine(shard, tokenizer, depth)
     try:
         request = GenerationRequest((5, 6, 7), SamplingParams(),
                                     StoppingParams(max_new_tokens=20))
@@ -81,10 +82,11 @@ async def test_eos_stops_the_stream_and_the_extra_token_is_discarded(
     assert [e.id for e in events] == [100, 101, eos]
     assert events[-1].finish is not None
     assert events[-1].finish.reason == FinishReason.EOS_TOKEN
-    # EOS came from decode step 2 (the prefill sampled 100); step 3 was already sent with
-    # the request (its token 102 computed and dropped); step 4 removed it
+    # EOS came from decode step 2 (the prefill sampled 100); the next `depth` steps were
+    # already sent with the request (their tokens computed and dropped); the one after
+    # removed it
     first_id = 0
-    assert recorder.steps_of(first_id) == 3
+    assert recorder.steps_of(first_id) == 2 + depth
     step_without = next(i for i, ids in enumerate(recorder.stepped) if first_id not in ids)
     assert first_id in recorder.removed[step_without]
     assert engine.kv_blocks_free == engine.block_manager.num_blocks
@@ -109,11 +111,14 @@ async def test_stop_sequence_ends_the_stream_at_its_step(tokenizer: Tokenizer) -
     assert engine.kv_blocks_free == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
-async def test_length_limit_costs_no_extra_step(tokenizer: Tokenizer, max_new_tokens: int) -> None:
+async def test_length_limit_costs_no_extra_step(
+    tokenizer: Tokenizer, max_new_tokens: int, depth: int
+) -> None:
     shard = ScriptedShardClient(lambda _p: [100, 101, 102])
     recorder = _Recorder(shard)
-    engine = _engine(shard, tokenizer)
+    engine = _engine(shard, tokenizer, depth)
     try:
         request = GenerationRequest((5, 6, 7), SamplingParams(),
                                     StoppingParams(max_new_tokens=max_new_tokens,
@@ -127,10 +132,11 @@ async def test_length_limit_costs_no_extra_step(tokenizer: Tokenizer, max_new_to
     assert recorder.steps_of(0) == max_new_tokens - 1
 
 
-async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer, depth: int) -> None:
     shard = ScriptedShardClient(lambda _p: list(range(100, 140)))
     recorder = _Recorder(shard)
-    engine = _engine(shard, tokenizer)
+    engine = _engine(shard, tokenizer, depth)
     try:
         request = GenerationRequest((5, 6, 7), SamplingParams(),
                                     StoppingParams(max_new_tokens=40, ignore_eos=True))
@@ -149,7 +155,7 @@ async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer) -> N
             leftovers.append(seq.events.get_nowait())
         assert [e for e in leftovers if isinstance(e, TokenEvent)] == []
         # at most the steps already sent ran with it; then it left the batch
-        assert recorder.steps_of(seq.id) <= steps_at_cancel + 1
+        assert recorder.steps_of(seq.id) <= steps_at_cancel + depth
         assert engine.kv_blocks_free == engine.block_manager.num_blocks
     finally:
         await engine.stop()
