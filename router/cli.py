@@ -82,7 +82,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="port of the public gRPC API (0 = off)")
     server.add_argument("--json-output", action="store_true", help="log JSON lines")
     server.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                        help="largest HTTP request body, bytes (413 beyond)")
+                        help="largest HTTP request body and public gRPC message, bytes "
+                        "(413 / RESOURCE_EXHAUSTED beyond)")
     server.add_argument("--graceful-timeout", type=int, default=30,
                         help="seconds running requests may take to finish after SIGTERM")
 

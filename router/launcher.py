@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import signal
 from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
@@ -123,6 +124,7 @@ async def build_state(
         scheduler=scheduler,
         limits=config.limits,
         kv_capacity_tokens=num_blocks * first.block_size,
+        max_request_bytes=config.max_request_bytes,
     )
     warmup = WarmupBudgets(before["max_batch_prefill_tokens"], before["max_total_tokens"])
     return ServerState(
@@ -150,6 +152,10 @@ async def serve(config: ServerConfig) -> int:
         client = await start_group(executor, SHARD_START_TIMEOUT_S)
         state, warmup = await build_state(config, client)
         state.engine.start()
+        # NOTE: start-up objects (tokenizer, app, modules) never become garbage; taking
+        # them out of the collector's reach keeps each full collection short (it stops
+        # every thread, the event loop included) while large requests allocate.
+        gc.freeze()
         server = _Server(
             uvicorn.Config(create_app(state), host=config.host, port=config.port,
                            log_level="warning", lifespan="off",

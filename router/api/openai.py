@@ -166,11 +166,16 @@ def openai_routes(state: ServerState) -> APIRouter:
             raise RequestValidationError("prompt", "must not be empty")
         if len(prompts) * width > validator.limits.max_best_of * 4:
             raise RequestValidationError("prompt", "too many prompts x choices in one request")
-        requests: list[GenerationRequest] = []
-        for prompt in prompts:
-            request = validator.validate(prompt, params, field="prompt")
-            requests += validator.fan_out(request, width)
-        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
+        def prepare() -> tuple[list[GenerationRequest], list[str]]:
+            requests: list[GenerationRequest] = []
+            for prompt in prompts:
+                request = validator.validate(prompt, params, field="prompt")
+                requests += validator.fan_out(request, width)
+            return requests, [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
+        # Tokenizing runs off the event loop: a long prompt must not stop the streams.
+        requests, texts = await state.offload.run(prepare)
         prompt_tokens = sum(len(r.input_ids) for r in requests[::width])
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -231,10 +236,16 @@ def openai_routes(state: ServerState) -> APIRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         params = _parameters(body, max_tokens, top_n)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = render_chat(tokenizer, messages)
-        check_text("messages", prompt)
-        prompt_ids = encode_chat_prompt(tokenizer, prompt)
-        request = validator.validate(prompt_ids, params, field="messages")
+
+        def prepare() -> GenerationRequest:
+            prompt = render_chat(tokenizer, messages)
+            check_text("messages", prompt)
+            validator.check_chars(prompt, "messages", params.truncate)
+            prompt_ids = encode_chat_prompt(tokenizer, prompt)
+            return validator.validate(prompt_ids, params, field="messages")
+
+        # Rendering and tokenizing run off the event loop (see completions).
+        request = await state.offload.run(prepare)
         requests = validator.fan_out(request, body.n)
         prompt_tokens = len(request.input_ids)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

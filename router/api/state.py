@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from router.api.offload import Offload
 from router.engine import Engine
 from router.validation import Validator
 
@@ -15,6 +16,8 @@ class ServerState:
     Attributes:
         model_id: Name reported by /info, /v1/models and ModelInfo.
         device_type: "cpu" or "cuda".
+        max_request_bytes: Largest HTTP body and public gRPC message, bytes.
+        offload: Threads that tokenize and render chat templates off the event loop.
     """
 
     engine: Engine
@@ -26,3 +29,4 @@ class ServerState:
     attention_backend: str
     version: str
     max_request_bytes: int = 1 << 20
+    offload: Offload = field(default_factory=Offload)

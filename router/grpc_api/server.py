@@ -28,7 +28,10 @@ async def start_grpc_server(
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server()
+    # Requests are bounded like HTTP bodies (--max-request-bytes); answers are not.
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", state.max_request_bytes)]
+    )
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

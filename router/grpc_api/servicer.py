@@ -106,7 +106,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         """One completion; best_of > 1 returns the most likely of best_of samples."""
 
         async def work() -> pb.GenerateResponse:
-            validated, best_of = self._validate(request)
+            validated, best_of = await self.state.offload.run(self._validate, request)
             requests = self.state.validator.fan_out(validated, best_of)
             done = await run_all(self.state.engine, requests)
             done.sort(key=lambda c: c.logprob_sum, reverse=True)
@@ -122,7 +122,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         """One message per generated token; the last carries the text and finish."""
-        validated, best_of = await _call(context, _now(lambda: self._validate(request)))
+        validated, best_of = await _call(context, self.state.offload.run(self._validate, request))
         if best_of > 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "parameters.best_of: best_of > 1 is not supported when streaming")
@@ -150,15 +150,18 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         """Token ids, texts and character offsets of ``inputs``."""
-        encoding = self.tokenizer.backend.encode(
-            request.inputs, add_special_tokens=request.add_special_tokens
-        )
-        return pb.TokenizeResponse(
-            tokens=[pb.Token(id=i, text=token_text(self.tokenizer, i),
-                             special=self.tokenizer.is_special(i)) for i in encoding.ids],
-            starts=[start for start, _ in encoding.offsets],
-            stops=[stop for _, stop in encoding.offsets],
-        )
+
+        def answer() -> pb.TokenizeResponse:
+            encoding = self.state.validator.tokenize(request.inputs, request.add_special_tokens)
+            return pb.TokenizeResponse(
+                tokens=[pb.Token(id=i, text=token_text(self.tokenizer, i),
+                                 special=self.tokenizer.is_special(i)) for i in encoding.ids],
+                starts=[start for start, _ in encoding.offsets],
+                stops=[stop for _, stop in encoding.offsets],
+            )
+
+        # Tokenizing and building the answer (one entry per token) run off the event loop.
+        return await _call(context, self.state.offload.run(answer))
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -174,7 +177,3 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             max_best_of=limits.max_best_of, max_stop_sequences=limits.max_stop_sequences,
             max_top_n_tokens=limits.max_top_n_tokens, version=state.version,
         )
-
-
-async def _now(function: Any) -> Any:
-    return function()
