@@ -59,7 +59,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     budgets = parser.add_argument_group("scheduling")
     for name in _DERIVED_BUDGETS:
         budgets.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                             help="default: derived from the model and the KV cache")
+                             help=_DERIVED_HELP[name])
     defaults = SchedulerConfig()
     for name in ("max_batch_size", "max_concurrent_requests", "max_waiting_tokens"):
         budgets.add_argument("--" + name.replace("_", "-"), type=int,
@@ -89,6 +89,12 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
+_DERIVED_HELP = {
+    "max_batch_prefill_tokens": "prompt tokens per prefill step, the chunk of chunked prefill "
+    "(default: 512 on CPU, 2048 on GPU; max-input-tokens with --chunked-prefill off)",
+    "max_input_tokens": "longest prompt (default: max-total-tokens - 1)",
+    "max_total_tokens": "longest prompt + output (default: min(context, 4096, KV capacity))",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

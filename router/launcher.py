@@ -101,10 +101,12 @@ async def build_state(
     first = infos[0]
     max_position = first.max_position_embeddings
     chunked = config.scheduler.chunked_prefill
-    before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked)
+    device_type = first.device.split(":")[0]
+    before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked,
+                            device_type=device_type)
     num_blocks = await client.warmup(before["max_batch_prefill_tokens"], before["max_total_tokens"])
     budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
-                             chunked_prefill=chunked)
+                             chunked_prefill=chunked, device_type=device_type)
     scheduler = dataclasses.replace(
         config.scheduler,
         max_total_tokens=budgets["max_total_tokens"],
@@ -132,7 +134,7 @@ async def build_state(
         validator=validator,
         model_id=first.model_id,
         dtype=first.dtype,
-        device_type=first.device.split(":")[0],
+        device_type=device_type,
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
