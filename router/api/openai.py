@@ -17,7 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
-from router.api.generation import Completion, MergedStream, run_all, text_without_stop
+from router.api.generation import (
+    Completion,
+    MergedStream,
+    first_event,
+    run_all,
+    text_without_stop,
+)
 from router.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -208,7 +214,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                     usage=_usage(prompt_tokens, done),
                 ).model_dump_json()
 
-            return await _sse(state, requests, [], on_event, usage_chunk, body)
+            return await _sse(state, requests, [], on_event, usage_chunk, body, http_request)
 
         done = await run_all(state.engine, requests, http_request.is_disconnected)
         chosen: list[Completion] = []
@@ -268,7 +274,8 @@ def openai_routes(state: ServerState) -> APIRouter:
             def usage_chunk(done: list[Completion]) -> str:
                 return chunk([], usage=_usage(prompt_tokens, done))
 
-            return await _sse(state, requests, opening, on_event, usage_chunk, body)
+            return await _sse(state, requests, opening, on_event, usage_chunk, body,
+                              http_request)
 
         done = await run_all(state.engine, requests, http_request.is_disconnected)
         choices = [
@@ -290,14 +297,15 @@ async def _sse(
     state: ServerState, requests: list[GenerationRequest], opening: list[str],
     on_event: Callable[[int, TokenEvent], list[str]],
     usage_chunk: Callable[[list[Completion]], str], body: SamplingFields,
+    http_request: Request,
 ) -> EventSourceResponse:
     """Stream ``requests`` as OpenAI chunks; ``[DONE]`` last. The first token (or a 429)
-    comes before the response starts."""
+    comes before the response starts; a client that leaves before it cancels them."""
     stream = MergedStream(state.engine, requests)
     await stream.__aenter__()
     events = aiter(stream)
     try:
-        first = await anext(events)
+        first = await first_event(events, http_request.is_disconnected)
     except BaseException:
         await stream.aclose()
         raise

@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
-from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
+from router.api.generation import (
+    Completion,
+    GenerationFailed,
+    MergedStream,
+    first_event,
+    run_all,
+)
 from router.api.schemas import (
     BestOfSequence,
     Details,
@@ -135,7 +141,7 @@ def tgi_routes(state: ServerState) -> APIRouter:
         return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
 
     @router.post("/generate_stream", response_class=EventSourceResponse)
-    async def generate_stream(body: GenerateRequest) -> EventSourceResponse:
+    async def generate_stream(body: GenerateRequest, http_request: Request) -> EventSourceResponse:
         """Generate text as server-sent events (TGI ``POST /generate_stream``)."""
         if (body.parameters.best_of or 1) > 1:
             raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
@@ -144,8 +150,9 @@ def tgi_routes(state: ServerState) -> APIRouter:
         await stream.__aenter__()
         events = aiter(stream)
         try:
-            # The first token (or a 429) before the response starts.
-            first = await anext(events)
+            # The first token (or a 429) before the response starts; a client that
+            # leaves while its request is queued cancels it.
+            first = await first_event(events, http_request.is_disconnected)
         except BaseException:
             await stream.aclose()
             raise
@@ -192,7 +199,7 @@ def tgi_routes(state: ServerState) -> APIRouter:
     ) -> list[GenerateResponse] | EventSourceResponse:
         """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
         if body.stream:
-            return await generate_stream(body)
+            return await generate_stream(body, http_request)
         return [await generate(body, http_request)]
 
     @router.post("/tokenize", response_model=list[TokenInfo])
