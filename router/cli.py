@@ -45,6 +45,10 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="Ray placement of the ranks: pack onto few nodes, or one per node")
     shards.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of the shard group after a rank dies, then exit")
+    shards.add_argument("--step-timeout", type=float, default=0.0,
+                        help="seconds a prefill or decode step may take before its shard "
+                        "group counts as hung and is restarted (0 = adaptive: max(30, "
+                        "10 x the slowest step seen, Warmup included))")
     shards.add_argument("--master-port", type=int, default=0,
                         help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
     shards.add_argument("--attention-backend",
@@ -145,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
         placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
+        step_timeout_s=args.step_timeout,
         max_request_bytes=args.max_request_bytes,
     )
 

@@ -210,6 +210,8 @@ class ServerConfig:
     graceful_timeout_s: int = 30
     max_request_bytes: int = 1 << 20
     max_restarts: int = 3  # shard-group restarts after a rank dies, then the server exits
+    # Deadline of Prefill/Decode calls, seconds; 0 = adaptive (router/step_deadline.py).
+    step_timeout_s: float = 0.0
     master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
     # Token budgets as given on the command line (None = derive; see derive_budgets).
     budget_flags: dict[str, int | None] = field(default_factory=dict)
@@ -221,6 +223,8 @@ class ServerConfig:
             raise ValueError("--graceful-timeout must be >= 0")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
+        if self.step_timeout_s < 0:
+            raise ValueError("--step-timeout must be >= 0 (0 = adaptive)")
         if not 0 <= self.master_port < 65536:
             raise ValueError("--master-port must be in [0, 65535] (0 = a free port)")
         if self.placement not in ("pack", "spread"):

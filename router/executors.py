@@ -14,9 +14,11 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
+import grpc
 from loguru import logger
 
 from router.config import ShardLaunchConfig
+from shard.pb import shard_pb2, shard_pb2_grpc
 
 LIVENESS_TIMEOUT_S = 5.0
 
@@ -40,6 +42,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+class HealthProbe:
+    """Pings one rank's gRPC ``Health``; a rank that answered once and then stops
+    answering within ``LIVENESS_TIMEOUT_S`` is hung (stopped, deadlocked, swapping).
+
+    A rank that never answered yet is still loading its model and is not judged.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.answered = False
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = shard_pb2_grpc.ShardServiceStub(self._channel)
+
+    async def hung(self) -> bool:
+        """True when the rank answered before but not now."""
+        try:
+            await self._stub.Health(shard_pb2.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            if self.answered:
+                logger.error("shard at {} did not answer Health: {}: {}", self.address,
+                             error.code().name, error.details())
+            return self.answered
+        self.answered = True
+        return False
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
 class LocalExecutor:
     """Each rank as a ``python -m shard.server`` child process on this machine.
 
@@ -56,6 +87,7 @@ class LocalExecutor:
         self.host = host
         self.master_port = master_port
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.probes: list[HealthProbe] = []
 
     async def start(self) -> list[str]:
         addresses = []
@@ -71,14 +103,17 @@ class LocalExecutor:
             logger.info("shard rank {}: pid {} on node local at {}:{}", rank, process.pid,
                         self.host, port)
             addresses.append(f"{self.host}:{port}")
+        self.probes = [HealthProbe(address) for address in addresses]
         return addresses
 
     async def dead_rank(self) -> int | None:
-        """A rank whose process has exited, if any."""
+        """A rank whose process has exited, or that stopped answering Health (pinged
+        with a ``LIVENESS_TIMEOUT_S`` timeout, every rank at once), if any."""
         for rank, process in enumerate(self.processes):
             if process.poll() is not None:
                 return rank
-        return None
+        hung = await asyncio.gather(*(probe.hung() for probe in self.probes))
+        return next((rank for rank, is_hung in enumerate(hung) if is_hung), None)
 
     async def stop_group(self, grace_s: float = 15.0) -> None:
         """SIGTERM every rank, SIGKILL those still alive after ``grace_s`` seconds (a
@@ -90,9 +125,11 @@ class LocalExecutor:
             try:
                 await asyncio.to_thread(process.wait, grace_s)
             except subprocess.TimeoutExpired:
-                process.kill()
+                process.kill()  # also ends a stopped (SIGSTOP) process
                 await asyncio.to_thread(process.wait)
         self.processes = []
+        await asyncio.gather(*(probe.close() for probe in self.probes))
+        self.probes = []
 
     async def stop(self) -> None:
         await self.stop_group()

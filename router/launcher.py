@@ -29,6 +29,7 @@ from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor
 from router.grpc_api.server import start_grpc_server
 from router.shard_client import ShardClient
+from router.step_deadline import StepDeadline
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 
@@ -68,8 +69,13 @@ class WarmupBudgets:
     max_total_tokens: int
 
 
-async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
+async def start_group(
+    executor: ShardExecutor, timeout_s: float, step_timeout_s: float = 0.0
+) -> ShardClient:
     """Start the shard group and wait until every rank answers Health.
+
+    ``step_timeout_s`` is ``--step-timeout``: the deadline of every Prefill and Decode,
+    seconds, or 0 for the adaptive one (see :mod:`router.step_deadline`).
 
     Raises:
         RuntimeError: a rank died during start-up (checked every second), so a failed
@@ -77,7 +83,7 @@ async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
         ShardError: a rank did not answer within ``timeout_s`` seconds.
     """
     addresses = await executor.start()
-    client = ShardClient(addresses)
+    client = ShardClient(addresses, StepDeadline(fixed_s=step_timeout_s or None))
     ready = asyncio.ensure_future(client.wait_ready(timeout_s))
     try:
         while not ready.done():
@@ -151,7 +157,7 @@ async def serve(config: ServerConfig) -> int:
     try:
         logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
                     config.executor)
-        client = await start_group(executor, SHARD_START_TIMEOUT_S)
+        client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
         state, warmup = await build_state(config, client)
         state.engine.start()
         # NOTE: start-up objects (tokenizer, app, modules) never become garbage; taking
@@ -172,7 +178,8 @@ async def serve(config: ServerConfig) -> int:
             logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
-                                on_give_up=lambda: setattr(server, "should_exit", True))
+                                on_give_up=lambda: setattr(server, "should_exit", True),
+                                step_timeout_s=config.step_timeout_s)
         watch = asyncio.ensure_future(supervisor.run())
         try:
             await server.serve()
@@ -192,7 +199,10 @@ async def serve(config: ServerConfig) -> int:
 
 
 class Supervisor:
-    """Restart the shard group when a rank dies.
+    """Restart the shard group when a rank dies or hangs.
+
+    A rank is dead when the executor says so (process or actor gone, or no answer to a
+    liveness ping), and hung when one of its steps ran past the step deadline.
 
     Args:
         executor: the group's executor (liveness via ``dead_rank``).
@@ -201,29 +211,41 @@ class Supervisor:
         max_restarts: restarts allowed over the server's life; after that
             ``on_give_up`` is called (the server exits) and requests keep failing.
         on_give_up: called once when no restart is left.
+        step_timeout_s: ``--step-timeout`` of the restarted groups (0 = adaptive).
     """
 
     def __init__(self, executor: ShardExecutor, engine: Engine, warmup: WarmupBudgets,
-                 max_restarts: int, on_give_up: Callable[[], None]) -> None:
+                 max_restarts: int, on_give_up: Callable[[], None],
+                 step_timeout_s: float = 0.0) -> None:
         self.executor = executor
         self.engine = engine
         self.warmup = warmup
         self.max_restarts = max_restarts
         self.on_give_up = on_give_up
+        self.step_timeout_s = step_timeout_s
         self.restarts = 0
         self.gave_up = False
 
+    async def _failed_rank(self) -> tuple[int, str] | None:
+        """(rank, what happened) for a rank that is dead or hung, else None."""
+        hung = self.engine.client.hung_rank
+        if hung is not None:
+            return hung, "is hung (a step ran past the step deadline)"
+        rank = await self.executor.dead_rank()
+        return None if rank is None else (rank, "died or stopped answering")
+
     async def run(self) -> None:
-        """Poll liveness every 0.5 s; restart on a dead rank, until cancelled or out of
-        restarts."""
+        """Poll liveness every 0.5 s; restart on a dead or hung rank, until cancelled or
+        out of restarts."""
         while True:
             await asyncio.sleep(LIVENESS_POLL_S)
-            rank = await self.executor.dead_rank()
-            if rank is None:
+            failed = await self._failed_rank()
+            if failed is None:
                 continue
-            logger.error("shard rank {} died", rank)
+            message = "shard rank {} {}".format(*failed)
+            logger.error("{}", message)
             await self.engine.stop()
-            self.engine.fail_all(f"shard rank {rank} died")
+            self.engine.fail_all(message)
             if not await self._restart():
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
@@ -244,7 +266,8 @@ class Supervisor:
             await old.close()
             client: ShardClient | None = None
             try:
-                client = await start_group(self.executor, SHARD_START_TIMEOUT_S)
+                client = await start_group(self.executor, SHARD_START_TIMEOUT_S,
+                                           self.step_timeout_s)
                 infos = await client.info()
                 num_blocks = await client.warmup(
                     self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens

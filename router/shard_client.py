@@ -7,11 +7,13 @@ fails the call with :class:`ShardError`, so the engine can end the affected requ
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
 
+from router.step_deadline import StepDeadline
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
 
@@ -39,15 +41,20 @@ class ShardClient:
 
     Args:
         addresses: ``host:port`` of each rank, in rank order.
-        step_timeout_s: Deadline of Prefill/Decode calls, seconds (a hung rank becomes
-            an error instead of a hang).
+        deadline: Deadline of Prefill/Decode calls (a hung rank becomes an error instead
+            of a hang); adaptive by default (see :mod:`router.step_deadline`).
+
+    Attributes:
+        hung_rank: The rank whose Prefill or Decode ran past the deadline, once one did
+            (the group is then stuck: the launcher restarts it).
     """
 
-    def __init__(self, addresses: Sequence[str], step_timeout_s: float = 600.0) -> None:
+    def __init__(self, addresses: Sequence[str], deadline: StepDeadline | None = None) -> None:
         if not addresses:
             raise ValueError("a shard group needs at least one address")
         self.addresses = list(addresses)
-        self.step_timeout_s = step_timeout_s
+        self.deadline = deadline if deadline is not None else StepDeadline()
+        self.hung_rank: int | None = None
         self._channels = [
             grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) for address in addresses
         ]
@@ -116,20 +123,48 @@ class ShardClient:
         await self._all("Health", lambda s: s.Health(pb.HealthRequest(), timeout=5.0))
 
     async def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int) -> int:
-        """Warm every rank up; return the KV block count usable by all (the minimum)."""
+        """Warm every rank up; return the KV block count usable by all (the minimum).
+
+        Its duration counts as a step of the adaptive deadline (Warmup runs the
+        worst-case prefill).
+        """
         request = pb.WarmupRequest(
             max_batch_prefill_tokens=max_batch_prefill_tokens, max_total_tokens=max_total_tokens
         )
+        started = time.perf_counter()
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=1800.0))
+        self.deadline.observe(time.perf_counter() - started)
         return min(response.num_blocks for response in responses)
+
+    async def _step(
+        self, method: str,
+        call: Callable[[shard_pb2_grpc.ShardServiceStub, float], Awaitable[T]],
+    ) -> T:
+        """A Prefill or Decode on every rank under the step deadline; rank 0's response.
+
+        Raises:
+            ShardError: a rank failed, or did not answer within the deadline (then
+                :attr:`hung_rank` is set).
+        """
+        timeout = self.deadline.seconds
+        started = time.perf_counter()
+        try:
+            responses = await self._all(method, lambda stub: call(stub, timeout))
+        except ShardError as error:
+            if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            self.hung_rank = error.rank
+            raise ShardError(
+                error.rank, method, error.code,
+                f"no answer within {timeout:.1f} s (--step-timeout); the shard group is hung",
+            ) from error
+        self.deadline.observe(time.perf_counter() - started)
+        return responses[0]
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
         """Prefill ``batch`` on every rank; rank 0's response."""
         request = pb.PrefillRequest(batch=batch)
-        responses = await self._all(
-            "Prefill", lambda s: s.Prefill(request, timeout=self.step_timeout_s)
-        )
-        return responses[0]
+        return await self._step("Prefill", lambda s, timeout: s.Prefill(request, timeout=timeout))
 
     async def decode(
         self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]]
@@ -142,10 +177,7 @@ class ShardClient:
                 for request_id, blocks in block_appends.items()
             ],
         )
-        responses = await self._all(
-            "Decode", lambda s: s.Decode(request, timeout=self.step_timeout_s)
-        )
-        return responses[0]
+        return await self._step("Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         """Keep only ``request_ids`` in cached batch ``batch_id``."""
