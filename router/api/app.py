@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.api.generation import ClientDisconnected, GenerationFailed
+from router.api.health import health_problem
 from router.api.limits import BodySizeLimit
 from router.api.openai import openai_routes
 from router.api.schemas import ErrorResponse, Info
@@ -126,15 +127,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", tags=["TGI"])
     async def health(request: Request) -> JSONResponse:
-        """200 when every shard answers and the last step succeeded, else 503."""
-        try:
-            await state.engine.client.health()
-        except Exception as error:
-            return _error(request, 503, f"shards unhealthy: {error}", "unhealthy")
-        if not state.engine.healthy:
-            return _error(request, 503, "the last generation step failed", "unhealthy")
-        if state.engine.draining:
-            return _error(request, 503, "shutting down", "unhealthy")
+        """200 when every shard answers, the last step succeeded and the server is not
+        shutting down, else 503 (the gRPC health service answers the same)."""
+        problem = await health_problem(state)
+        if problem is not None:
+            return _error(request, 503, problem, "unhealthy")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["TGI"])

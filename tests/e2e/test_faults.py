@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.executors import free_port
 from tests.e2e.conftest import launch, stop
 
 pytestmark = pytest.mark.e2e
@@ -111,17 +114,25 @@ def started(
 def test_stopped_shard_ends_streams_then_the_group_restarts(
     started: Callable[..., tuple[str, subprocess.Popen[bytes], Path]],
 ) -> None:
-    base_url, process, log_path = started()
+    grpc_port = free_port()
+    base_url, process, log_path = started("--grpc-port", str(grpc_port))
     before = generate(base_url)
     victim = shard_pid(log_path)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    request = health_pb2.HealthCheckRequest()
+    assert health.Check(request, timeout=30).status == health_pb2.HealthCheckResponse.SERVING
 
     events, ended_after = stream_through(base_url, lambda: os.kill(victim, signal.SIGSTOP))
     # The liveness ping (5 s) notices it: not the step deadline (at least 30 s here).
     assert "stopped answering" in str(events[-1].get("error")), events[-1]
     assert ended_after < 25, f"the stream ended {ended_after:.1f} s after SIGSTOP"
+    assert health.Check(request, timeout=30).status == (
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     assert 503 in wait_until_healthy_again(base_url, process)
     assert not alive(victim)  # killed by the restart
     assert shard_pid(log_path) != victim
+    assert health.Check(request, timeout=30).status == health_pb2.HealthCheckResponse.SERVING
     assert generate(base_url) == before
 
 
