@@ -93,7 +93,9 @@ class ShardClient:
         must not wait for that.
 
         Raises:
-            ShardError: the first rank to fail (the others' calls are cancelled).
+            ShardError: the first rank to fail (the others' calls are cancelled); also
+                when a call is cancelled under the caller (CANCELLED: this client's
+                channels were closed, as a shard-group restart does).
         """
         tasks = [asyncio.ensure_future(call(stub)) for stub in self._stubs]
         try:
@@ -101,6 +103,9 @@ class ShardClient:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
+                    if task.cancelled():
+                        raise ShardError(tasks.index(task), method, grpc.StatusCode.CANCELLED,
+                                         "the call was cancelled (the channel was closed)")
                     error = task.exception()
                     if isinstance(error, grpc.aio.AioRpcError):
                         rank = tasks.index(task)

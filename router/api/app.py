@@ -14,6 +14,7 @@ answered 500 with a JSON body, and the server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api.generation import ClientDisconnected, GenerationFailed
 from router.api.health import health_problem
@@ -70,6 +72,39 @@ def _describe_schema_errors(errors: list[Any]) -> tuple[str, str | None]:
         fields.append(field)
         parts.append(f"{field}: {error.get('msg', 'invalid')}")
     return "; ".join(parts), (fields[0] if fields else None)
+
+
+class CancelledAsError:
+    """Answer 500 with a JSON body when a ``CancelledError`` escapes a route although
+    the request itself is not being cancelled (an awaited call was cancelled under it,
+    for example a shard RPC whose channel a restart closed). Other exceptions reach the
+    app's ``Exception`` handler; a CancelledError would reach Starlette's last-resort
+    handler, which answers in plain text."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if started or (task is not None and task.cancelling()):
+                raise
+            request = Request(scope)
+            logger.error("a call was cancelled under {}", request.url.path)
+            response = _error(request, 500, "internal error: a call was cancelled", "internal")
+            await response(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -122,6 +157,7 @@ def create_app(state: ServerState) -> FastAPI:
         return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
 
     app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes)
+    app.add_middleware(CancelledAsError)
     app.include_router(tgi_routes(state))
     app.include_router(openai_routes(state))
 

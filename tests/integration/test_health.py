@@ -1,5 +1,6 @@
 """Health against a real shard process that is stopped (SIGSTOP), resumed and killed:
-the gRPC health service answers what ``GET /health`` answers."""
+the gRPC health service answers what ``GET /health`` answers, and ``/health`` answers
+JSON even when the shard group's channels close under it (as a restart does)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
+import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.api.app import create_app
 from router.api.state import ServerState
 from router.config import SchedulerConfig, ValidationLimits
 from router.engine import Engine
@@ -59,6 +63,37 @@ async def state(
                       device_type="cpu", num_shard=1, attention_backend="torch",
                       version="test")
     await client.close()
+
+
+@pytest.fixture
+async def http_url(state: ServerState) -> AsyncIterator[str]:
+    """The HTTP app served by uvicorn on a free port."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    await task
+
+
+async def test_health_is_json_when_the_shard_channels_close_under_it(
+    state: ServerState, http_url: str, shard_process: tuple[str, subprocess.Popen[bytes]]
+) -> None:
+    os.kill(shard_process[1].pid, signal.SIGSTOP)  # the Health call hangs ...
+    async with httpx.AsyncClient(timeout=30) as http:
+        pending = asyncio.create_task(http.get(f"{http_url}/health"))
+        await asyncio.sleep(1.0)
+        await state.engine.client.close()  # ... until a restart closes the channels
+        response = await pending
+        assert response.status_code == 503
+        assert response.headers["content-type"] == "application/json"
+        assert response.json()["error_type"] == "unhealthy"
+        # Closed for good: still JSON.
+        again = await http.get(f"{http_url}/health")
+        assert again.status_code == 503 and again.json()["error_type"] == "unhealthy"
 
 
 async def next_status(watch: AsyncIterator[health_pb2.HealthCheckResponse]) -> int:
