@@ -20,6 +20,7 @@ import signal
 from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 
+import grpc
 import uvicorn
 from loguru import logger
 
@@ -169,13 +170,15 @@ async def serve(config: ServerConfig) -> int:
                            log_level="warning", lifespan="off",
                            timeout_graceful_shutdown=config.graceful_timeout_s)
         )
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, _request_exit, server, state.engine, signum)
         grpc_server = None
         if config.grpc_port:
             grpc_server, grpc_port = await start_grpc_server(state, config.host, config.grpc_port)
             logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
+        grpc_drain = GrpcDrain(grpc_server, config.graceful_timeout_s)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, _request_exit, server, state.engine, grpc_drain,
+                                    signum)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
                                 on_give_up=lambda: setattr(server, "should_exit", True),
@@ -187,8 +190,7 @@ async def serve(config: ServerConfig) -> int:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
             client = state.engine.client
-            if grpc_server is not None:
-                await grpc_server.stop(grace=5)
+            await grpc_drain.wait()  # started with the HTTP drain, as long at most
             await state.engine.stop()
     finally:
         if client is not None:
@@ -285,13 +287,38 @@ class Supervisor:
         return False
 
 
-def _request_exit(server: uvicorn.Server, engine: Engine, signum: int) -> None:
-    """Stop admission: uvicorn closes its listening socket and waits up to
-    ``--graceful-timeout`` for open requests (streams included) to finish."""
+class GrpcDrain:
+    """Stops the public gRPC server once: open calls (streams included) get
+    ``grace_s`` seconds to finish, new calls are answered UNAVAILABLE meanwhile."""
+
+    def __init__(self, server: grpc.aio.Server | None, grace_s: float) -> None:
+        self.server = server
+        self.grace_s = grace_s
+        self._stopping: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Begin the drain (no-op once begun, or without a gRPC server)."""
+        if self.server is not None and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self.server.stop(grace=self.grace_s))
+
+    async def wait(self) -> None:
+        """Begin the drain if needed and wait until the server has stopped."""
+        self.start()
+        if self._stopping is not None:
+            await self._stopping
+
+
+def _request_exit(
+    server: uvicorn.Server, engine: Engine, grpc_drain: GrpcDrain, signum: int
+) -> None:
+    """Stop admission: uvicorn closes its listening socket and the gRPC server refuses
+    new calls (UNAVAILABLE); both wait up to ``--graceful-timeout`` for open requests
+    (streams included) to finish."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
                 server.config.timeout_graceful_shutdown)
     engine.draining = True
     server.should_exit = True
+    grpc_drain.start()
 
 
 def run(config: ServerConfig) -> int:

@@ -3,7 +3,8 @@
 Parameters mean what they mean on the HTTP API: a proto ``Parameters`` becomes the same
 :class:`~router.api.schemas.GenerateParameters` and goes through the same validator.
 One place (:func:`_call`) maps exceptions to status codes: bad input INVALID_ARGUMENT
-naming the field, a full queue RESOURCE_EXHAUSTED, a failed generation INTERNAL.
+naming the field, a draining server UNAVAILABLE, a full queue RESOURCE_EXHAUSTED, a
+failed generation INTERNAL.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
 from router.api.state import ServerState
 from router.api.tgi import token_text
-from router.engine import QueueFullError
+from router.engine import QueueFullError, ShuttingDownError
 from router.pb import generate_pb2 as pb
 from router.pb import generate_pb2_grpc
 from router.request import FinishReason, GenerationRequest, TokenEvent
@@ -44,6 +45,8 @@ async def _call(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         return await work
     except RequestValidationError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    except ShuttingDownError as error:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     except QueueFullError as error:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     except GenerationFailed as error:
