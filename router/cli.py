@@ -43,6 +43,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="join this Ray cluster instead of starting one (e.g. auto)")
     shards.add_argument("--placement", default="pack", choices=["pack", "spread"],
                         help="Ray placement of the ranks: pack onto few nodes, or one per node")
+    shards.add_argument("--placement-timeout", type=float, default=300.0,
+                        help="seconds to wait for the Ray placement group (what is missing "
+                        "is logged every 10 s), then exit with an error")
     shards.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of the shard group after a rank dies, then exit")
     shards.add_argument("--step-timeout", type=float, default=0.0,
@@ -147,7 +150,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
-        placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
+        placement=args.placement, placement_timeout_s=args.placement_timeout,
+        max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
         step_timeout_s=args.step_timeout,
         max_request_bytes=args.max_request_bytes,
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         logger.error("{}", error)
         return 2
+    from router.executors import StartupError
     from router.launcher import run
     from router.shard_client import ShardError
 
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(config)
     except KeyboardInterrupt:
         pass
-    except ShardError as error:
+    except (ShardError, StartupError) as error:
         # Start-up failures (e.g. Warmup out of memory) name the flag to change.
         logger.error("start-up failed: {}", error)
         return 1

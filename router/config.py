@@ -207,6 +207,7 @@ class ServerConfig:
     executor: str = "ray"
     ray_address: str | None = None
     placement: str = "pack"
+    placement_timeout_s: float = 300.0  # wait for the Ray placement group, then fail
     graceful_timeout_s: int = 30
     max_request_bytes: int = 1 << 20
     max_restarts: int = 3  # shard-group restarts after a rank dies, then the server exits
@@ -229,6 +230,8 @@ class ServerConfig:
             raise ValueError("--master-port must be in [0, 65535] (0 = a free port)")
         if self.placement not in ("pack", "spread"):
             raise ValueError("--placement must be 'pack' or 'spread'")
+        if self.placement_timeout_s <= 0:
+            raise ValueError("--placement-timeout must be positive")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
         if not 0 <= self.grpc_port < 65536:

@@ -23,6 +23,10 @@ from shard.pb import shard_pb2, shard_pb2_grpc
 LIVENESS_TIMEOUT_S = 5.0
 
 
+class StartupError(RuntimeError):
+    """The shard group could not be started (a rank exited, resources are missing)."""
+
+
 class ShardExecutor(Protocol):
     """Starts the shard group; ``start`` returns each rank's ``host:port``."""
 
@@ -186,38 +190,57 @@ class RayExecutor:
 
     Args:
         config: What to start.
-        ray_address: An existing cluster to join; ``None`` starts a local Ray instance.
+        ray_address: An existing cluster to join; ``None`` starts a local Ray instance
+            that the group fits on (see :mod:`router.ray_placement`).
         placement: ``"pack"`` (default) or ``"spread"`` (``STRICT_SPREAD``: one rank
             per node; fails to place with fewer nodes than ranks).
+        placement_timeout_s: How long to wait for the placement group, seconds.
     """
 
     def __init__(
-        self, config: ShardLaunchConfig, ray_address: str | None = None, placement: str = "pack"
+        self, config: ShardLaunchConfig, ray_address: str | None = None, placement: str = "pack",
+        placement_timeout_s: float = 300.0,
     ) -> None:
         self.config = config
         self.ray_address = ray_address
         self.placement = placement
+        self.placement_timeout_s = placement_timeout_s
         self.actors: list[Any] = []
         self._placement_group: Any = None
         self._started_ray = False
 
     async def start(self) -> list[str]:
+        """Place the group, start one actor per rank; each rank's ``host:port``.
+
+        Raises:
+            PlacementError: the group cannot be placed (not enough GPUs on this
+                machine, or nothing placed within ``placement_timeout_s``).
+        """
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from router.ray_placement import check_local_gpus, start_local_ray, wait_for_placement
+
+        num_shard = self.config.num_shard
         if not ray.is_initialized():
-            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True)
+            if self.ray_address is None:
+                start_local_ray(num_shard)
+            else:
+                ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         use_gpu = self.config.device.startswith("cuda") or (
             self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
+        if use_gpu and self.ray_address is None:
+            check_local_gpus(num_shard)
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         strategy = "STRICT_SPREAD" if self.placement == "spread" else "PACK"
-        self._placement_group = placement_group([bundle] * self.config.num_shard, strategy=strategy)
-        logger.info("waiting for a placement group of {} x {} ({})", self.config.num_shard,
-                    bundle, strategy)
-        await self._placement_group.ready()
+        bundles = [bundle] * num_shard
+        self._placement_group = placement_group(bundles, strategy=strategy)
+        logger.info("waiting for a placement group of {} x {} ({})", num_shard, bundle, strategy)
+        await wait_for_placement(self._placement_group, bundles, strategy,
+                                 self.placement_timeout_s)
         actor_class = ray.remote(ShardActor)
         for rank in range(self.config.num_shard):
             options = actor_class.options(

@@ -27,7 +27,7 @@ from loguru import logger
 from router.api.app import ServerState, create_app
 from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
-from router.executors import LocalExecutor, RayExecutor, ShardExecutor
+from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
 from router.grpc_api.server import start_grpc_server
 from router.shard_client import ShardClient
 from router.step_deadline import StepDeadline
@@ -59,7 +59,8 @@ def make_executor(config: ServerConfig) -> ShardExecutor:
     """The executor ``--executor`` names."""
     if config.executor == "local":
         return LocalExecutor(config.shard, master_port=config.master_port)
-    return RayExecutor(config.shard, ray_address=config.ray_address, placement=config.placement)
+    return RayExecutor(config.shard, ray_address=config.ray_address, placement=config.placement,
+                       placement_timeout_s=config.placement_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ async def start_group(
     seconds, or 0 for the adaptive one (see :mod:`router.step_deadline`).
 
     Raises:
-        RuntimeError: a rank died during start-up (checked every second), so a failed
+        StartupError: a rank died during start-up (checked every second), so a failed
             shard is reported at once instead of after ``timeout_s``.
         ShardError: a rank did not answer within ``timeout_s`` seconds.
     """
@@ -91,7 +92,7 @@ async def start_group(
             await asyncio.wait({ready}, timeout=1.0)
             rank = None if ready.done() else await executor.dead_rank()
             if rank is not None:
-                raise RuntimeError(f"shard rank {rank} exited during start-up (see its log)")
+                raise StartupError(f"shard rank {rank} exited during start-up (see its log)")
         ready.result()
     except BaseException:
         ready.cancel()

@@ -43,7 +43,7 @@ def tokenizer(default_model_dir: Path):  # type: ignore[no-untyped-def]
 
 def save_tiny_llama(
     folder: Path, tokenizer_dir: Path, max_position_embeddings: int = 512,
-    num_attention_heads: int = 4, num_key_value_heads: int = 2,
+    num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 128,
 ) -> Path:
     """Save a random fp32 Llama (2 layers, 16-dim heads) with ``tokenizer_dir``'s
     tokenizer files into ``folder``; return ``folder``."""
@@ -51,7 +51,7 @@ def save_tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=16 * num_attention_heads, intermediate_size=128,
+        vocab_size=49152, hidden_size=16 * num_attention_heads, intermediate_size=intermediate_size,
         num_hidden_layers=2, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
