@@ -64,8 +64,15 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: start a local Ray instance)")
     shards.add_argument("--placement", default="pack", choices=["pack", "spread"],
                         help="Ray placement of the ranks: pack onto few nodes, or one per node")
+    shards.add_argument("--placement-timeout", type=float, default=300.0,
+                        help="seconds to wait for the Ray placement group (what is missing "
+                        "is logged every 10 s), then exit with an error")
     shards.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of the shard group after a rank dies, then exit")
+    shards.add_argument("--step-timeout", type=float, default=0.0,
+                        help="seconds a prefill or decode step may take before its shard "
+                        "group counts as hung and is restarted (0 = adaptive: max(30, "
+                        "10 x the slowest step seen, Warmup included))")
     shards.add_argument("--master-port", type=int, default=0,
                         help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
     shards.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -83,15 +90,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="share of GPU memory for weights, activations and KV cache")
 
     budgets = parser.add_argument_group("scheduling")
-    derived = {"max_total_tokens": "min(context length, 4096, KV capacity)",
-               "max_input_tokens": "max-total-tokens - 1",
-               "max_batch_prefill_tokens": "min(max-input-tokens + 1, 4096)"}
-    meaning = {"max_total_tokens": "longest prompt + generated tokens of one request",
-               "max_input_tokens": "longest prompt, tokens",
-               "max_batch_prefill_tokens": "prompt tokens computed by one prefill step"}
     for name in _DERIVED_BUDGETS:
-        budgets.add_argument(_flag(name), type=int, default=None,
-                             help=f"{meaning[name]} (default: {derived[name]})")
+        budgets.add_argument(_flag(name), type=int, default=None, help=_DERIVED_HELP[name])
     defaults = SchedulerConfig()
     budgets.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                          help="requests in the running batch")
@@ -131,7 +131,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="while busy, log throughput, running/waiting requests and KV "
                         "cache use this often (0 = never)")
     server.add_argument("--max-request-bytes", type=_size, default="1MiB", metavar="SIZE",
-                        help="largest HTTP request body (413 beyond): bytes or with a unit")
+                        help="largest HTTP request body and public gRPC message: bytes or with "
+                        "a unit (413 / RESOURCE_EXHAUSTED beyond)")
     server.add_argument("--graceful-timeout", type=int, default=30, metavar="SECONDS",
                         help="seconds running requests may take to finish after SIGTERM")
     server.add_argument("--api-key", default=None, metavar="KEY",
@@ -147,6 +148,12 @@ _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_t
 # Flags whose value the help never shows (it may come from the environment).
 _SECRET_DESTS = frozenset({"api_key"})
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+_DERIVED_HELP = {
+    "max_batch_prefill_tokens": "prompt tokens per prefill step, the chunk of chunked prefill "
+    "(default: 512 on CPU, 2048 on GPU; max-input-tokens with --chunked-prefill off)",
+    "max_input_tokens": "longest prompt (default: max-total-tokens - 1)",
+    "max_total_tokens": "longest prompt + output (default: min(context, 4096, KV capacity))",
+}
 
 
 def _flag(name: str) -> str:
@@ -308,11 +315,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
         grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
-        placement=args.placement, max_restarts=args.max_restarts, master_port=args.master_port,
+        placement=args.placement, placement_timeout_s=args.placement_timeout,
+        max_restarts=args.max_restarts, master_port=args.master_port,
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
         max_request_bytes=args.max_request_bytes, served_model_names=names,
         api_key=args.api_key, header_timeout_s=args.header_timeout,
-        status_interval_s=args.status_interval,
+        status_interval_s=args.status_interval, step_timeout_s=args.step_timeout,
     )
 
 
@@ -329,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         logger.error("{}", error)
         return 2
+    from router.executors import StartupError
     from router.launcher import run
     from router.shard_client import ShardError
 
@@ -336,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(config)
     except KeyboardInterrupt:
         pass
-    except ShardError as error:
+    except (ShardError, StartupError) as error:
         # Start-up failures (e.g. Warmup out of memory) name the flag to change.
         logger.error("start-up failed: {}", error)
         return 1

@@ -116,23 +116,37 @@ class SchedulerConfig:
             )
 
 
+# Prompt tokens per prefill step when --max-batch-prefill-tokens is not given and chunked
+# prefill is on. A longer prompt runs as several chunks, each followed by a decode step
+# of the running batch, so it delays running streams by one chunk's compute at a time
+# instead of its whole prefill. GPUs take chunks of the size vLLM and SGLang default to
+# for online serving (2048 tokens); a CPU computes a chunk several times slower, so it
+# takes smaller ones.
+PREFILL_CHUNK_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
 def derive_budgets(
     given: dict[str, int | None],
     max_position_embeddings: int,
     kv_capacity_tokens: int | None = None,
     chunked_prefill: bool = True,
+    device_type: str = "cuda",
 ) -> dict[str, int]:
     """Token budgets from flags, filling unset ones (``None``) from the model and memory.
 
     Defaults: ``max_total_tokens`` = min(max_position_embeddings, 4096, KV capacity);
     ``max_input_tokens`` = max_total_tokens - 1; ``max_batch_prefill_tokens`` =
-    min(max_input_tokens + 1, 4096) (at least max_input_tokens without chunked prefill).
+    min(max_input_tokens + 1, chunk) with chunked prefill, where chunk is
+    ``PREFILL_CHUNK_TOKENS[device_type]`` (512 on CPU, 2048 on GPU); without chunked
+    prefill, max_input_tokens (a prompt is prefilled in one step).
 
     Args:
         given: ``max_total_tokens``, ``max_input_tokens``, ``max_batch_prefill_tokens``
             as passed on the command line (``None`` = derive).
         max_position_embeddings: The model's context length, tokens.
         kv_capacity_tokens: Tokens the KV cache holds (known after Warmup).
+        chunked_prefill: Whether long prompts may be split over steps.
+        device_type: ``"cpu"`` or ``"cuda"``, the shards' device (from Info).
 
     Raises:
         ValueError: a given budget exceeds the model's context length (names the flag).
@@ -146,8 +160,9 @@ def derive_budgets(
     if total is None:
         total = min(max_position_embeddings, 4096, kv_capacity_tokens or 4096)
     inputs = given.get("max_input_tokens") or max(total - 1, 1)
+    chunk = PREFILL_CHUNK_TOKENS.get(device_type, PREFILL_CHUNK_TOKENS["cuda"])
     prefill = given.get("max_batch_prefill_tokens") or (
-        min(inputs + 1, 4096) if chunked_prefill else inputs
+        min(inputs + 1, chunk) if chunked_prefill else inputs
     )
     return {"max_total_tokens": total, "max_input_tokens": inputs,
             "max_batch_prefill_tokens": prefill}
@@ -228,9 +243,12 @@ class ServerConfig:
     executor: str = "ray"
     ray_address: str | None = None
     placement: str = "pack"
+    placement_timeout_s: float = 300.0  # wait for the Ray placement group, then fail
     graceful_timeout_s: int = 30
     max_request_bytes: int = 1 << 20
     max_restarts: int = 3  # shard-group restarts after a rank dies, then the server exits
+    # Deadline of Prefill/Decode calls, seconds; 0 = adaptive (router/step_deadline.py).
+    step_timeout_s: float = 0.0
     master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
     # Token budgets as given on the command line (None = derive; see derive_budgets).
     budget_flags: dict[str, int | None] = field(default_factory=dict)
@@ -249,10 +267,14 @@ class ServerConfig:
             raise ValueError("--graceful-timeout must be >= 0")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
+        if self.step_timeout_s < 0:
+            raise ValueError("--step-timeout must be >= 0 (0 = adaptive)")
         if not 0 <= self.master_port < 65536:
             raise ValueError("--master-port must be in [0, 65535] (0 = a free port)")
         if self.placement not in ("pack", "spread"):
             raise ValueError("--placement must be 'pack' or 'spread'")
+        if self.placement_timeout_s <= 0:
+            raise ValueError("--placement-timeout must be positive")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
         if not 0 <= self.grpc_port < 65536:

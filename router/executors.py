@@ -14,12 +14,18 @@ import subprocess
 import sys
 from typing import Any, Protocol
 
+import grpc
 from loguru import logger
 
 from router.config import ENV_PREFIX, ShardLaunchConfig
 from router.log import announce_wait
+from shard.pb import shard_pb2, shard_pb2_grpc
 
 LIVENESS_TIMEOUT_S = 5.0
+
+
+class StartupError(RuntimeError):
+    """The shard group could not be started (a rank exited, resources are missing)."""
 
 
 class ShardExecutor(Protocol):
@@ -41,6 +47,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+class HealthProbe:
+    """Pings one rank's gRPC ``Health``; a rank that answered once and then stops
+    answering within ``LIVENESS_TIMEOUT_S`` is hung (stopped, deadlocked, swapping).
+
+    A rank that never answered yet is still loading its model and is not judged.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.answered = False
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = shard_pb2_grpc.ShardServiceStub(self._channel)
+
+    async def hung(self) -> bool:
+        """True when the rank answered before but not now."""
+        try:
+            await self._stub.Health(shard_pb2.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            if self.answered:
+                logger.error("shard at {} did not answer Health: {}: {}", self.address,
+                             error.code().name, error.details())
+            return self.answered
+        self.answered = True
+        return False
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
 class LocalExecutor:
     """Each rank as a ``python -m shard.server`` child process on this machine.
 
@@ -57,6 +92,7 @@ class LocalExecutor:
         self.host = host
         self.master_port = master_port
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.probes: list[HealthProbe] = []
 
     async def start(self) -> list[str]:
         addresses = []
@@ -75,14 +111,17 @@ class LocalExecutor:
                         self.host, port)
             addresses.append(f"{self.host}:{port}")
         logger.info("waiting for {} shard process(es) to load the model", len(addresses))
+        self.probes = [HealthProbe(address) for address in addresses]
         return addresses
 
     async def dead_rank(self) -> int | None:
-        """A rank whose process has exited, if any."""
+        """A rank whose process has exited, or that stopped answering Health (pinged
+        with a ``LIVENESS_TIMEOUT_S`` timeout, every rank at once), if any."""
         for rank, process in enumerate(self.processes):
             if process.poll() is not None:
                 return rank
-        return None
+        hung = await asyncio.gather(*(probe.hung() for probe in self.probes))
+        return next((rank for rank, is_hung in enumerate(hung) if is_hung), None)
 
     async def stop_group(self, grace_s: float = 15.0) -> None:
         """SIGTERM every rank, SIGKILL those still alive after ``grace_s`` seconds (a
@@ -94,9 +133,11 @@ class LocalExecutor:
             try:
                 await asyncio.to_thread(process.wait, grace_s)
             except subprocess.TimeoutExpired:
-                process.kill()
+                process.kill()  # also ends a stopped (SIGSTOP) process
                 await asyncio.to_thread(process.wait)
         self.processes = []
+        await asyncio.gather(*(probe.close() for probe in self.probes))
+        self.probes = []
 
     async def stop(self) -> None:
         await self.stop_group()
@@ -172,44 +213,62 @@ class RayExecutor:
 
     Args:
         config: What to start.
-        ray_address: An existing cluster to join; ``None`` starts a local Ray instance.
+        ray_address: An existing cluster to join; ``None`` starts a local Ray instance
+            that the group fits on (see :mod:`router.ray_placement`).
         placement: ``"pack"`` (default) or ``"spread"`` (``STRICT_SPREAD``: one rank
             per node; fails to place with fewer nodes than ranks).
+        placement_timeout_s: How long to wait for the placement group, seconds.
     """
 
     def __init__(
-        self, config: ShardLaunchConfig, ray_address: str | None = None, placement: str = "pack"
+        self, config: ShardLaunchConfig, ray_address: str | None = None, placement: str = "pack",
+        placement_timeout_s: float = 300.0,
     ) -> None:
         self.config = config
         self.ray_address = ray_address
         self.placement = placement
+        self.placement_timeout_s = placement_timeout_s
         self.actors: list[Any] = []
         self._placement_group: Any = None
         self._started_ray = False
 
     async def start(self) -> list[str]:
+        """Place the group, start one actor per rank; each rank's ``host:port``.
+
+        Raises:
+            PlacementError: the group cannot be placed (not enough GPUs on this
+                machine, or nothing placed within ``placement_timeout_s``).
+        """
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from router.ray_placement import check_local_gpus, start_local_ray, wait_for_placement
+
+        num_shard = self.config.num_shard
         if not ray.is_initialized():
             if not (sys.stdout.isatty() and sys.stderr.isatty()):
                 # Shard lines reach our log through log_to_driver with a "(ShardActor
                 # pid=N)" prefix, ANSI-coloured unless this is 0: no escapes in log files.
                 os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True)
+            if self.ray_address is None:
+                start_local_ray(num_shard)
+            else:
+                ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         use_gpu = self.config.device.startswith("cuda") or (
             self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
+        if use_gpu and self.ray_address is None:
+            check_local_gpus(num_shard)
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         strategy = "STRICT_SPREAD" if self.placement == "spread" else "PACK"
-        self._placement_group = placement_group([bundle] * self.config.num_shard, strategy=strategy)
-        logger.info("waiting for a placement group of {} x {} ({})", self.config.num_shard,
-                    bundle, strategy)
-        await announce_wait(self._placement_group.ready(),
-                            f"Ray to place {self.config.num_shard} x {bundle}")
-        logger.info("placement group ready; starting {} shard actor(s)", self.config.num_shard)
+        bundles = [bundle] * num_shard
+        self._placement_group = placement_group(bundles, strategy=strategy)
+        logger.info("waiting for a placement group of {} x {} ({})", num_shard, bundle, strategy)
+        await wait_for_placement(self._placement_group, bundles, strategy,
+                                 self.placement_timeout_s)
+        logger.info("placement group ready; starting {} shard actor(s)", num_shard)
         actor_class = ray.remote(ShardActor)
         for rank in range(self.config.num_shard):
             options = actor_class.options(

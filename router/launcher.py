@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import signal
 import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
+import grpc
 import uvicorn
 from loguru import logger
 
@@ -29,11 +31,12 @@ from router.api.app import ServerState, create_app
 from router.api.http_server import make_http_server
 from router.config import ServerConfig, derive_budgets
 from router.engine import Engine
-from router.executors import LocalExecutor, RayExecutor, ShardExecutor
+from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
 from router.grpc_api.server import start_grpc_server
 from router.log import STILL_WAITING_S, announce_wait
 from router.shard_client import ShardClient
 from router.status_log import StatusLogger
+from router.step_deadline import StepDeadline
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 
@@ -53,7 +56,8 @@ def make_executor(config: ServerConfig) -> ShardExecutor:
     """The executor ``--executor`` names."""
     if config.executor == "local":
         return LocalExecutor(config.shard, master_port=config.master_port)
-    return RayExecutor(config.shard, ray_address=config.ray_address, placement=config.placement)
+    return RayExecutor(config.shard, ray_address=config.ray_address, placement=config.placement,
+                       placement_timeout_s=config.placement_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +69,21 @@ class WarmupBudgets:
     max_batch_size: int
 
 
-async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
+async def start_group(
+    executor: ShardExecutor, timeout_s: float, step_timeout_s: float = 0.0
+) -> ShardClient:
     """Start the shard group and wait until every rank answers Health.
 
+    ``step_timeout_s`` is ``--step-timeout``: the deadline of every Prefill and Decode,
+    seconds, or 0 for the adaptive one (see :mod:`router.step_deadline`).
+
     Raises:
-        RuntimeError: a rank died during start-up (checked every second), so a failed
+        StartupError: a rank died during start-up (checked every second), so a failed
             shard is reported at once instead of after ``timeout_s``.
         ShardError: a rank did not answer within ``timeout_s`` seconds.
     """
     addresses = await executor.start()
-    client = ShardClient(addresses)
+    client = ShardClient(addresses, StepDeadline(fixed_s=step_timeout_s or None))
     ready = asyncio.ensure_future(client.wait_ready(timeout_s))
     started = time.monotonic()
     next_note = started + STILL_WAITING_S
@@ -83,7 +92,7 @@ async def start_group(executor: ShardExecutor, timeout_s: float) -> ShardClient:
             await asyncio.wait({ready}, timeout=1.0)
             rank = None if ready.done() else await executor.dead_rank()
             if rank is not None:
-                raise RuntimeError(f"shard rank {rank} exited during start-up (see its log)")
+                raise StartupError(f"shard rank {rank} exited during start-up (see its log)")
             if not ready.done() and time.monotonic() >= next_note:
                 logger.info("still waiting for the shards to load the model ({:.0f} s)",
                             time.monotonic() - started)
@@ -104,7 +113,9 @@ async def build_state(
     first = infos[0]
     max_position = first.max_position_embeddings
     chunked = config.scheduler.chunked_prefill
-    before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked)
+    device_type = first.device.split(":")[0]
+    before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked,
+                            device_type=device_type)
     warmup = WarmupBudgets(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
         config.scheduler.max_batch_size,
@@ -122,7 +133,7 @@ async def build_state(
         "the warm-up", quiet=quiet)
     logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
     budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
-                             chunked_prefill=chunked)
+                             chunked_prefill=chunked, device_type=device_type)
     scheduler = dataclasses.replace(
         config.scheduler,
         max_total_tokens=budgets["max_total_tokens"],
@@ -142,13 +153,14 @@ async def build_state(
         scheduler=scheduler,
         limits=config.limits,
         kv_capacity_tokens=num_blocks * first.block_size,
+        max_request_bytes=config.max_request_bytes,
     )
     return ServerState(
         engine=engine,
         validator=validator,
         model_id=config.served_model_names[0] if config.served_model_names else first.model_id,
         dtype=first.dtype,
-        device_type=first.device.split(":")[0],
+        device_type=device_type,
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
@@ -167,21 +179,28 @@ async def serve(config: ServerConfig) -> int:
     try:
         logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
                     config.executor)
-        client = await start_group(executor, SHARD_START_TIMEOUT_S)
+        client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
         state, warmup = await build_state(config, client)
         state.engine.start()
+        # NOTE: start-up objects (tokenizer, app, modules) never become garbage; taking
+        # them out of the collector's reach keeps each full collection short (it stops
+        # every thread, the event loop included) while large requests allocate.
+        gc.freeze()
         server = make_http_server(create_app(state), config.host, config.port,
                                   config.header_timeout_s, config.graceful_timeout_s)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, _request_exit, server, state.engine, signum)
         grpc_server = None
         if config.grpc_port:
             grpc_server, grpc_port = await start_grpc_server(state, config.host, config.grpc_port)
             logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
+        grpc_drain = GrpcDrain(grpc_server, config.graceful_timeout_s)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, _request_exit, server, state.engine, grpc_drain,
+                                    signum)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
-                                on_give_up=lambda: setattr(server, "should_exit", True))
+                                on_give_up=lambda: setattr(server, "should_exit", True),
+                                step_timeout_s=config.step_timeout_s)
         watches = [asyncio.ensure_future(supervisor.run())]
         if config.status_interval_s:
             status = StatusLogger(state.engine, config.status_interval_s)
@@ -193,8 +212,7 @@ async def serve(config: ServerConfig) -> int:
                 watch.cancel()
             await asyncio.gather(*watches, return_exceptions=True)
             client = state.engine.client
-            if grpc_server is not None:
-                await grpc_server.stop(grace=5)
+            await grpc_drain.wait()  # started with the HTTP drain, as long at most
             await state.engine.stop()
     finally:
         if client is not None:
@@ -205,7 +223,10 @@ async def serve(config: ServerConfig) -> int:
 
 
 class Supervisor:
-    """Restart the shard group when a rank dies.
+    """Restart the shard group when a rank dies or hangs.
+
+    A rank is dead when the executor says so (process or actor gone, or no answer to a
+    liveness ping), and hung when one of its steps ran past the step deadline.
 
     Args:
         executor: the group's executor (liveness via ``dead_rank``).
@@ -214,29 +235,41 @@ class Supervisor:
         max_restarts: restarts allowed over the server's life; after that
             ``on_give_up`` is called (the server exits) and requests keep failing.
         on_give_up: called once when no restart is left.
+        step_timeout_s: ``--step-timeout`` of the restarted groups (0 = adaptive).
     """
 
     def __init__(self, executor: ShardExecutor, engine: Engine, warmup: WarmupBudgets,
-                 max_restarts: int, on_give_up: Callable[[], None]) -> None:
+                 max_restarts: int, on_give_up: Callable[[], None],
+                 step_timeout_s: float = 0.0) -> None:
         self.executor = executor
         self.engine = engine
         self.warmup = warmup
         self.max_restarts = max_restarts
         self.on_give_up = on_give_up
+        self.step_timeout_s = step_timeout_s
         self.restarts = 0
         self.gave_up = False
 
+    async def _failed_rank(self) -> tuple[int, str] | None:
+        """(rank, what happened) for a rank that is dead or hung, else None."""
+        hung = self.engine.client.hung_rank
+        if hung is not None:
+            return hung, "is hung (a step ran past the step deadline)"
+        rank = await self.executor.dead_rank()
+        return None if rank is None else (rank, "died or stopped answering")
+
     async def run(self) -> None:
-        """Poll liveness every 0.5 s; restart on a dead rank, until cancelled or out of
-        restarts."""
+        """Poll liveness every 0.5 s; restart on a dead or hung rank, until cancelled or
+        out of restarts."""
         while True:
             await asyncio.sleep(LIVENESS_POLL_S)
-            rank = await self.executor.dead_rank()
-            if rank is None:
+            failed = await self._failed_rank()
+            if failed is None:
                 continue
-            logger.error("shard rank {} died", rank)
+            message = "shard rank {} {}".format(*failed)
+            logger.error("{}", message)
             await self.engine.stop()
-            self.engine.fail_all(f"shard rank {rank} died")
+            self.engine.fail_all(message)
             if not await self._restart():
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
@@ -257,7 +290,8 @@ class Supervisor:
             await old.close()
             client: ShardClient | None = None
             try:
-                client = await start_group(self.executor, SHARD_START_TIMEOUT_S)
+                client = await start_group(self.executor, SHARD_START_TIMEOUT_S,
+                                           self.step_timeout_s)
                 infos = await client.info()
                 num_blocks = await client.warmup(
                     self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens,
@@ -276,13 +310,38 @@ class Supervisor:
         return False
 
 
-def _request_exit(server: uvicorn.Server, engine: Engine, signum: int) -> None:
-    """Stop admission: uvicorn closes its listening socket and waits up to
-    ``--graceful-timeout`` for open requests (streams included) to finish."""
+class GrpcDrain:
+    """Stops the public gRPC server once: open calls (streams included) get
+    ``grace_s`` seconds to finish, new calls are answered UNAVAILABLE meanwhile."""
+
+    def __init__(self, server: grpc.aio.Server | None, grace_s: float) -> None:
+        self.server = server
+        self.grace_s = grace_s
+        self._stopping: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Begin the drain (no-op once begun, or without a gRPC server)."""
+        if self.server is not None and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self.server.stop(grace=self.grace_s))
+
+    async def wait(self) -> None:
+        """Begin the drain if needed and wait until the server has stopped."""
+        self.start()
+        if self._stopping is not None:
+            await self._stopping
+
+
+def _request_exit(
+    server: uvicorn.Server, engine: Engine, grpc_drain: GrpcDrain, signum: int
+) -> None:
+    """Stop admission: uvicorn closes its listening socket and the gRPC server refuses
+    new calls (UNAVAILABLE); both wait up to ``--graceful-timeout`` for open requests
+    (streams included) to finish."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
                 server.config.timeout_graceful_shutdown)
     engine.draining = True
     server.should_exit = True
+    grpc_drain.start()
 
 
 def run(config: ServerConfig) -> int:

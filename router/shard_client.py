@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
 
+from router.step_deadline import StepDeadline
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
 
@@ -62,15 +64,20 @@ class ShardClient:
 
     Args:
         addresses: ``host:port`` of each rank, in rank order.
-        step_timeout_s: Deadline of Prefill/Decode calls, seconds (a hung rank becomes
-            an error instead of a hang).
+        deadline: Deadline of Prefill/Decode calls (a hung rank becomes an error instead
+            of a hang); adaptive by default (see :mod:`router.step_deadline`).
+
+    Attributes:
+        hung_rank: The rank whose Prefill or Decode ran past the deadline, once one did
+            (the group is then stuck: the launcher restarts it).
     """
 
-    def __init__(self, addresses: Sequence[str], step_timeout_s: float = 600.0) -> None:
+    def __init__(self, addresses: Sequence[str], deadline: StepDeadline | None = None) -> None:
         if not addresses:
             raise ValueError("a shard group needs at least one address")
         self.addresses = list(addresses)
-        self.step_timeout_s = step_timeout_s
+        self.deadline = deadline if deadline is not None else StepDeadline()
+        self.hung_rank: int | None = None
         self._channels = [
             grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) for address in addresses
         ]
@@ -112,7 +119,9 @@ class ShardClient:
         must not wait for that.
 
         Raises:
-            ShardError: the first rank to fail (the others' calls are cancelled).
+            ShardError: the first rank to fail (the others' calls are cancelled); also
+                when a call is cancelled under the caller (CANCELLED: this client's
+                channels were closed, as a shard-group restart does).
         """
         tasks = [asyncio.ensure_future(call(stub)) for stub in self._stubs]
         try:
@@ -120,6 +129,9 @@ class ShardClient:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
+                    if task.cancelled():
+                        raise ShardError(tasks.index(task), method, grpc.StatusCode.CANCELLED,
+                                         "the call was cancelled (the channel was closed)")
                     error = task.exception()
                     if isinstance(error, grpc.aio.AioRpcError):
                         rank = tasks.index(task)
@@ -145,23 +157,51 @@ class ShardClient:
         self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0
     ) -> int:
         """Warm every rank up (``max_batch_size`` > 0 sizes the decode CUDA graphs);
-        return the KV block count usable by all (the minimum)."""
+        return the KV block count usable by all (the minimum).
+
+        Its duration counts as a step of the adaptive deadline (Warmup runs the
+        worst-case prefill).
+        """
         request = pb.WarmupRequest(
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_total_tokens=max_total_tokens,
             max_batch_size=max_batch_size,
         )
         self._steps = itertools.count(1)
+        started = time.perf_counter()
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=1800.0))
+        self.deadline.observe(time.perf_counter() - started)
         return min(response.num_blocks for response in responses)
+
+    async def _step(
+        self, method: str,
+        call: Callable[[shard_pb2_grpc.ShardServiceStub, float], Awaitable[T]],
+    ) -> T:
+        """A Prefill or Decode on every rank under the step deadline; rank 0's response.
+
+        Raises:
+            ShardError: a rank failed, or did not answer within the deadline (then
+                :attr:`hung_rank` is set).
+        """
+        timeout = self.deadline.seconds
+        started = time.perf_counter()
+        try:
+            responses = await self._all(method, lambda stub: call(stub, timeout))
+        except ShardError as error:
+            if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            self.hung_rank = error.rank
+            raise ShardError(
+                error.rank, method, error.code,
+                f"no answer within {timeout:.1f} s (--step-timeout); the shard group is hung",
+            ) from error
+        self.deadline.observe(time.perf_counter() - started)
+        return responses[0]
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
         """Prefill ``batch`` on every rank; rank 0's response."""
         request = pb.PrefillRequest(batch=batch, step=next(self._steps))
-        responses = await self._all(
-            "Prefill", lambda s: s.Prefill(request, timeout=self.step_timeout_s)
-        )
-        return responses[0]
+        return await self._step("Prefill", lambda s, timeout: s.Prefill(request, timeout=timeout))
 
     async def decode(
         self,
@@ -180,10 +220,7 @@ class ShardClient:
             remove_request_ids=remove_request_ids,
             step=next(self._steps),
         )
-        responses = await self._all(
-            "Decode", lambda s: s.Decode(request, timeout=self.step_timeout_s)
-        )
-        return responses[0]
+        return await self._step("Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         """Keep only ``request_ids`` in cached batch ``batch_id``."""

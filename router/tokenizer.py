@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 
@@ -91,7 +92,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens per the tokenizer's post-processor."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(self.encoding(text, add_special_tokens).ids)
+
+    def encoding(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        """The full encoding of ``text``: ids and character offsets ``(start, stop)``.
+
+        NOTE: ``tokenizers``' ``encode`` holds the GIL for the whole call (0.7 s for
+        1 MiB of text), so running it in a worker thread would still stop the event
+        loop; ``encode_batch`` releases the GIL while it works, so it is used even for
+        one text.
+        """
+        encodings = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encodings[0]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
+from tokenizers import Encoding
 
 from router.api.schemas import MAX_SEED, GenerateParameters
 from router.config import SchedulerConfig, ValidationLimits
@@ -110,12 +111,15 @@ class Validator:
     Attributes:
         kv_capacity_tokens: Tokens the whole KV cache holds; a request needing more can
             never run and is rejected at once.
+        max_request_bytes: ``--max-request-bytes``; no text is longer than this many
+            characters, on any entry point.
     """
 
     tokenizer: Tokenizer
     scheduler: SchedulerConfig
     limits: ValidationLimits
     kv_capacity_tokens: int
+    max_request_bytes: int = 1 << 20
 
     def validate(
         self, inputs: str | Sequence[int], params: GenerateParameters,
@@ -138,7 +142,7 @@ class Validator:
         self.check_limits(params)
         if isinstance(inputs, str):
             check_text(field, inputs)
-            self._check_chars(inputs, params, field)
+            self.check_chars(inputs, field, params.truncate)
             input_ids = self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
         else:
             input_ids = list(inputs)
@@ -161,6 +165,19 @@ class Validator:
             top_n_tokens=params.top_n_tokens or 0,
             prompt_logprobs=params.decoder_input_details,
         )
+
+    def tokenize(
+        self, text: str, add_special_tokens: bool = True, field: str = "inputs"
+    ) -> Encoding:
+        """Ids and character offsets of ``text`` (``/tokenize``), after the same text
+        checks as a prompt without ``truncate``.
+
+        Raises:
+            RequestValidationError: the text is not valid Unicode or is too long.
+        """
+        check_text(field, text)
+        self.check_chars(text, field)
+        return self.tokenizer.encoding(text, add_special_tokens=add_special_tokens)
 
     def fan_out(self, request: GenerationRequest, n: int) -> list[GenerationRequest]:
         """``n`` copies of ``request``; sampled copy i uses user seed ``seed + i``."""
@@ -207,11 +224,26 @@ class Validator:
                 raise RequestValidationError("best_of", "best_of > 1 needs sampling (do_sample)")
         self._check_ids(params.stop_token_ids, "stop_token_ids")
 
-    def _check_chars(self, text: str, params: GenerateParameters, field: str) -> None:
-        """Reject, without tokenizing, text that cannot fit: every token covers at most
-        ``max_token_chars`` characters, so longer text has too many tokens for sure.
-        (Keeps a huge prompt from holding the event loop in the tokenizer.)"""
-        if params.truncate is not None:
+    def check_chars(self, text: str, field: str, truncate: int | None = None) -> None:
+        """Reject, without tokenizing, text longer than any acceptable prompt.
+
+        Every text is at most ``--max-request-bytes`` characters (a UTF-8 character is
+        at least one byte, so this is the body limit, applied also where no HTTP body
+        is counted). Unless ``truncate`` keeps only the last tokens, text is also at
+        most ``max_input_tokens × max_token_chars`` characters: no token covers more
+        than ``max_token_chars`` characters, so longer text surely has too many tokens.
+        (Keeps huge inputs from costing seconds of tokenizer time.)
+
+        Raises:
+            RequestValidationError: naming ``field``.
+        """
+        if len(text) > self.max_request_bytes:
+            raise RequestValidationError(
+                field,
+                f"{len(text)} characters is more than --max-request-bytes="
+                f"{self.max_request_bytes} allows",
+            )
+        if truncate is not None:
             return
         limit = self.scheduler.max_input_tokens * self.tokenizer.max_token_chars
         if len(text) > limit:

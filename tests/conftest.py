@@ -41,16 +41,20 @@ def tokenizer(default_model_dir: Path):  # type: ignore[no-untyped-def]
     return Tokenizer.from_folder(default_model_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random fp32 Llama (GQA 4/2 heads, 2 layers) with the default model's tokenizer."""
+def save_tiny_llama(
+    folder: Path, tokenizer_dir: Path, max_position_embeddings: int = 512,
+    num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 128,
+) -> Path:
+    """Save a random fp32 Llama (2 layers, 16-dim heads) with ``tokenizer_dir``'s
+    tokenizer files into ``folder``; return ``folder``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=49152, hidden_size=16 * num_attention_heads, intermediate_size=intermediate_size,
+        num_hidden_layers=2, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
         # Large weights make attention sharp, so outputs depend on which K/V are read.
         initializer_range=0.3,
@@ -59,6 +63,22 @@ def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, folder / name)
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random fp32 Llama (GQA 4/2 heads, 2 layers, 512-token context) with the default
+    model's tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_long_model_dir(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny Llama with a 4096-token context (long prompts, default budgets)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), default_model_dir,
+                           max_position_embeddings=4096)

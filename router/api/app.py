@@ -16,6 +16,7 @@ unexpected is logged and answered 500 with a JSON body, and the server keeps ser
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,9 +25,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api.auth import ApiKeyAuth
 from router.api.generation import ClientDisconnected, GenerationFailed
+from router.api.health import health_problem
 from router.api.limits import BodySizeLimit
 from router.api.openai import ModelNotFoundError, openai_routes
 from router.api.schemas import ErrorResponse, Info
@@ -81,6 +84,39 @@ def _describe_schema_errors(errors: list[Any]) -> tuple[str, str | None]:
         fields.append(field)
         parts.append(f"{field}: {error.get('msg', 'invalid')}")
     return "; ".join(parts), (fields[0] if fields else None)
+
+
+class CancelledAsError:
+    """Answer 500 with a JSON body when a ``CancelledError`` escapes a route although
+    the request itself is not being cancelled (an awaited call was cancelled under it,
+    for example a shard RPC whose channel a restart closed). Other exceptions reach the
+    app's ``Exception`` handler; a CancelledError would reach Starlette's last-resort
+    handler, which answers in plain text."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if started or (task is not None and task.cancelling()):
+                raise
+            request = Request(scope)
+            logger.error("a call was cancelled under {}", request.url.path)
+            response = _error(request, 500, "internal error: a call was cancelled", "internal")
+            await response(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -147,6 +183,7 @@ def create_app(state: ServerState) -> FastAPI:
         return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
 
     app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes, on_reject=rejected)
+    app.add_middleware(CancelledAsError)
     if state.api_key:
         app.add_middleware(ApiKeyAuth, api_key=state.api_key)  # outermost: checked first
     app.include_router(tgi_routes(state))
@@ -154,17 +191,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", tags=["TGI"])
     async def health(request: Request) -> JSONResponse:
-        """200 when every shard answers and the last step succeeded, else 503."""
-        try:
-            await state.engine.client.health()
-        except Exception as error:
-            logger.warning("health check failed: {}", error)
-            plain = getattr(error, "public_message", "the model shards did not answer")
-            return _error(request, 503, f"shards unhealthy: {plain}", "unhealthy")
-        if not state.engine.healthy:
-            return _error(request, 503, "the last generation step failed", "unhealthy")
-        if state.engine.draining:
-            return _error(request, 503, "shutting down", "unhealthy")
+        """200 when every shard answers, the last step succeeded and the server is not
+        shutting down, else 503 (the gRPC health service answers the same)."""
+        problem = await health_problem(state)
+        if problem is not None:
+            return _error(request, 503, problem, "unhealthy")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["TGI"])

@@ -12,10 +12,13 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from router.engine import Engine
 from router.request import ErrorEvent, Event, Finish, FinishReason, GenerationRequest, TokenEvent
 from router.validation import public_seed
+
+T = TypeVar("T")
 
 
 class GenerationFailed(RuntimeError):
@@ -108,13 +111,40 @@ async def run_all(
                 if event.finish is not None:
                     completions[index].finish = event.finish
 
-    task = asyncio.ensure_future(collect())
+    await _unless_gone(collect(), disconnected)
+    return completions
+
+
+async def first_event(
+    events: AsyncIterator[T], disconnected: Callable[[], Awaitable[bool]] | None
+) -> T:
+    """The first item of ``events`` (a stream's first token), watching the client.
+
+    A streaming request waits in the queue, then for its prefill, before the response
+    starts; a client that leaves meanwhile must neither keep its place nor be
+    prefilled. ``disconnected`` is polled every ``DISCONNECT_POLL_S``; when it returns
+    True the wait is cancelled (the caller then closes the stream, which cancels the
+    requests) and ClientDisconnected is raised.
+
+    Raises:
+        ClientDisconnected: see above.
+        StopAsyncIteration: ``events`` ended without an item.
+        Exception: whatever ``events`` raises (QueueFullError, GenerationFailed).
+    """
+    return await _unless_gone(anext(events), disconnected)
+
+
+async def _unless_gone(
+    work: Awaitable[T], disconnected: Callable[[], Awaitable[bool]] | None
+) -> T:
+    """Await ``work``, cancelling it and raising ClientDisconnected once
+    ``disconnected()`` (polled every ``DISCONNECT_POLL_S``) is True."""
+    task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                task.result()
-                return completions
+                return task.result()
             if disconnected is not None and await disconnected():
                 raise ClientDisconnected("the client disconnected")
     finally:

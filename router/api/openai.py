@@ -23,6 +23,7 @@ from router.api.generation import (
     Completion,
     GenerationFailed,
     MergedStream,
+    first_event,
     run_all,
     text_without_stop,
 )
@@ -167,7 +168,8 @@ def openai_routes(state: ServerState) -> APIRouter:
         """Text completion (OpenAI ``POST /v1/completions``)."""
         _check_request(body, state)
         with openai_field_names(COMPLETION_NAMES):
-            prompts, requests, width = _completion_requests(body)
+            # Tokenizing runs off the event loop: a long prompt must not stop the streams.
+            prompts, requests, width = await state.offload.run(_completion_requests, body)
         echoes: list[EchoedPrompt | None] = [
             echoed_prompt(tokenizer, p, len(r.input_ids)) if body.echo else None
             for p, r in zip(prompts, requests[::width], strict=True)
@@ -216,7 +218,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                     usage=_usage(prompt_tokens, done),
                 ).model_dump_json()
 
-            return await _sse(state, requests, [], on_event, usage_chunk, body)
+            return await _sse(state, requests, [], on_event, usage_chunk, body, http_request)
 
         done = await run_all(state.engine, requests, http_request.is_disconnected)
         result = []
@@ -270,10 +272,17 @@ def openai_routes(state: ServerState) -> APIRouter:
                           or DEFAULT_CHAT_MAX_TOKENS)
             params = _parameters(body, max_tokens, top_n)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = render_chat(tokenizer, messages)
-            check_text("messages", prompt)
-            prompt_ids = encode_chat_prompt(tokenizer, prompt)
-            request = validator.validate(prompt_ids, params, field="messages")
+
+            def prepare() -> GenerationRequest:
+                prompt = render_chat(tokenizer, messages)
+                check_text("messages", prompt)
+                validator.check_chars(prompt, "messages", params.truncate)
+                prompt_ids = encode_chat_prompt(tokenizer, prompt)
+                return validator.validate(prompt_ids, params, field="messages")
+
+            # Rendering and tokenizing run off the event loop: a long prompt must not
+            # stop the streams.
+            request = await state.offload.run(prepare)
             requests = validator.fan_out(request, body.n)
         prompt_tokens = len(request.input_ids)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -296,7 +305,8 @@ def openai_routes(state: ServerState) -> APIRouter:
             def usage_chunk(done: list[Completion]) -> str:
                 return chunk([], usage=_usage(prompt_tokens, done))
 
-            return await _sse(state, requests, opening, on_event, usage_chunk, body)
+            return await _sse(state, requests, opening, on_event, usage_chunk, body,
+                              http_request)
 
         done = await run_all(state.engine, requests, http_request.is_disconnected)
         choices = [
@@ -318,14 +328,15 @@ async def _sse(
     state: ServerState, requests: list[GenerationRequest], opening: list[str],
     on_event: Callable[[int, TokenEvent], list[str]],
     usage_chunk: Callable[[list[Completion]], str], body: SamplingFields,
+    http_request: Request,
 ) -> EventSourceResponse:
     """Stream ``requests`` as OpenAI chunks; ``[DONE]`` last. The first token (or a 429)
-    comes before the response starts."""
+    comes before the response starts; a client that leaves before it cancels them."""
     stream = MergedStream(state.engine, requests)
     await stream.__aenter__()
     events = aiter(stream)
     try:
-        first = await anext(events)
+        first = await first_event(events, http_request.is_disconnected)
     except BaseException:
         await stream.aclose()
         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.api.offload import Offload
 from router.engine import Engine
 from router.validation import Validator
 
@@ -18,6 +19,8 @@ class ServerState:
         model_aliases: Further names the OpenAI routes accept in ``model``
             (``--served-model-name`` after the first).
         api_key: Bearer key every call needs (see router/api/auth.py); None = open.
+        max_request_bytes: Largest HTTP body and public gRPC message, bytes.
+        offload: Threads that tokenize and render chat templates off the event loop.
     """
 
     engine: Engine
@@ -31,6 +34,7 @@ class ServerState:
     max_request_bytes: int = 1 << 20
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)
+    offload: Offload = field(default_factory=Offload)
 
     @property
     def model_names(self) -> tuple[str, ...]:

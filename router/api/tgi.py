@@ -11,12 +11,18 @@ calls. ``generated_text`` ends with the stop sequence that ended it (TGI semanti
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
-from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
+from router.api.generation import (
+    Completion,
+    GenerationFailed,
+    MergedStream,
+    first_event,
+    run_all,
+)
 from router.api.schemas import (
     BestOfSequence,
     Details,
@@ -32,7 +38,25 @@ from router.api.schemas import (
 from router.api.state import ServerState
 from router.request import GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
-from router.validation import RequestValidationError, check_text
+from router.validation import RequestValidationError
+
+
+def _token_list_json(
+    text: str, ids: list[int], offsets: list[tuple[int, int]], fallback: Callable[[int], str]
+) -> bytes:
+    """``/tokenize``'s answer, ``[TokenInfo, ...]`` as JSON, written token by token.
+
+    NOTE: written as strings rather than through TokenInfo models and one serializer
+    call: for 300k tokens that call holds the GIL (and so stops the event loop) for
+    0.5 s, and 300k live models make the garbage collector stop every thread for
+    longer still. Strings are not tracked by the collector.
+    """
+    parts = [
+        f'{{"id":{token_id},"text":{json.dumps(text[start:stop] or fallback(token_id))},'
+        f'"start":{start},"stop":{stop}}}'
+        for token_id, (start, stop) in zip(ids, offsets, strict=True)
+    ]
+    return ("[" + ",".join(parts) + "]").encode()
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -86,13 +110,14 @@ def tgi_routes(state: ServerState) -> APIRouter:
     router = APIRouter(tags=["TGI"])
     tokenizer = state.engine.tokenizer
 
-    def validate(body: GenerateRequest) -> GenerationRequest:
-        return state.validator.validate(body.inputs, body.parameters)
+    async def validate(body: GenerateRequest) -> GenerationRequest:
+        # Tokenizing runs off the event loop: a long prompt must not stop the streams.
+        return await state.offload.run(state.validator.validate, body.inputs, body.parameters)
 
     @router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
     async def generate(body: GenerateRequest, http_request: Request) -> GenerateResponse:
         """Generate text (TGI ``POST /generate``)."""
-        request = validate(body)
+        request = await validate(body)
         best_of = body.parameters.best_of or 1
         completions = await run_all(state.engine, state.validator.fan_out(request, best_of),
                                     http_request.is_disconnected)
@@ -116,17 +141,18 @@ def tgi_routes(state: ServerState) -> APIRouter:
         return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
 
     @router.post("/generate_stream", response_class=EventSourceResponse)
-    async def generate_stream(body: GenerateRequest) -> EventSourceResponse:
+    async def generate_stream(body: GenerateRequest, http_request: Request) -> EventSourceResponse:
         """Generate text as server-sent events (TGI ``POST /generate_stream``)."""
         if (body.parameters.best_of or 1) > 1:
             raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
-        request = validate(body)
+        request = await validate(body)
         stream = MergedStream(state.engine, [request])
         await stream.__aenter__()
         events = aiter(stream)
         try:
-            # The first token (or a 429) before the response starts.
-            first = await anext(events)
+            # The first token (or a 429) before the response starts; a client that
+            # leaves while its request is queued cancels it.
+            first = await first_event(events, http_request.is_disconnected)
         except BaseException:
             await stream.aclose()
             raise
@@ -173,18 +199,21 @@ def tgi_routes(state: ServerState) -> APIRouter:
     ) -> list[GenerateResponse] | EventSourceResponse:
         """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
         if body.stream:
-            return await generate_stream(body)
+            return await generate_stream(body, http_request)
         return [await generate(body, http_request)]
 
     @router.post("/tokenize", response_model=list[TokenInfo])
-    async def tokenize(body: TokenizeRequest) -> list[TokenInfo]:
+    async def tokenize(body: TokenizeRequest) -> Response:
         """Tokenize ``inputs``: ids, texts and character offsets (TGI ``POST /tokenize``)."""
-        check_text("inputs", body.inputs)
-        encoding = tokenizer.backend.encode(body.inputs, add_special_tokens=body.add_special_tokens)
-        return [
-            TokenInfo(id=token_id, text=body.inputs[start:stop] or token_text(tokenizer, token_id),
-                      start=start, stop=stop)
-            for token_id, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
-        ]
+
+        def answer() -> bytes:
+            encoding = state.validator.tokenize(body.inputs, body.add_special_tokens)
+            return _token_list_json(
+                body.inputs, encoding.ids, encoding.offsets,
+                lambda token_id: token_text(tokenizer, token_id),
+            )
+
+        # Tokenizing and writing the answer (one entry per token) run off the event loop.
+        return Response(await state.offload.run(answer), media_type="application/json")
 
     return router

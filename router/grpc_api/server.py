@@ -1,23 +1,70 @@
 """Start the public gRPC server: TextGeneration + standard health + server reflection.
 
 Stock tools work against it: ``grpcurl -plaintext HOST:PORT list`` (reflection) and
-``grpc_health_probe`` (``grpc.health.v1.Health``, SERVING once the engine is up). With
-``--api-key`` every call but health checks needs ``authorization: Bearer <key>``
-metadata (``grpcurl -H 'authorization: Bearer KEY'``).
+``grpc_health_probe`` (``grpc.health.v1.Health``: SERVING exactly when ``GET /health``
+answers 200). With ``--api-key`` every call but health checks needs ``authorization:
+Bearer <key>`` metadata (``grpcurl -H 'authorization: Bearer KEY'``).
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router.api.health import health_problem
 from router.api.state import ServerState
 from router.grpc_api.auth import ApiKeyInterceptor
 from router.grpc_api.servicer import TextGenerationServicer
 from router.pb import generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+# How often a Watch stream re-checks health, seconds.
+WATCH_REFRESH_S = 1.0
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """``grpc.health.v1.Health`` following ``GET /health``: each Check asks the same
+    question (:func:`router.api.health.health_problem`) for ``""`` and the
+    TextGeneration service; Watch streams re-ask it every ``WATCH_REFRESH_S``."""
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__()
+        self._state = state
+
+    async def refresh(self) -> None:
+        """Set both services' status from the server's health now."""
+        problem = await health_problem(self._state)
+        status = (health_pb2.HealthCheckResponse.SERVING if problem is None
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.set(name, status)
+
+    async def Check(  # type: ignore[override]
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def Watch(  # type: ignore[override]
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.refresh()
+        refresher = asyncio.ensure_future(self._refresh_every(WATCH_REFRESH_S))
+        try:
+            await super().Watch(request, context)
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+
+    async def _refresh_every(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            await self.refresh()
 
 
 async def start_grpc_server(
@@ -32,10 +79,13 @@ async def start_grpc_server(
         RuntimeError: the port could not be bound.
     """
     interceptors = [ApiKeyInterceptor(state.api_key)] if state.api_key else []
-    server = grpc.aio.server(interceptors=interceptors)
+    # Requests are bounded like HTTP bodies (--max-request-bytes); answers are not.
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", state.max_request_bytes)],
+    )
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(state), server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
@@ -43,6 +93,4 @@ async def start_grpc_server(
     if bound == 0:
         raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound

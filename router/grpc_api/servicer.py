@@ -3,7 +3,8 @@
 Parameters mean what they mean on the HTTP API: a proto ``Parameters`` becomes the same
 :class:`~router.api.schemas.GenerateParameters` and goes through the same validator.
 One place (:func:`_call`) maps exceptions to status codes: bad input INVALID_ARGUMENT
-naming the field, a full queue RESOURCE_EXHAUSTED, a failed generation INTERNAL.
+naming the field, a draining server UNAVAILABLE, a full queue RESOURCE_EXHAUSTED, a
+failed generation INTERNAL.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
 from router.api.state import ServerState
 from router.api.tgi import token_text
-from router.engine import QueueFullError
+from router.engine import QueueFullError, ShuttingDownError
 from router.pb import generate_pb2 as pb
 from router.pb import generate_pb2_grpc
 from router.request import FinishReason, GenerationRequest, TokenEvent
@@ -48,6 +49,8 @@ async def _call(
     except RequestValidationError as error:
         state.engine.metrics.requests.labels("rejected").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    except ShuttingDownError as error:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     except QueueFullError as error:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     except GenerationFailed as error:
@@ -110,7 +113,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         """One completion; best_of > 1 returns the most likely of best_of samples."""
 
         async def work() -> pb.GenerateResponse:
-            validated, best_of = self._validate(request)
+            validated, best_of = await self.state.offload.run(self._validate, request)
             requests = self.state.validator.fan_out(validated, best_of)
             done = await run_all(self.state.engine, requests)
             done.sort(key=lambda c: c.logprob_sum, reverse=True)
@@ -133,7 +136,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                                              "best_of > 1 is not supported when streaming")
             return validated, best_of
 
-        validated, _ = await _call(context, _now(validate), self.state)
+        validated, _ = await _call(context, self.state.offload.run(validate), self.state)
         prefix = request.inputs if request.parameters.return_full_text else ""
         completion = Completion(validated)
         async with MergedStream(self.state.engine, [validated]) as stream:
@@ -158,15 +161,18 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         """Token ids, texts and character offsets of ``inputs``."""
-        encoding = self.tokenizer.backend.encode(
-            request.inputs, add_special_tokens=request.add_special_tokens
-        )
-        return pb.TokenizeResponse(
-            tokens=[pb.Token(id=i, text=token_text(self.tokenizer, i),
-                             special=self.tokenizer.is_special(i)) for i in encoding.ids],
-            starts=[start for start, _ in encoding.offsets],
-            stops=[stop for _, stop in encoding.offsets],
-        )
+
+        def answer() -> pb.TokenizeResponse:
+            encoding = self.state.validator.tokenize(request.inputs, request.add_special_tokens)
+            return pb.TokenizeResponse(
+                tokens=[pb.Token(id=i, text=token_text(self.tokenizer, i),
+                                 special=self.tokenizer.is_special(i)) for i in encoding.ids],
+                starts=[start for start, _ in encoding.offsets],
+                stops=[stop for _, stop in encoding.offsets],
+            )
+
+        # Tokenizing and building the answer (one entry per token) run off the event loop.
+        return await _call(context, self.state.offload.run(answer), self.state)
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -182,7 +188,3 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             max_best_of=limits.max_best_of, max_stop_sequences=limits.max_stop_sequences,
             max_top_n_tokens=limits.max_top_n_tokens, version=state.version,
         )
-
-
-async def _now(function: Any) -> Any:
-    return function()

@@ -29,6 +29,26 @@ def ids_script(ids: Sequence[int]) -> Script:
     return lambda _prompt: list(ids)
 
 
+def scripted_state(
+    tokenizer: Tokenizer, script: Script, limits: ValidationLimits | None = None,
+    max_request_bytes: int = 1 << 20, **budgets: int,
+) -> tuple[ServerState, ScriptedShardClient]:
+    """The server state over a scripted shard group (engine not started)."""
+    shard = ScriptedShardClient(script)
+    config = SchedulerConfig(**{"max_input_tokens": 64, "max_total_tokens": 256,
+                                "max_batch_prefill_tokens": 256, **budgets})
+    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                    shard.block_size)
+    validator = Validator(tokenizer, config, limits or ValidationLimits(),
+                          kv_capacity_tokens=shard.num_blocks * shard.block_size,
+                          max_request_bytes=max_request_bytes)
+    state = ServerState(engine=engine, validator=validator, model_id="scripted/model",
+                        dtype="float32", device_type="cpu", num_shard=1,
+                        attention_backend="torch", version="test",
+                        max_request_bytes=max_request_bytes)
+    return state, shard
+
+
 @pytest.fixture
 async def make_app(tokenizer: Tokenizer) -> AsyncIterator[AppFactory]:
     """Factory: ``await make_app(script, **scheduler_budgets)`` → (client, shard, engine)."""
@@ -36,20 +56,13 @@ async def make_app(tokenizer: Tokenizer) -> AsyncIterator[AppFactory]:
     clients: list[httpx.AsyncClient] = []
 
     async def factory(
-        script: Script, limits: ValidationLimits | None = None, **budgets: int
+        script: Script, limits: ValidationLimits | None = None, max_request_bytes: int = 1 << 20,
+        **budgets: int,
     ) -> tuple[httpx.AsyncClient, ScriptedShardClient, Engine]:
-        shard = ScriptedShardClient(script)
-        config = SchedulerConfig(**{"max_input_tokens": 64, "max_total_tokens": 256,
-                                    "max_batch_prefill_tokens": 256, **budgets})
-        engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
-                        shard.block_size)
+        state, shard = scripted_state(tokenizer, script, limits, max_request_bytes, **budgets)
+        engine = state.engine
         engine.start()
         engines.append(engine)
-        validator = Validator(tokenizer, config, limits or ValidationLimits(),
-                              kv_capacity_tokens=shard.num_blocks * shard.block_size)
-        state = ServerState(engine=engine, validator=validator, model_id="scripted/model",
-                            dtype="float32", device_type="cpu", num_shard=1,
-                            attention_backend="torch", version="test")
         transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
         client = httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
         clients.append(client)

@@ -66,3 +66,21 @@ async def test_draining_server_refuses_new_requests_with_503(
     response = await client.post("/generate", json={"inputs": "Hi"})
     assert response.status_code == 503 and "shutting down" in response.json()["error"]
     assert (await client.get("/health")).status_code == 503
+
+
+async def test_a_call_cancelled_under_a_route_is_a_json_500(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    import asyncio
+
+    client, _, engine = await make_app(text_script(tokenizer, " fine"))
+
+    def cancelled() -> str:
+        raise asyncio.CancelledError  # as an RPC cancelled by a closing channel raises
+
+    engine.metrics.render = cancelled  # type: ignore[method-assign]
+    response = await client.get("/metrics")
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal error: a call was cancelled",
+                               "error_type": "internal"}
+    assert (await client.get("/health")).status_code == 200  # still serving

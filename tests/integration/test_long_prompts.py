@@ -1,0 +1,86 @@
+"""With the default budgets a long prompt is prefilled in chunks, and the running batch
+decodes a step after every chunk (the router's launcher derivation, a real shard)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from router.config import ServerConfig, ShardLaunchConfig
+from router.launcher import build_state
+from router.request import ErrorEvent, GenerationRequest, SamplingParams, StoppingParams
+from router.shard_client import ShardClient
+from shard.pb import shard_pb2 as pb
+
+LONG_PROMPT_TOKENS = 1500
+
+
+class RecordingClient(ShardClient):
+    """A real shard client that records each step: ``("prefill", [(request id,
+    cache_len, end)])`` or ``("decode", [request ids])``."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__(addresses)
+        self.calls: list[tuple[str, list[tuple[int, int, int]] | list[int]]] = []
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        chunks = [(r.id, r.cache_len, len(r.input_ids)) for r in batch.requests]
+        self.calls.append(("prefill", chunks))
+        return await super().prefill(batch)
+
+    async def decode(
+        self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]]
+    ) -> pb.DecodeResponse:
+        self.calls.append(("decode", [rid for b in batches for rid in b.request_ids]))
+        return await super().decode(batches, block_appends)
+
+
+def greedy(input_ids: list[int], max_new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        input_ids=tuple(input_ids), sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
+
+
+async def test_default_budgets_chunk_a_long_prompt_between_decode_steps(
+    tiny_long_shard_address: str, tiny_long_model_dir: Path
+) -> None:
+    client = RecordingClient([tiny_long_shard_address])
+    await client.wait_ready(30)
+    config = ServerConfig(
+        shard=ShardLaunchConfig(model_path=str(tiny_long_model_dir), model_id="tiny"),
+        budget_flags={"max_batch_prefill_tokens": None, "max_input_tokens": None,
+                      "max_total_tokens": None},
+    )
+    state, _ = await build_state(config, client)
+    engine = state.engine
+    budgets = engine.config
+    # On CPU: 512-token chunks, while prompts may be up to 4095 tokens long.
+    assert budgets.max_batch_prefill_tokens == 512
+    assert budgets.max_input_tokens == 4095
+    engine.start()
+    try:
+        running = engine.generate(greedy(engine.tokenizer.encode("Once upon a time"), 300))
+        for _ in range(3):
+            assert not isinstance(await anext(running), ErrorEvent)
+        long_ids = engine.tokenizer.encode("word " * LONG_PROMPT_TOKENS)[:LONG_PROMPT_TOKENS]
+        first_call = len(client.calls)
+        events = [event async for event in engine.generate(greedy(long_ids, 2))]
+        assert [e.finish is not None for e in events] == [False, True]
+        await running.aclose()
+    finally:
+        await engine.stop()
+        await client.close()
+
+    calls = client.calls[first_call:]
+    running_id, long_id = 0, 1
+    chunks = [
+        (index, chunk) for index, (kind, items) in enumerate(calls) if kind == "prefill"
+        for chunk in items if isinstance(chunk, tuple) and chunk[0] == long_id
+    ]
+    # 1500 tokens in three chunks: [0, 512), [512, 1024), [1024, 1500).
+    assert [chunk[1:] for _, chunk in chunks] == [(0, 512), (512, 1024), (1024, 1500)]
+    # After every chunk, the running request decodes before the next chunk is computed.
+    for (index, _), (next_index, _) in itertools.pairwise(chunks):
+        between = calls[index + 1 : next_index]
+        assert ("decode", [running_id]) in between, between
