@@ -237,9 +237,10 @@ class Engine:
 
         The router's structural state (running set, blocks, the shards' cached batches)
         changes when a call is sent, since the shards run calls in the order sent; tokens
-        are applied when their results are processed, one iteration later. A sequence
-        that finished in step N was already sent in step N+1: it leaves the shards'
-        batch in step N+2 and its extra token is discarded (:meth:`_process`).
+        are applied when their results are processed, ``steps_in_flight`` iterations
+        later. With one step in flight, a sequence that finished in step N was already
+        sent in step N+1: it leaves the shards' batch in step N+2 and its extra token is
+        discarded (:meth:`_process`).
         """
         self._reap_cancelled()
         sent: list[_InFlight] = []
@@ -251,7 +252,7 @@ class Engine:
             plan = self.scheduler.plan_decode(decoding)
             for seq in plan.preempted:
                 logger.info("preempted request {} (out of KV blocks)", seq.id)
-            step = self._send_decode(plan.block_appends)
+            step = self._send_decode(decoding, plan.block_appends)
             if step is not None:
                 sent.append(step)
         if sent:
@@ -291,10 +292,13 @@ class Engine:
             self._batches.append(pb.CachedBatch(id=batch.id, request_ids=[s.id for s in final]))
         return _InFlight(task, "prefill", _sampled(final), time.perf_counter())
 
-    def _send_decode(self, block_appends: dict[int, list[int]]) -> _InFlight | None:
-        """One Decode over every cached batch; requests no longer stepping leave it in
+    def _send_decode(
+        self, decoding: list[Sequence], block_appends: dict[int, list[int]]
+    ) -> _InFlight | None:
+        """One Decode over every cached batch for ``decoding`` (those of them still
+        running after the plan's preemptions); the other requests leave the batch in
         the same call. None when no request is left to step."""
-        stepping = {seq.id: seq for seq in self.scheduler.running if self._needs_step(seq)}
+        stepping = {seq.id: seq for seq in decoding if seq.status == Status.RUNNING}
         held = [rid for batch in self._batches for rid in batch.request_ids]
         kept = [rid for rid in held if rid in stepping]
         if not kept:

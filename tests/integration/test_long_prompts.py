@@ -4,6 +4,7 @@ decodes a step after every chunk (the router's launcher derivation, a real shard
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 from router.config import ServerConfig, ShardLaunchConfig
@@ -29,10 +30,16 @@ class RecordingClient(ShardClient):
         return await super().prefill(batch)
 
     async def decode(
-        self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]]
+        self,
+        batches: list[pb.CachedBatch],
+        block_appends: dict[int, list[int]],
+        remove_request_ids: Sequence[int] = (),
     ) -> pb.DecodeResponse:
-        self.calls.append(("decode", [rid for b in batches for rid in b.request_ids]))
-        return await super().decode(batches, block_appends)
+        removed = set(remove_request_ids)
+        self.calls.append(
+            ("decode", [rid for b in batches for rid in b.request_ids if rid not in removed])
+        )
+        return await super().decode(batches, block_appends, remove_request_ids)
 
 
 def greedy(input_ids: list[int], max_new_tokens: int) -> GenerationRequest:
