@@ -20,7 +20,8 @@ from router.tokenizer import Tokenizer
 
 @pytest.fixture
 async def hanging_shard(tiny_model_dir: Path) -> AsyncIterator[tuple[str, threading.Event]]:
-    """A real tiny shard whose decode blocks from its 5th call until the event is set."""
+    """A real tiny shard whose decode step blocks from its 5th launch until the event is
+    set."""
     from shard.config import ShardConfig
     from shard.model_runner import ModelRunner
     from shard.server import start_server
@@ -30,21 +31,21 @@ async def hanging_shard(tiny_model_dir: Path) -> AsyncIterator[tuple[str, thread
     server, port = await start_server(config, host="127.0.0.1", port=0)
     release = threading.Event()
 
-    original = ModelRunner.decode
+    original = ModelRunner.launch_decode
     calls = 0
 
-    def decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def launch_decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
         if calls >= 5:
             release.wait()
         return original(self, *args, **kwargs)
 
-    ModelRunner.decode = decode  # type: ignore[method-assign]
+    ModelRunner.launch_decode = launch_decode  # type: ignore[method-assign]
     try:
         yield f"127.0.0.1:{port}", release
     finally:
-        ModelRunner.decode = original  # type: ignore[method-assign]
+        ModelRunner.launch_decode = original  # type: ignore[method-assign]
         release.set()
         await server.stop(grace=None)
 
@@ -77,7 +78,8 @@ async def test_hung_step_fails_after_the_adaptive_deadline(
     assert [isinstance(e, ErrorEvent) for e in events] == [False] * 5 + [True]
     error = events[-1]
     assert isinstance(error, ErrorEvent)
-    assert "DEADLINE_EXCEEDED" in error.message and "--step-timeout" in error.message
+    # the client reads plain words; the gRPC detail (DEADLINE_EXCEEDED) goes to the log
+    assert "did not answer in time" in error.message
     assert client.hung_rank == 0
     # Steps of milliseconds: the deadline is the 1 s floor or a few times a fast Warmup,
     # far below the minutes a fixed deadline allowed.
