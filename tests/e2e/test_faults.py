@@ -144,8 +144,10 @@ def test_step_past_step_timeout_restarts_the_group(
     victim = shard_pid(log_path)
     events, ended_after = stream_through(base_url, lambda: os.kill(victim, signal.SIGSTOP))
     # The 2 s step deadline fires before the 5 s liveness ping.
+    # the client reads plain words; the gRPC detail goes to the server log
     error = str(events[-1].get("error"))
-    assert "DEADLINE_EXCEEDED" in error and "--step-timeout" in error, events[-1]
+    assert "did not answer in time" in error, events[-1]
+    assert "DEADLINE_EXCEEDED" in log_path.read_text()
     assert ended_after < 25, f"the stream ended {ended_after:.1f} s after SIGSTOP"
     assert 503 in wait_until_healthy_again(base_url, process)
     assert shard_pid(log_path) != victim
