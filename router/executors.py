@@ -35,6 +35,9 @@ class ShardExecutor(Protocol):
 
     async def dead_rank(self) -> int | None: ...
 
+    def mark_ready(self) -> None:
+        """Every rank has answered Health: from now on one that stops answering is hung."""
+
     async def stop_group(self, grace_s: float = 15.0) -> None: ...
 
     async def stop(self) -> None: ...
@@ -113,6 +116,12 @@ class LocalExecutor:
         logger.info("waiting for {} shard process(es) to load the model", len(addresses))
         self.probes = [HealthProbe(address) for address in addresses]
         return addresses
+
+    def mark_ready(self) -> None:
+        """The group answered Health (start-up is over): a rank stopped before its probe
+        ever got an answer is judged hung too, not taken for one still loading."""
+        for probe in self.probes:
+            probe.answered = True
 
     async def dead_rank(self) -> int | None:
         """A rank whose process has exited, or that stopped answering Health (pinged
@@ -292,6 +301,9 @@ class RayExecutor:
         # NOTE: all at once: each start blocks in init_process_group until every rank joins.
         starts = [actor.start.remote(master_addr, master_port, loopback) for actor in self.actors]
         return list(await announce_wait(asyncio.gather(*starts), "the shards to load the model"))
+
+    def mark_ready(self) -> None:
+        """Nothing to do: actors are pinged by method call, not judged by a probe."""
 
     async def dead_rank(self) -> int | None:
         """The first rank whose actor does not answer a ping within 5 s, if any."""

@@ -98,6 +98,7 @@ async def start_group(
                             time.monotonic() - started)
                 next_note += STILL_WAITING_S
         ready.result()
+        executor.mark_ready()
     except BaseException:
         ready.cancel()
         await client.close()
