@@ -167,7 +167,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
     p.add_argument("--timeout", type=float, default=400.0)
-    p.add_argument("--out", default="tp-decode.md")
+    p.add_argument("--out", default=None, help="also write the table to this file")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--cuda-graphs", nargs="+", default=["auto"],
                    help="decode modes to time side by side: 0 (eager), auto, or bucket lists")
@@ -215,7 +215,8 @@ def main() -> int:
                      + " |")
     table = "\n".join(lines) + "\n"
     sys.stdout.write(table)
-    Path(args.out).write_text(table)
+    if args.out:
+        Path(args.out).write_text(table)
     return 0 if same else 1
 
 

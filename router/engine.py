@@ -16,7 +16,7 @@ import itertools
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from loguru import logger
 
@@ -40,8 +40,6 @@ from router.shard_client import ShardClient, ShardError
 from router.stop import StopSequenceChecker
 from router.tokenizer import Tokenizer
 from shard.pb import shard_pb2 as pb
-
-T = TypeVar("T")
 
 # Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
 HEALTH_RECOVERY_S = 10.0
@@ -116,7 +114,6 @@ class Engine:
         self.metrics = Metrics(self._metrics_state)
         self._text: dict[int, _TextState] = {}
         self._batches: list[pb.CachedBatch] = []
-        # shard calls sent in the last iteration, processed in the next one
         # shard calls sent and not yet read, one list per loop iteration, oldest first
         self._inflight: collections.deque[list[_InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result

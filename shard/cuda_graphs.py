@@ -105,10 +105,6 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.buckets[-1]
-
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured bucket holding ``batch`` rows, or None."""
         for bucket in self.buckets:
@@ -177,24 +173,23 @@ class DecodeGraphs:
             logits [len(rows), vocab] float32 (a view of the graph's output buffer,
             valid until the next replay).
 
+        The rows' contexts after this step must fit ``max_seqlen_k`` (the caller
+        checks); block-table columns beyond it are never read, so a table grown wider
+        (tables widen by doubling) is copied only up to the captured width.
+
         Raises:
-            ValueError: no captured bucket holds the batch or a block table is wider
-                than max_seqlen_k allows.
+            ValueError: no captured bucket holds the batch.
         """
         n = len(rows)
         bucket = self.bucket_for(n)
         if bucket is None or bucket not in self._graphs:
             raise ValueError(f"no CUDA graph captured for a batch of {n}")
-        width = rows.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
-            raise ValueError(
-                f"block table of {width} blocks exceeds the captured {self.block_tables.shape[1]}"
-            )
+        width = min(rows.block_tables.shape[1], self.block_tables.shape[1])
         self.input_ids[:n].copy_(rows.tokens)
         self.positions[:n].copy_(rows.seq_lens)
         self.seq_lens[:n].copy_(rows.seq_lens)
         self.seq_lens[:n] += 1
-        self.block_tables[:n, :width].copy_(rows.block_tables)
+        self.block_tables[:n, :width].copy_(rows.block_tables[:, :width])
         self.slot_mapping[:n].copy_(
             decode_slot_mapping(rows.block_tables, self.positions[:n], self.block_size)
         )
@@ -202,13 +197,4 @@ class DecodeGraphs:
             self._reset_padding(n)
         self._graphs[bucket].replay()
         return self._logits[bucket][:n]
-
-
-def capture_memory_bytes(graphs: DecodeGraphs) -> int:
-    """Capture ``graphs`` and return the memory its pool keeps reserved, in bytes."""
-    device = graphs.device
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_reserved(device)
-    graphs.capture()
-    return max(0, torch.cuda.memory_reserved(device) - before)
 

@@ -129,3 +129,28 @@ def test_padded_rows_write_no_kv_slot(tmp_path: Path) -> None:
             flat = cache.reshape(cache.shape[0] * cache.shape[1], -1)
             changed = (flat != 7.0).any(dim=1).nonzero().flatten().tolist()
             assert set(changed) == written
+
+
+@needs_cuda
+def test_block_table_wider_than_captured_replays(tmp_path: Path) -> None:
+    """Tables widen by doubling, so a row may carry more columns than the graph was
+    captured with (max_total_tokens / block_size = 128 here); only those within its
+    context are read, and the replay matches eager decode."""
+    pytest.importorskip("triton")
+    from shard.decode_state import DecodeRows
+    from tests.unit.shard.helpers import make_hf_model
+
+    make_hf_model("llama", tmp_path)
+    runner = _runner(tmp_path, "float32", "auto")
+    assert runner.graphs is not None and runner.graphs.block_tables.shape[1] == 128
+    wide = [list(range(10, 10 + 300)), list(range(400, 400 + 300))]
+    rows = DecodeRows.build([5, 9], [7, 30], wide, torch.device("cuda"))
+    assert rows.block_tables.shape[1] == 300
+    with torch.inference_mode():
+        graphed = runner.graphs.run(rows).clone()
+        inputs = rows.model_inputs(runner.block_size, 31)
+        eager = runner.model.compute_logits(
+            runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        )
+    assert graphed.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    assert torch.allclose(graphed, eager, atol=1e-4, rtol=1e-4)
