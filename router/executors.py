@@ -22,6 +22,14 @@ from router.log import announce_wait
 from shard.pb import shard_pb2, shard_pb2_grpc
 
 LIVENESS_TIMEOUT_S = 5.0
+# A probe's channel retries a refused connection at least this often (gRPC's default
+# backoff grows to 120 s while a rank loads its model; a call made during that backoff
+# would fail at once although the rank has been listening for long).
+PROBE_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class StartupError(RuntimeError):
@@ -54,19 +62,27 @@ class HealthProbe:
     """Pings one rank's gRPC ``Health``; a rank that answered once and then stops
     answering within ``LIVENESS_TIMEOUT_S`` is hung (stopped, deadlocked, swapping).
 
-    A rank that never answered yet is still loading its model and is not judged.
+    A rank that never answered yet is still loading its model and is not judged. The
+    ping waits for the channel to connect (``wait_for_ready``), so only a rank that
+    cannot be reached or does not answer for ``timeout_s`` seconds counts as hung.
+
+    Args:
+        address: ``host:port`` of the rank's gRPC server.
+        timeout_s: seconds a ping may take.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, timeout_s: float = LIVENESS_TIMEOUT_S) -> None:
         self.address = address
+        self.timeout_s = timeout_s
         self.answered = False
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=PROBE_CHANNEL_OPTIONS)
         self._stub = shard_pb2_grpc.ShardServiceStub(self._channel)
 
     async def hung(self) -> bool:
-        """True when the rank answered before but not now."""
+        """True when the rank answered before (or the group is ready) but not now."""
         try:
-            await self._stub.Health(shard_pb2.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
+            await self._stub.Health(shard_pb2.HealthRequest(), timeout=self.timeout_s,
+                                    wait_for_ready=True)
         except grpc.aio.AioRpcError as error:
             if self.answered:
                 logger.error("shard at {} did not answer Health: {}: {}", self.address,
