@@ -2,9 +2,12 @@
 
 One asyncio task drives the shard group step by step. Between decode steps, waiting
 requests are prefilled and join the running batch (their cached batch is concatenated
-into the next ``Decode``); finished, cancelled and preempted requests leave it through
-``FilterBatch``. Text is detokenized incrementally and checked against stop strings
-here, so shards only ever see token ids.
+into the next ``Decode``); finished, cancelled and preempted requests leave it in the
+same call. The loop's parts live beside it: the scheduler decides
+(:mod:`router.scheduler`), :mod:`router.shard_steps` speaks the shard protocol,
+:mod:`router.output` turns tokens into text and stream events, and
+:mod:`router.metrics` observes. The API reads :meth:`Engine.status`; the supervisor
+calls :meth:`Engine.drain`, :meth:`Engine.fail_all` and :meth:`Engine.replace_shards`.
 """
 
 from __future__ import annotations
@@ -22,24 +25,13 @@ from loguru import logger
 
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
-from router.detokenizer import IncrementalDetokenizer
 from router.metrics import Metrics
-from router.request import (
-    ErrorEvent,
-    Event,
-    Finish,
-    FinishReason,
-    GenerationRequest,
-    Sequence,
-    Status,
-    TokenEvent,
-    TopToken,
-)
+from router.output import OutputProcessor
+from router.request import ErrorEvent, Event, Finish, GenerationRequest, Sequence, Status
 from router.scheduler import PrefillChunk, Scheduler
 from router.shard_client import ShardClient, ShardError
-from router.stop import StopSequenceChecker
+from router.shard_steps import ShardSteps, StepResults
 from router.tokenizer import Tokenizer
-from shard.pb import shard_pb2 as pb
 
 # Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
 HEALTH_RECOVERY_S = 10.0
@@ -79,14 +71,37 @@ def _sampled(sequences: list[Sequence]) -> list[tuple[Sequence, int]]:
     return [(seq, seq.epoch) for seq in sequences]
 
 
-@dataclass
-class _TextState:
-    detokenizer: IncrementalDetokenizer
-    stop: StopSequenceChecker
+@dataclass(frozen=True)
+class EngineStatus:
+    """What the API and the operator see of the engine at one moment.
+
+    Attributes:
+        draining: No new requests are admitted (SIGTERM, or the shard group is gone).
+        healthy: False for a while after a failed step (see :attr:`Engine.healthy`).
+        queue_size: Requests waiting for admission.
+        running: Requests admitted (prefilling or decoding).
+        block_size: Tokens per KV block.
+        kv_blocks_total: KV blocks usable on every rank.
+        kv_blocks_free: KV blocks with no owner.
+        prefix_cache_hit_tokens: Prompt tokens served from the prefix cache so far.
+    """
+
+    draining: bool
+    healthy: bool
+    queue_size: int
+    running: int
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_hit_tokens: int
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
 
 
 class Engine:
-    """Owns the scheduler and the shard client; serves request streams.
+    """Owns the scheduler and the shard group's steps; serves request streams.
 
     Args:
         client: The shard group.
@@ -104,23 +119,19 @@ class Engine:
         num_blocks: int,
         block_size: int,
     ) -> None:
-        self.client = client
         self.tokenizer = tokenizer
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self._failed_at: float | None = None
-        self.draining = False
+        self.shards = ShardSteps(client, block_size)
+        self.output = OutputProcessor(tokenizer, config.max_total_tokens)
         self.metrics = Metrics(self._metrics_state)
-        self._text: dict[int, _TextState] = {}
-        self._batches: list[pb.CachedBatch] = []
+        self._failed_at: float | None = None
+        self._draining = False
         # shard calls sent and not yet read, one list per loop iteration, oldest first
         self._inflight: collections.deque[list[_InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result
-        # token events of the last step, delivered once the next shard call is sent
-        self._outbox: list[tuple[Sequence, TokenEvent]] = []
         self._ids = itertools.count()
-        self._batch_ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -136,7 +147,7 @@ class Engine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._drop_inflight()
-        self._deliver()
+        self.output.deliver()
 
     def submit(self, request: GenerationRequest) -> Sequence:
         """Queue ``request``; its events arrive on ``Sequence.events``.
@@ -145,7 +156,7 @@ class Engine:
             QueueFullError: ``max_concurrent_requests`` are already queued or running.
             ShuttingDownError: the server is draining.
         """
-        if self.draining:
+        if self._draining:
             self.metrics.requests.labels("rejected").inc()
             raise ShuttingDownError("the server is shutting down")
         if self.scheduler.num_requests >= self.config.max_concurrent_requests:
@@ -155,10 +166,7 @@ class Engine:
                 f"{self.config.max_concurrent_requests})"
             )
         seq = Sequence(id=next(self._ids), request=request)
-        self._text[seq.id] = _TextState(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.input_ids)),
-            stop=StopSequenceChecker(list(request.stopping.stop_sequences)),
-        )
+        self.output.add(seq)
         self.scheduler.add(seq)
         self._wake.set()
         return seq
@@ -173,11 +181,15 @@ class Engine:
         try:
             while True:
                 event = await seq.events.get()
-                yield event
-                if isinstance(event, ErrorEvent) or event.finish is not None:
-                    return
+                while True:  # the events that came with it, without waiting again
+                    yield event
+                    if isinstance(event, ErrorEvent) or event.finish is not None:
+                        return
+                    if seq.events.empty():
+                        break
+                    event = seq.events.get_nowait()
         finally:
-            if seq.id in self._text:
+            if seq.id in self.output:
                 self.cancel(seq)
 
     def cancel(self, seq: Sequence) -> None:
@@ -188,19 +200,95 @@ class Engine:
             self._finish(seq, "cancelled")
         self._wake.set()
 
+    def drain(self) -> None:
+        """Refuse new requests from now on (:class:`ShuttingDownError`); those already
+        accepted go on."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        """Whether new requests are refused."""
+        return self._draining
+
+    @property
+    def healthy(self) -> bool:
+        """False for ``HEALTH_RECOVERY_S`` after a failed step, unless a step succeeded
+        since (so one transient failure cannot keep a readiness probe failing forever
+        when no traffic arrives to prove recovery)."""
+        return (
+            self._failed_at is None
+            or time.monotonic() - self._failed_at > HEALTH_RECOVERY_S
+        )
+
+    def status(self) -> EngineStatus:
+        """A snapshot for ``/info``, ``/health`` and the status log."""
+        manager = self.block_manager
+        return EngineStatus(
+            draining=self._draining,
+            healthy=self.healthy,
+            queue_size=len(self.scheduler.waiting),
+            running=len(self.scheduler.running) + len(self.scheduler.prefilling),
+            block_size=manager.block_size,
+            kv_blocks_total=manager.num_blocks,
+            kv_blocks_free=manager.num_free,
+            prefix_cache_hit_tokens=manager.hit_tokens,
+        )
+
     @property
     def kv_blocks_free(self) -> int:
         """KV blocks with no owner."""
         return self.block_manager.num_free
 
+    async def check_shards(self) -> None:
+        """Ask every rank for ``Health``.
+
+        Raises:
+            ShardError: a rank did not answer (its ``public_message`` is plain words).
+        """
+        await self.shards.client.health()
+
+    @property
+    def hung_rank(self) -> int | None:
+        """A rank whose step ran past the step deadline, if any."""
+        return self.shards.client.hung_rank
+
+    async def close_shards(self) -> None:
+        """Close the channels to the shard group (the group itself is the executor's)."""
+        await self.shards.client.close()
+
+    def fail_all(self, message: str, include_waiting: bool = False) -> None:
+        """End every running request (and queued ones with ``include_waiting``) with an
+        :class:`ErrorEvent` (``message``) and mark the engine unhealthy (the launcher
+        calls this when a rank dies; queued requests wait for the restarted group)."""
+        logger.error("failing the running requests: {}", message)
+        self._failed_at = time.monotonic()
+        self.output.deliver()  # tokens computed before the failure come first
+        for seq in self.scheduler.drain(include_waiting):
+            seq.events.put_nowait(ErrorEvent(message=message))
+            self.output.remove(seq.id)
+            self.metrics.requests.labels("error").inc()
+        self.shards.forget_batches()
+        self._drop_inflight()
+
+    def replace_shards(self, client: ShardClient, num_blocks: int, block_size: int) -> None:
+        """Serve from a restarted shard group: its KV cache is empty, so the block
+        manager (and its prefix cache index) starts empty too. Call with the loop
+        stopped and nothing running (after :meth:`fail_all`); queued requests stay."""
+        assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
+        self.shards.reset(client, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
+        self.scheduler.block_manager = self.block_manager
+        self._drop_inflight()
+        self._failed_at = None
+
     def _metrics_state(self) -> dict[str, float]:
-        manager = self.block_manager
+        status = self.status()
         return {
-            "queue_size": len(self.scheduler.waiting),
+            "queue_size": status.queue_size,
             "running_batch_size": len(self.scheduler.running),
-            "kv_blocks_total": manager.num_blocks,
-            "kv_blocks_used": manager.num_blocks - manager.num_free,
-            "prefix_cache_hit_tokens": manager.hit_tokens,
+            "kv_blocks_total": status.kv_blocks_total,
+            "kv_blocks_used": status.kv_blocks_used,
+            "prefix_cache_hit_tokens": status.prefix_cache_hit_tokens,
         }
 
     # ---- the loop ---------------------------------------------------------------
@@ -208,23 +296,23 @@ class Engine:
     async def _run(self) -> None:
         while True:
             if not self.scheduler.num_requests:
-                self._deliver()
+                self.output.deliver()
                 self._wake.clear()
                 await self._wake.wait()
             try:
                 if not await self._step():
                     # Requests wait but none can run yet: sleep until something changes.
-                    self._deliver()
+                    self.output.deliver()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout=0.05)
             except ShardError as error:
                 logger.error("generation step failed: {}", error)  # clients get plain words
-                self._fail_all(error.public_message)
+                self.fail_all(error.public_message)
                 await self._clear_shards()
             except Exception:
                 logger.exception("engine step failed")
-                self._fail_all("internal error in the generation loop; see the server log")
+                self.fail_all("internal error in the generation loop; see the server log")
                 await self._clear_shards()
 
     async def _step(self) -> bool:
@@ -255,7 +343,7 @@ class Engine:
         if sent:
             self._inflight.append(sent)
         elif not self._inflight:
-            await self._sync_batches()
+            await self.shards.sync({seq.id for seq in self.scheduler.running})
             return False
         # Read the oldest steps until config.steps_in_flight iterations stay in flight
         # (all of them when nothing new could be sent).
@@ -273,36 +361,27 @@ class Engine:
         generated = len(seq.output_ids) + seq.pending_tokens
         return (
             generated < seq.request.stopping.max_new_tokens
-            and seq.num_tokens + seq.pending_tokens < self.config.max_total_tokens
+            and len(seq.request.input_ids) + generated < self.config.max_total_tokens
         )
 
     def _send_prefill(self, chunks: list[PrefillChunk]) -> _InFlight:
-        batch = pb.Batch(
-            id=next(self._batch_ids), requests=[self._to_proto(chunk) for chunk in chunks]
-        )
         self._on_admitted([chunk.seq for chunk in chunks])
-        task = asyncio.ensure_future(self.client.prefill(batch))
+        task = self.shards.prefill(chunks)
         for chunk in chunks:
             self.scheduler.on_prefilled(chunk)
         final = [chunk.seq for chunk in chunks if not chunk.partial]
-        if final:
-            self._batches.append(pb.CachedBatch(id=batch.id, request_ids=[s.id for s in final]))
         return _InFlight(task, "prefill", _sampled(final), time.perf_counter())
 
     def _send_decode(
         self, decoding: list[Sequence], block_appends: dict[int, list[int]]
     ) -> _InFlight | None:
-        """One Decode over every cached batch for ``decoding`` (those of them still
-        running after the plan's preemptions); the other requests leave the batch in
-        the same call. None when no request is left to step."""
+        """One Decode for ``decoding`` (those of them still running after the plan's
+        preemptions); None when no request is left to step."""
         stepping = {seq.id: seq for seq in decoding if seq.status == Status.RUNNING}
-        held = [rid for batch in self._batches for rid in batch.request_ids]
-        kept = [rid for rid in held if rid in stepping]
-        if not kept:
+        sent = self.shards.decode(stepping, block_appends)
+        if sent is None:
             return None
-        removed = [rid for rid in held if rid not in stepping]
-        task = asyncio.ensure_future(self.client.decode(self._batches, block_appends, removed))
-        self._batches = [pb.CachedBatch(id=self._batches[0].id, request_ids=kept)]
+        task, kept = sent
         return _InFlight(
             task, "decode", _sampled([stepping[rid] for rid in kept]), time.perf_counter()
         )
@@ -315,94 +394,60 @@ class Engine:
         A token is applied only to a sequence still running in the epoch it was sent
         in (not finished, cancelled or preempted since)."""
         await asyncio.sleep(0)  # the new calls' tasks run and queue their sends first
-        self._deliver()
+        self.output.deliver()
         try:
             response = await call.task
         finally:
             call.task.cancel()  # no-op once done; stops the call if this step is cancelled
         now = time.perf_counter()
-        rows: list[tuple[int, float, pb.Generation | None]]
+        results: StepResults
         if call.kind == "prefill":
-            self.metrics.prefill_step.observe(response.timings.forward_ns / 1e9)
-            rows = [(g.token_id, g.logprob, g) for g in response.generations]
+            results = ShardSteps.prefill_results(response)
+            self.metrics.prefill_step.observe(results.forward_s)
         else:
+            results = ShardSteps.decode_results(response)
             # with calls overlapped, a step's wall time runs from the later of its send
             # and the previous step's result (the time the shards could work on it)
             self.metrics.decode_step_wall.observe(now - max(call.sent_at, self._decode_done))
-            self.metrics.decode_step.observe(response.timings.forward_ns / 1e9)
+            self.metrics.decode_step.observe(results.forward_s)
             self._decode_done = now
-            extras = {g.request_id: g for g in response.generations}
-            rows = [
-                (token, logprob, extras.get(rid))
-                for rid, token, logprob in zip(
-                    response.batch.request_ids, response.token_ids, response.logprobs,
-                    strict=True,
-                )
-            ]
-        assert len(rows) == len(call.sampled), (
-            f"{call.kind} returned {len(rows)} tokens for {len(call.sampled)} requests"
+        assert len(results.token_ids) == len(call.sampled), (
+            f"{call.kind} returned {len(results.token_ids)} tokens for "
+            f"{len(call.sampled)} requests"
         )
+        self._apply(call.sampled, results)
+
+    def _apply(self, sampled: list[tuple[Sequence, int]], results: StepResults) -> None:
+        """Apply one call's tokens to the sequences they were sampled for."""
         arrived = time.monotonic()
+        ttft = self.metrics.time_to_first_token
+        itl = self.metrics.inter_token_latency
+        on_token = self.output.on_token
+        extras = results.extras
+        logprobs = results.logprobs
+        running = Status.RUNNING
         applied = 0
-        for (seq, epoch), (token, logprob, extra) in zip(call.sampled, rows, strict=True):
-            if seq.epoch != epoch or seq.status != Status.RUNNING:
+        for index, ((seq, epoch), token_id) in enumerate(
+            zip(sampled, results.token_ids, strict=True)
+        ):
+            if seq.epoch != epoch or seq.status is not running:
                 continue
             seq.pending_tokens -= 1
-            if not seq.cancelled:
-                self._on_token(seq, token, logprob, extra, arrived)
-                applied += 1
+            if seq.cancelled:
+                continue
+            seq.output_ids.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = arrived
+                ttft.observe(arrived - seq.arrival_time)
+            elif seq.last_token_time is not None:
+                itl.observe(arrived - seq.last_token_time)
+            seq.last_token_time = arrived
+            finish = on_token(seq, token_id, logprobs[index],
+                              None if extras is None else extras[index])
+            applied += 1
+            if finish is not None:
+                self._finish(seq, "success", finish)
         self.metrics.generation_tokens.inc(applied)
-
-    def _deliver(self) -> None:
-        """Put the queued token events on their sequences' streams, in order."""
-        outbox, self._outbox = self._outbox, []
-        for seq, event in outbox:
-            if seq.cancelled:  # nothing reaches a stream after its cancellation
-                continue
-            if seq.request.stream:
-                seq.events.put_nowait(event)
-                continue
-            seq.held_events.append(event)
-            if event.finish is not None:
-                for held in seq.held_events:
-                    seq.events.put_nowait(held)
-                seq.held_events.clear()
-
-    def _to_proto(self, chunk: PrefillChunk) -> pb.Request:
-        seq = chunk.seq
-        sampling = seq.request.sampling
-        stopping = seq.request.stopping
-        return pb.Request(
-            id=seq.id,
-            input_ids=seq.all_ids()[: chunk.end],
-            cache_len=chunk.cache_len,
-            block_ids=seq.block_ids[: self.block_manager.blocks_for_tokens(chunk.end)],
-            partial=chunk.partial,
-            sampling=pb.SamplingParameters(**sampling.__dict__),
-            stopping=pb.StoppingParameters(
-                max_new_tokens=stopping.max_new_tokens,
-                stop_token_ids=stopping.stop_token_ids,
-                ignore_eos=stopping.ignore_eos,
-            ),
-            top_n_tokens=seq.request.top_n_tokens,
-            # Prompt logprobs are sent once, with the first token (not after a recompute).
-            prompt_logprobs=seq.wants_prompt_logprobs,
-            num_generated=len(seq.output_ids),
-        )
-
-    async def _sync_batches(self) -> None:
-        """Drop from the shards' cached batches every request no longer running."""
-        running = {seq.id for seq in self.scheduler.running}
-        kept: list[pb.CachedBatch] = []
-        for batch in self._batches:
-            keep = [rid for rid in batch.request_ids if rid in running]
-            if not keep:
-                await self.client.clear_cache(batch.id)
-            elif len(keep) < len(batch.request_ids):
-                kept.append(await self.client.filter_batch(batch.id, keep))
-            else:
-                kept.append(batch)
-        self._batches = kept
 
     def _reap_cancelled(self) -> None:
         admitted = [*self.scheduler.running, *self.scheduler.prefilling]
@@ -417,68 +462,10 @@ class Engine:
                 self.metrics.queue_time.observe(now - seq.arrival_time)
                 self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
-    def _on_token(
-        self,
-        seq: Sequence,
-        token_id: int,
-        logprob: float,
-        extra: pb.Generation | None,
-        now: float,
-    ) -> None:
-        """Apply one generated token: stop checks, text, the event for the stream.
-        ``extra`` carries top tokens and prompt logprobs when the request asked; ``now``
-        is ``time.monotonic()`` when the step's result arrived."""
-        seq.output_ids.append(token_id)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self.metrics.time_to_first_token.observe(now - seq.arrival_time)
-        elif seq.last_token_time is not None:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_time)
-        seq.last_token_time = now
-        state = self._text[seq.id]
-        stopping = seq.request.stopping
-        reason: FinishReason | None = None
-        stop_text: str | None = None
-        if token_id in self.tokenizer.eos_token_ids and not stopping.ignore_eos:
-            reason = FinishReason.EOS_TOKEN
-        elif token_id in stopping.stop_token_ids:
-            reason = FinishReason.STOP_SEQUENCE
-            stop_text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        text, match = state.stop.feed(state.detokenizer.add(token_id))
-        if match is None and reason is None and (
-            len(seq.output_ids) >= stopping.max_new_tokens
-            or seq.num_tokens >= self.config.max_total_tokens
-        ):
-            reason = FinishReason.LENGTH
-        if match is None and reason is not None:
-            more, match = state.stop.feed(state.detokenizer.flush())
-            text += more if match is not None else more + state.stop.flush()
-        if match is not None:
-            # TGI semantics: the text ends with the stop sequence (OpenAI strips it).
-            reason, stop_text = FinishReason.STOP_SEQUENCE, match.stop
-            text += match.stop
-        finish = None
-        if reason is not None:
-            finish = Finish(reason, generated_tokens=len(seq.output_ids), stop_sequence=stop_text)
-        event = TokenEvent(
-            id=token_id,
-            logprob=logprob,
-            text=text,
-            special=self.tokenizer.is_special(token_id),
-            top_tokens=()
-            if extra is None
-            else tuple(TopToken(t.token_id, t.logprob) for t in extra.top_tokens),
-            finish=finish,
-            prompt_logprobs=() if extra is None else tuple(extra.prompt_logprobs),
-        )
-        self._outbox.append((seq, event))
-        if finish is not None:
-            self._finish(seq, "success", finish)
-
     def _finish(self, seq: Sequence, outcome: str, finish: Finish | None = None) -> None:
         """Free ``seq``'s blocks, count it and write its one log line."""
         self.scheduler.finish(seq)
-        self._text.pop(seq.id, None)
+        self.output.remove(seq.id)
         now = time.monotonic()
         self.metrics.requests.labels(outcome).inc()
         if outcome == "success":
@@ -493,51 +480,12 @@ class Engine:
             None if ttft is None else round(ttft, 3), now - seq.arrival_time,
         )
 
-    def fail_all(self, message: str, include_waiting: bool = False) -> None:
-        """End every running request (and queued ones with ``include_waiting``) with an
-        :class:`ErrorEvent` (``message``) and mark the engine unhealthy (the launcher
-        calls this when a rank dies; queued requests wait for the restarted group)."""
-        self._fail_all(message, include_waiting)
-
-    def replace_shards(self, client: ShardClient, num_blocks: int, block_size: int) -> None:
-        """Serve from a restarted shard group: its KV cache is empty, so the block
-        manager (and its prefix cache index) starts empty too. Call with the loop
-        stopped and nothing running (after :meth:`fail_all`); queued requests stay."""
-        assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
-        self.client = client
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
-        self.scheduler.block_manager = self.block_manager
-        self._batches = []
-        self._drop_inflight()
-        self._failed_at = None
-
-    @property
-    def healthy(self) -> bool:
-        """False for ``HEALTH_RECOVERY_S`` after a failed step, unless a step succeeded
-        since (so one transient failure cannot keep a readiness probe failing forever
-        when no traffic arrives to prove recovery)."""
-        return (
-            self._failed_at is None
-            or time.monotonic() - self._failed_at > HEALTH_RECOVERY_S
-        )
-
     async def _clear_shards(self) -> None:
         """Best effort after a failed step: drop every batch the shards still hold."""
         try:
-            await self.client.clear_cache()
+            await self.shards.client.clear_cache()
         except ShardError as error:
             logger.warning("clearing the shards' batches failed: {}", error)
-
-    def _fail_all(self, message: str, include_waiting: bool = False) -> None:
-        logger.error("failing the running requests: {}", message)
-        self._failed_at = time.monotonic()
-        self._deliver()  # tokens computed before the failure come first
-        for seq in self.scheduler.drain(include_waiting):
-            seq.events.put_nowait(ErrorEvent(message=message))
-            self._text.pop(seq.id, None)
-            self.metrics.requests.labels("error").inc()
-        self._batches = []
-        self._drop_inflight()
 
     def _drop_inflight(self) -> None:
         """Forget the calls in flight (after a failure: their results no longer apply)."""

@@ -212,9 +212,10 @@ async def serve(config: ServerConfig) -> int:
             for watch in watches:
                 watch.cancel()
             await asyncio.gather(*watches, return_exceptions=True)
-            client = state.engine.client
             await grpc_drain.wait()  # started with the HTTP drain, as long at most
             await state.engine.stop()
+            await state.engine.close_shards()  # the group's client now (after restarts)
+            client = None
     finally:
         if client is not None:
             await client.close()
@@ -253,7 +254,7 @@ class Supervisor:
 
     async def _failed_rank(self) -> tuple[int, str] | None:
         """(rank, what happened) for a rank that is dead or hung, else None."""
-        hung = self.engine.client.hung_rank
+        hung = self.engine.hung_rank
         if hung is not None:
             return hung, "is hung (a step ran past the step deadline)"
         rank = await self.executor.dead_rank()
@@ -275,7 +276,7 @@ class Supervisor:
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
                 # New requests are refused (503) while the server exits.
-                self.engine.draining = True
+                self.engine.drain()
                 self.engine.fail_all("the shard group is down", include_waiting=True)
                 self.gave_up = True
                 self.on_give_up()
@@ -286,9 +287,8 @@ class Supervisor:
         while self.restarts < self.max_restarts:
             self.restarts += 1
             logger.info("restarting the shard group ({}/{})", self.restarts, self.max_restarts)
-            old = self.engine.client
             await self.executor.stop_group(grace_s=3.0)
-            await old.close()
+            await self.engine.close_shards()
             client: ShardClient | None = None
             try:
                 client = await start_group(self.executor, SHARD_START_TIMEOUT_S,
@@ -340,7 +340,7 @@ def _request_exit(
     (streams included) to finish."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
                 server.config.timeout_graceful_shutdown)
-    engine.draining = True
+    engine.drain()
     server.should_exit = True
     grpc_drain.start()
 

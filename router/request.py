@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ class Finish:
     stop_sequence: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per token per request: slots, not frozen, for speed
 class TokenEvent:
     """One generated token.
 
@@ -117,6 +118,43 @@ class ErrorEvent:
 Event = TokenEvent | ErrorEvent
 
 
+class EventStream:
+    """The events of one sequence, from the engine (producer) to one reader.
+
+    A lighter ``asyncio.Queue``: a deque and at most one waiting reader, woken once
+    however many events arrive before it runs (every running sequence gets an event per
+    decode step, so this is on the hot path).
+    """
+
+    def __init__(self) -> None:
+        self._events: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, event: Event) -> None:
+        """Append ``event`` and wake the reader."""
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._events
+
+    def get_nowait(self) -> Event:
+        """The oldest event. Raises ``IndexError`` when there is none."""
+        return self._events.popleft()
+
+    async def get(self) -> Event:
+        """The oldest event, waiting for one."""
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._events.popleft()
+
+
 @dataclass(eq=False)
 class Sequence:
     """Router-side state of one request being generated.
@@ -127,7 +165,7 @@ class Sequence:
 
     id: int
     request: GenerationRequest
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    events: EventStream = field(default_factory=EventStream)
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -115,10 +115,11 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special (added, control) token."""
-        return token_id in self._special_ids
+        return token_id in self.special_ids
 
     @property
-    def _special_ids(self) -> frozenset[int]:
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (added, control) tokens."""
         cached: frozenset[int] | None = self.__dict__.get("_special_cache")
         if cached is None:
             cached = frozenset(

@@ -206,8 +206,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/info", response_model=Info, tags=["TGI"])
     async def info() -> Info:
         """Model, shards, KV cache and request limits."""
-        engine = state.engine
-        budgets = engine.config
+        budgets = state.engine.config
+        status = state.engine.status()
         limits = state.validator.limits
         return Info(
             model_id=state.model_id,
@@ -215,11 +215,11 @@ def create_app(state: ServerState) -> FastAPI:
             model_device_type=state.device_type,
             num_shard=state.num_shard,
             attention_backend=state.attention_backend,
-            block_size=engine.block_manager.block_size,
-            kv_blocks_total=engine.block_manager.num_blocks,
-            kv_blocks_free=engine.kv_blocks_free,
-            kv_blocks_used=engine.block_manager.num_blocks - engine.kv_blocks_free,
-            prefix_cache_hit_tokens=engine.block_manager.hit_tokens,
+            block_size=status.block_size,
+            kv_blocks_total=status.kv_blocks_total,
+            kv_blocks_free=status.kv_blocks_free,
+            kv_blocks_used=status.kv_blocks_used,
+            prefix_cache_hit_tokens=status.prefix_cache_hit_tokens,
             max_input_tokens=budgets.max_input_tokens,
             max_total_tokens=budgets.max_total_tokens,
             max_batch_prefill_tokens=budgets.max_batch_prefill_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -168,8 +168,14 @@ class MergedStream:
         self._queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._open = len(self._requests)
+        # One request (the usual case) is read directly, without a pump task and a
+        # second queue between it and the reader.
+        self._single: AsyncGenerator[Event, None] | None = None
 
     async def __aenter__(self) -> MergedStream:
+        if len(self._requests) == 1:
+            self._single = self._engine.generate(self._requests[0])
+            return self
         self._tasks = [
             asyncio.create_task(self._pump(index, request))
             for index, request in enumerate(self._requests)
@@ -181,6 +187,8 @@ class MergedStream:
 
     async def aclose(self) -> None:
         """Cancel every request still running."""
+        if self._single is not None:
+            await self._single.aclose()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -200,6 +208,12 @@ class MergedStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        if self._single is not None:
+            async for event in self._single:
+                if isinstance(event, ErrorEvent):
+                    raise GenerationFailed(event.message)
+                yield 0, event
+            return
         while self._open:
             index, item = await self._queue.get()
             if item is None:

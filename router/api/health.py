@@ -25,7 +25,7 @@ async def health_problem(state: ServerState) -> str | None:
     if engine.draining:
         return "shutting down"
     try:
-        await engine.client.health()
+        await engine.check_shards()
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():

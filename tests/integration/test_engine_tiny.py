@@ -97,7 +97,7 @@ async def test_one_at_a_time(
         assert engine.kv_blocks_free == baseline
     finally:
         await engine.stop()
-        await engine.client.close()
+        await engine.close_shards()
 
 
 async def test_joining_the_running_batch_at_different_steps(
@@ -118,7 +118,7 @@ async def test_joining_the_running_batch_at_different_steps(
         assert engine.kv_blocks_free == baseline
     finally:
         await engine.stop()
-        await engine.client.close()
+        await engine.close_shards()
 
 
 @pytest.mark.parametrize("steps_in_flight", [1, 2])
@@ -148,7 +148,7 @@ async def test_all_together_with_preemption(
         assert engine.kv_blocks_free == 4
     finally:
         await engine.stop()
-        await engine.client.close()
+        await engine.close_shards()
 
 
 SHARED = (
@@ -182,7 +182,7 @@ async def test_prefix_cache_hits_and_eviction_give_identical_tokens(
             assert engine.kv_blocks_free == 6
         finally:
             await engine.stop()
-            await engine.client.close()
+            await engine.close_shards()
 
 
 async def test_chunked_prefill_gives_identical_tokens(
@@ -202,7 +202,7 @@ async def test_chunked_prefill_gives_identical_tokens(
         assert engine.kv_blocks_free == engine.block_manager.num_blocks
     finally:
         await engine.stop()
-        await engine.client.close()
+        await engine.close_shards()
 
 
 async def test_same_prompt_alone_and_in_batches_of_any_size_m6(
@@ -222,4 +222,4 @@ async def test_same_prompt_alone_and_in_batches_of_any_size_m6(
             assert results[len(neighbours)] == expected[1], f"batch of {2 * batch_size - 1}"
     finally:
         await engine.stop()
-        await engine.client.close()
+        await engine.close_shards()

@@ -86,7 +86,7 @@ async def test_health_is_json_when_the_shard_channels_close_under_it(
     async with httpx.AsyncClient(timeout=30) as http:
         pending = asyncio.create_task(http.get(f"{http_url}/health"))
         await asyncio.sleep(1.0)
-        await state.engine.client.close()  # ... until a restart closes the channels
+        await state.engine.close_shards()  # ... until a restart closes the channels
         response = await pending
         assert response.status_code == 503
         assert response.headers["content-type"] == "application/json"
@@ -127,9 +127,9 @@ async def test_grpc_health_follows_http_health(
             assert await grpc_status(stub, SERVICE_NAME) == SERVING
             assert await next_status(watch) == SERVING
 
-            state.engine.draining = True  # SIGTERM
+            state.engine.drain()  # SIGTERM
             assert await grpc_status(stub) == NOT_SERVING
-            state.engine.draining = False
+            state.engine._draining = False  # undone, for the checks below
             assert await grpc_status(stub) == SERVING
 
             shard_process[1].kill()  # a dead shard

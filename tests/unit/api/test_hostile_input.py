@@ -62,7 +62,7 @@ async def test_draining_server_refuses_new_requests_with_503(
     make_app: AppFactory, tokenizer: Tokenizer
 ) -> None:
     client, _, engine = await make_app(text_script(tokenizer, " fine"))
-    engine.draining = True
+    engine.drain()
     response = await client.post("/generate", json={"inputs": "Hi"})
     assert response.status_code == 503 and "shutting down" in response.json()["error"]
     assert (await client.get("/health")).status_code == 503

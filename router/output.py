@@ -1,0 +1,121 @@
+"""Output processing: each sampled token becomes its request's next stream event.
+
+Per token: detokenize incrementally, check EOS, stop token ids, stop strings and the
+length limits, decide the finish, and queue the :class:`~router.request.TokenEvent`.
+Events are delivered to the streams in batches (:meth:`OutputProcessor.deliver`), once
+the engine has sent the next shard call, so that the stream handlers write while the
+shards compute. A request that does not stream gets its events together at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.detokenizer import IncrementalDetokenizer
+from router.request import Finish, FinishReason, Sequence, TokenEvent
+from router.shard_steps import TokenExtras
+from router.stop import StopSequenceChecker
+from router.tokenizer import Tokenizer
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    stop: StopSequenceChecker
+
+
+class OutputProcessor:
+    """Text and finish decisions of the running requests.
+
+    Args:
+        tokenizer: The model's tokenizer (detokenization, EOS and special ids).
+        max_total_tokens: Prompt plus generated tokens at which a request ends.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_total_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_total_tokens = max_total_tokens
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self._special = tokenizer.special_ids
+        self._text: dict[int, _TextState] = {}
+        self._outbox: list[tuple[Sequence, TokenEvent]] = []
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._text
+
+    def add(self, seq: Sequence) -> None:
+        """Start tracking ``seq`` (its prompt gives the detokenizer its context)."""
+        self._text[seq.id] = _TextState(
+            detokenizer=IncrementalDetokenizer(self.tokenizer, list(seq.request.input_ids)),
+            stop=StopSequenceChecker(list(seq.request.stopping.stop_sequences)),
+        )
+
+    def remove(self, seq_id: int) -> None:
+        """Forget a finished, cancelled or failed sequence (no-op when unknown)."""
+        self._text.pop(seq_id, None)
+
+    def on_token(
+        self, seq: Sequence, token_id: int, logprob: float, extras: TokenExtras | None
+    ) -> Finish | None:
+        """Queue the event of ``token_id``, already appended to ``seq.output_ids``;
+        return how the sequence finished with it, or None while it goes on.
+
+        Stop strings end the text with the stop string (TGI's semantics; the OpenAI
+        layer strips it); text that could begin a stop string is held back until ruled
+        out, so that the streamed text always equals the final text.
+        """
+        state = self._text[seq.id]
+        stopping = seq.request.stopping
+        reason: FinishReason | None = None
+        stop_text: str | None = None
+        if token_id in self._eos and not stopping.ignore_eos:
+            reason = FinishReason.EOS_TOKEN
+        elif stopping.stop_token_ids and token_id in stopping.stop_token_ids:
+            reason = FinishReason.STOP_SEQUENCE
+            stop_text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        delta = state.detokenizer.add(token_id)
+        if stopping.stop_sequences:
+            text, match = state.stop.feed(delta)
+        else:
+            text, match = delta, None
+        generated = len(seq.output_ids)
+        if match is None and reason is None and (
+            generated >= stopping.max_new_tokens
+            or generated + len(seq.request.input_ids) >= self.max_total_tokens
+        ):
+            reason = FinishReason.LENGTH
+        if match is None and reason is not None:
+            more, match = state.stop.feed(state.detokenizer.flush())
+            text += more if match is not None else more + state.stop.flush()
+        if match is not None:
+            reason, stop_text = FinishReason.STOP_SEQUENCE, match.stop
+            text += match.stop
+        finish = None
+        if reason is not None:
+            finish = Finish(reason, generated_tokens=generated, stop_sequence=stop_text)
+        self._outbox.append((seq, TokenEvent(
+            id=token_id,
+            logprob=logprob,
+            text=text,
+            special=token_id in self._special,
+            top_tokens=() if extras is None else extras.top_tokens,
+            finish=finish,
+            prompt_logprobs=() if extras is None else extras.prompt_logprobs,
+        )))
+        return finish
+
+    def deliver(self) -> None:
+        """Put the queued events on their sequences' streams, in order; nothing reaches
+        a stream after its cancellation."""
+        outbox, self._outbox = self._outbox, []
+        for seq, event in outbox:
+            if seq.cancelled:
+                continue
+            if seq.request.stream:
+                seq.events.put_nowait(event)
+                continue
+            seq.held_events.append(event)
+            if event.finish is not None:
+                for held in seq.held_events:
+                    seq.events.put_nowait(held)
+                seq.held_events.clear()
