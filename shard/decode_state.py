@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shard.attention.metadata import AttentionMetadata
+from shard.host_copy import to_device
 from shard.inputs import ModelInputs
 
 
@@ -55,9 +56,9 @@ class DecodeRows:
         width = max(1, *(len(t) for t in block_tables))
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
         return cls(
-            tokens=_to_device(tokens, torch.int64, device),
-            seq_lens=_to_device(seq_lens, torch.int32, device),
-            block_tables=_to_device(padded, torch.int32, device),
+            tokens=to_device(tokens, torch.int64, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device(padded, torch.int32, device),
         )
 
     def __len__(self) -> int:
@@ -81,7 +82,7 @@ class DecodeRows:
         """Keep ``rows`` (indices into this batch, in the order given)."""
         if list(rows) == list(range(len(self))):
             return self
-        index = _to_device(rows, torch.int64, self.tokens.device)
+        index = to_device(rows, torch.int64, self.tokens.device)
         return DecodeRows(
             tokens=self.tokens.index_select(0, index),
             seq_lens=self.seq_lens.index_select(0, index),
@@ -111,8 +112,8 @@ class DecodeRows:
             self.block_tables = F.pad(self.block_tables, (0, grow))
         device = self.block_tables.device
         self.block_tables.index_put_(
-            (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device)),
-            _to_device(values, torch.int32, device),
+            (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)),
+            to_device(values, torch.int32, device),
         )
 
     def advance(self, next_tokens: torch.Tensor) -> None:
@@ -167,12 +168,3 @@ def decode_slot_mapping(
     """
     blocks = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
     return blocks.to(torch.int64) * block_size + positions % block_size
-
-
-def _to_device(values: Sequence[int] | list[list[int]], dtype: torch.dtype, device: torch.device):
-    """A host list as a device tensor, through pinned memory with a non-blocking copy on
-    CUDA (the host does not wait for the copy)."""
-    cpu = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return cpu.to(device)
-    return cpu.pin_memory().to(device, non_blocking=True)

@@ -1,4 +1,9 @@
-"""Device results copied to the host without making the host wait at the copy.
+"""Copies between host and device that do not make the host wait for the device.
+
+Host lists become device tensors through pinned memory with non-blocking copies
+(:func:`to_device`): a plain ``torch.tensor(values, device="cuda")`` copies from
+pageable memory and waits for every kernel already queued, which would stop the host
+from preparing step N+1 while step N computes.
 
 A decode step ends with one device-to-host copy of its sampled ids (and logprobs). Made
 with ``non_blocking=True`` into pinned memory and marked by a CUDA event, the copy is
@@ -11,6 +16,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+
+def to_device(
+    values: Sequence[int] | Sequence[float] | list[list[int]], dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """``values`` as a tensor of ``dtype`` on ``device``; on CUDA through pinned memory
+    with a non-blocking copy, queued on the current stream (the host does not wait)."""
+    cpu = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 class HostCopy:

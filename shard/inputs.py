@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from shard.attention.metadata import AttentionMetadata
+from shard.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def build_inputs(
     tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]
 
     def tensor(values: Sequence[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     metadata = AttentionMetadata(
         is_prefill=is_prefill,

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from shard.host_copy import to_device
+
 
 def _row_token_index(
     token_lists: Sequence[Sequence[int]], device: torch.device
@@ -14,8 +16,8 @@ def _row_token_index(
     rows = [i for i, toks in enumerate(token_lists) for _ in toks]
     toks = [t for toks in token_lists for t in toks]
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(toks, dtype=torch.int64, device=device),
+        to_device(rows, torch.int64, device),
+        to_device(toks, torch.int64, device),
     )
 
 

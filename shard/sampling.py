@@ -23,6 +23,7 @@ from typing import overload
 
 import torch
 
+from shard.host_copy import to_device
 from shard.penalties import apply_frequency_presence_penalties, apply_repetition_penalty
 
 _MASK64 = (1 << 64) - 1
@@ -128,7 +129,7 @@ def row_seed(seed: int, step: int) -> int:
 def _param(
     rows: Sequence[SamplingRow], name: str, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    return torch.tensor([getattr(r.params, name) for r in rows], dtype=dtype, device=device)
+    return to_device([getattr(r.params, name) for r in rows], dtype, device)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
