@@ -10,8 +10,8 @@ Pipeline per step (all rows at once, each with its own parameters):
 3. greedy rows (``do_sample=False``): argmax of the penalized logits.
 4. sampled rows: temperature → top-k → top-p → min-p → typical-p (Hugging Face's warper
    order), then an exponential race ``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn
-   from a generator seeded by ``hash(seed, step)`` only, so a seeded row is
-   reproducible whatever else is in the batch.
+   from ``(seed, step)`` only (:func:`exponential_noise`; on CUDA a counter-based hash
+   over all rows at once), so a seeded row is reproducible whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -175,14 +175,57 @@ def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tens
     return logits.masked_fill(drop, float("-inf"))
 
 
+def _signed64(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` on int64 is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[batch, vocab] float32 Exp(1) noise from one int64 key per row, all rows at once.
+
+    Counter-based: element (i, j) is SplitMix64 (Steele et al. 2014) of
+    ``keys[i] + (j + 1) × golden`` (wrapping int64 arithmetic), whose top 53 bits give
+    ``u`` in (0, 1) and ``E = -log(u)``. A dozen elementwise kernels whatever the batch,
+    where a generator per row costs a seeding and a launch per row.
+
+    Args:
+        keys: [batch] int64.
+        vocab: Columns.
+    """
+    counter = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _GOLDEN
+    z = keys[:, None] + counter[None, :]
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    uniform = (_shr(z, 11).to(torch.float64) + 0.5) * 2.0**-53
+    return (-torch.log(uniform)).to(torch.float32).clamp_min_(torch.finfo(torch.float32).tiny)
+
+
 def exponential_noise(
     rows: Sequence[SamplingRow], vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """[batch, vocab] float32 Exp(1) noise; row i depends only on (seed_i, step_i)."""
+    """[batch, vocab] float32 Exp(1) noise; row i depends only on (seed_i, step_i).
+
+    On CUDA: :func:`counter_noise` keyed by :func:`row_seed` (no per-row work on the
+    host). Elsewhere: one ``torch.Generator`` per row seeded the same way (cheaper on a
+    CPU than the 64-bit hash over the whole vocabulary).
+    """
+    seeds = [row_seed(r.params.seed, r.step) for r in rows]
+    if device.type == "cuda":
+        return counter_noise(to_device(seeds, torch.int64, device), vocab)
     noise = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
-    for i, row in enumerate(rows):
-        gen = torch.Generator(device=device).manual_seed(row_seed(row.params.seed, row.step))
-        noise[i].exponential_(generator=gen)
+    for i, seed in enumerate(seeds):
+        noise[i].exponential_(generator=torch.Generator(device=device).manual_seed(seed))
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 

@@ -207,3 +207,29 @@ def test_greedy_fast_path_matches_the_general_sampler() -> None:
     assert not is_plain_greedy(SamplingParams(do_sample=True))
     assert not is_plain_greedy(SamplingParams(repetition_penalty=1.2))
     assert not is_plain_greedy(SamplingParams(presence_penalty=0.5))
+
+
+def test_counter_noise_is_exp1_and_keyed_per_row() -> None:
+    from shard.sampling import counter_noise
+
+    keys = torch.tensor([row_seed(s, 3) for s in range(8)], dtype=torch.int64)
+    noise = counter_noise(keys, 4096)
+    assert noise.shape == (8, 4096) and noise.dtype == torch.float32 and (noise > 0).all()
+    # Exp(1): mean 1, variance 1, median ln 2 (32,768 draws: a few standard errors)
+    assert abs(noise.mean().item() - 1.0) < 0.03 and abs(noise.var().item() - 1.0) < 0.06
+    assert abs((noise < math.log(2)).float().mean().item() - 0.5) < 0.015
+    # a row depends on its key only; different keys and columns give different draws
+    assert torch.equal(counter_noise(keys[5:6], 4096)[0], noise[5])
+    assert not torch.equal(noise[0], noise[1])
+    assert noise[0].unique().numel() == 4096
+
+
+def test_counter_noise_race_picks_tokens_by_probability() -> None:
+    """argmax(p / E) with the hashed noise picks each token about p of the time."""
+    from shard.sampling import counter_noise
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    keys = torch.tensor([row_seed(7, step) for step in range(4000)], dtype=torch.int64)
+    picks = (probs[None, :] / counter_noise(keys, 4)).argmax(dim=-1)
+    freq = torch.bincount(picks, minlength=4).float() / len(keys)
+    assert torch.allclose(freq, probs, atol=0.03), freq
