@@ -140,6 +140,10 @@ class EventStream:
     def empty(self) -> bool:
         return not self._events
 
+    def peek(self) -> Event:
+        """The oldest event, left in place. Raises ``IndexError`` when there is none."""
+        return self._events[0]
+
     def get_nowait(self) -> Event:
         """The oldest event. Raises ``IndexError`` when there is none."""
         return self._events.popleft()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from sse_starlette.event import ServerSentEvent
+
 from router.engine import Engine
 from router.request import ErrorEvent, Event, Finish, FinishReason, GenerationRequest, TokenEvent
+from router.request import Sequence as SequenceState
 from router.validation import public_seed
 
 T = TypeVar("T")
@@ -153,33 +156,41 @@ async def _unless_gone(
             await asyncio.gather(task, return_exceptions=True)
 
 
+def sse_events(lines: Iterable[str]) -> bytes:
+    """Server-sent events, one per line of ``lines`` (framed by sse-starlette), as one
+    body part: written at once, several events cost one write to the socket."""
+    return b"".join(ServerSentEvent(data=line).encode() for line in lines)
+
+
 class MergedStream:
     """Events of several requests, interleaved as they come: ``(index, TokenEvent)``.
 
     Use as an async context manager: leaving it (for example a client disconnecting)
     cancels every request still running, which frees its KV blocks within a step.
     Iteration raises :class:`GenerationFailed` on an :class:`ErrorEvent` and
-    ``QueueFullError`` when the engine refuses a request.
+    ``QueueFullError`` when the engine refuses a request. :meth:`take_ready` hands over
+    the events that arrived meanwhile without waiting, so that a writer that fell behind
+    sends them together.
     """
 
     def __init__(self, engine: Engine, requests: Sequence[GenerationRequest]) -> None:
         self._engine = engine
         self._requests = list(requests)
         self._queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+        self._held: tuple[int, Event | BaseException | None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._open = len(self._requests)
-        # One request (the usual case) is read directly, without a pump task and a
-        # second queue between it and the reader.
-        self._single: AsyncGenerator[Event, None] | None = None
+        # One request (the usual case) is read from its sequence directly, without a
+        # pump task and a second queue between it and the reader.
+        self._seq: SequenceState | None = None
+        self._ended = False
 
     async def __aenter__(self) -> MergedStream:
-        if len(self._requests) == 1:
-            self._single = self._engine.generate(self._requests[0])
-            return self
-        self._tasks = [
-            asyncio.create_task(self._pump(index, request))
-            for index, request in enumerate(self._requests)
-        ]
+        if len(self._requests) > 1:
+            self._tasks = [
+                asyncio.create_task(self._pump(index, request))
+                for index, request in enumerate(self._requests)
+            ]
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -187,8 +198,9 @@ class MergedStream:
 
     async def aclose(self) -> None:
         """Cancel every request still running."""
-        if self._single is not None:
-            await self._single.aclose()
+        if self._seq is not None and not self._ended:
+            self._ended = True
+            self._engine.cancel(self._seq)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -205,17 +217,28 @@ class MergedStream:
             self._queue.put_nowait((index, None))
 
     def __aiter__(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        if len(self._requests) == 1:
+            return self._iterate_one()
         return self._iterate()
 
+    async def _iterate_one(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        if self._seq is None:
+            self._seq = self._engine.submit(self._requests[0])
+        events = self._seq.events
+        while not self._ended:
+            event = await events.get()
+            if isinstance(event, ErrorEvent):
+                self._ended = True
+                raise GenerationFailed(event.message)
+            self._ended = event.finish is not None
+            yield 0, event
+
     async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        if self._single is not None:
-            async for event in self._single:
-                if isinstance(event, ErrorEvent):
-                    raise GenerationFailed(event.message)
-                yield 0, event
-            return
         while self._open:
-            index, item = await self._queue.get()
+            if self._held is not None:
+                (index, item), self._held = self._held, None
+            else:
+                index, item = await self._queue.get()
             if item is None:
                 self._open -= 1
             elif isinstance(item, BaseException):
@@ -224,3 +247,27 @@ class MergedStream:
                 raise GenerationFailed(item.message)
             else:
                 yield index, item
+
+    def take_ready(self) -> list[tuple[int, TokenEvent]]:
+        """The token events that arrived already, in order, without waiting; an error
+        is left for the iteration to raise."""
+        ready: list[tuple[int, TokenEvent]] = []
+        if self._seq is not None:
+            events = self._seq.events
+            while not self._ended and not events.empty():
+                if isinstance(events.peek(), ErrorEvent):
+                    break
+                event = events.get_nowait()
+                assert isinstance(event, TokenEvent)
+                ready.append((0, event))
+                self._ended = event.finish is not None
+            return ready
+        while self._held is None and not self._queue.empty():
+            index, item = self._queue.get_nowait()
+            if isinstance(item, TokenEvent):
+                ready.append((index, item))
+            elif item is None:  # one request's end
+                self._open -= 1
+            else:
+                self._held = (index, item)
+        return ready

@@ -25,6 +25,7 @@ from router.api.generation import (
     MergedStream,
     first_event,
     run_all,
+    sse_events,
     text_without_stop,
 )
 from router.api.openai_logprobs import (
@@ -342,17 +343,19 @@ async def _sse(
         raise
     done = [Completion(r) for r in requests]
 
-    async def lines() -> AsyncIterator[str]:
+    async def lines() -> AsyncIterator[str | bytes]:
         try:
             for line in opening:
                 yield line
             item: tuple[int, TokenEvent] | None = first
             while item is not None:
-                index, event = item
-                done[index].tokens.append(event)
-                done[index].finish = event.finish or done[index].finish
-                for line in on_event(index, event):
-                    yield line
+                # with the events that arrived meanwhile: one write for all of them
+                chunks: list[str] = []
+                for index, event in [item, *stream.take_ready()]:
+                    done[index].tokens.append(event)
+                    done[index].finish = event.finish or done[index].finish
+                    chunks.extend(on_event(index, event))
+                yield sse_events(chunks)
                 item = await anext(events, None)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield usage_chunk(done)

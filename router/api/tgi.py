@@ -22,6 +22,7 @@ from router.api.generation import (
     MergedStream,
     first_event,
     run_all,
+    sse_events,
 )
 from router.api.schemas import (
     BestOfSequence,
@@ -161,33 +162,34 @@ def tgi_routes(state: ServerState) -> APIRouter:
     async def _stream(
         body: GenerateRequest, request: GenerationRequest, first: tuple[int, TokenEvent],
         stream: MergedStream, events: AsyncIterator[tuple[int, TokenEvent]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | bytes]:
         prefix = body.inputs if body.parameters.return_full_text else ""
         completion = Completion(request)
 
-        async def all_events() -> AsyncIterator[tuple[int, TokenEvent]]:
-            yield first
-            async for item in events:
-                yield item
+        def message(event: TokenEvent) -> str:
+            completion.tokens.append(event)
+            response = StreamResponse(
+                index=len(completion.tokens),
+                token=Token(id=event.id, text=event.text, logprob=event.logprob,
+                            special=event.special),
+                top_tokens=top_tokens(tokenizer, event),
+            )
+            if event.finish is not None:
+                completion.finish = event.finish
+                response.generated_text = prefix + completion.text
+                response.details = StreamDetails(
+                    finish_reason=event.finish.reason.value,
+                    generated_tokens=event.finish.generated_tokens,
+                    seed=completion.seed,
+                )
+            return response.model_dump_json()
 
         try:
-            async for _, event in all_events():
-                completion.tokens.append(event)
-                response = StreamResponse(
-                    index=len(completion.tokens),
-                    token=Token(id=event.id, text=event.text, logprob=event.logprob,
-                                special=event.special),
-                    top_tokens=top_tokens(tokenizer, event),
-                )
-                if event.finish is not None:
-                    completion.finish = event.finish
-                    response.generated_text = prefix + completion.text
-                    response.details = StreamDetails(
-                        finish_reason=event.finish.reason.value,
-                        generated_tokens=event.finish.generated_tokens,
-                        seed=completion.seed,
-                    )
-                yield response.model_dump_json()
+            item: tuple[int, TokenEvent] | None = first
+            while item is not None:
+                # with the events that arrived meanwhile: one write for all of them
+                yield sse_events(message(event) for _, event in [item, *stream.take_ready()])
+                item = await anext(events, None)
         except GenerationFailed as error:
             yield json.dumps({"error": str(error), "error_type": "generation"})
         finally:
