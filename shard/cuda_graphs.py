@@ -13,20 +13,12 @@ slot, and a context of one token in block 0, which is read and ignored.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from shard.attention.metadata import AttentionMetadata
 from shard.decode_state import DecodeRows, decode_slot_mapping
-
-
-class DecodeModel(Protocol):
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+from shard.models.base import CausalLM
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -80,7 +72,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DecodeModel,
+        model: CausalLM,
         buckets: Sequence[int],
         block_size: int,
         max_seqlen_k: int,
