@@ -231,7 +231,9 @@ class ModelRunner:
 
     def capture_graphs(self, buckets: Sequence[int], max_total_tokens: int) -> DecodeGraphs:
         """Capture the decode forward for ``buckets`` over the bound KV cache."""
-        graphs = DecodeGraphs(self.model, buckets, self.block_size, max_total_tokens, self.device)
+        graphs = DecodeGraphs(
+            self.model, self.backend, buckets, self.block_size, max_total_tokens, self.device
+        )
         graphs.capture()
         self.graphs = graphs
         return graphs
@@ -243,8 +245,13 @@ class ModelRunner:
         if not self.kv_cache:
             raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
         inputs = build_inputs(chunks, self.block_size, is_prefill, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        return inputs, hidden
+        return inputs, self.forward(inputs)
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """One eager forward step: the backend's per-step ``prepare``, then the model.
+        Returns hidden states [num_tokens, hidden_size]."""
+        self.backend.prepare(inputs.metadata)
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> StepOutput:
@@ -447,8 +454,7 @@ class ModelRunner:
         ):
             return graphs.run(rows)
         inputs = rows.model_inputs(self.block_size, max_seqlen_k)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self.forward(inputs))
 
     def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
         """Keep only ``request_ids`` in the batch (see :meth:`BatchStore.filter`)."""
