@@ -8,25 +8,22 @@ into the static buffers and replays the smallest bucket that holds the batch.
 
 Padded rows (bucket size minus batch size) get slot -1, so they never write a real KV
 slot, and a context of one token in block 0, which is read and ignored.
+
+The attention backend's per-step ``prepare`` runs inside the captured region, so a
+replay repeats its device work on the new inputs (graph-safe backends do no host work
+there; see :meth:`~shard.attention.base.AttentionBackend.prepare`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
+from shard.attention.base import AttentionBackend
 from shard.attention.metadata import AttentionMetadata
 from shard.decode_state import DecodeRows, decode_slot_mapping
-
-
-class DecodeModel(Protocol):
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+from shard.models.base import CausalLM
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -68,6 +65,7 @@ class DecodeGraphs:
     Args:
         model: the causal LM (``model(input_ids, positions, metadata)`` and
             ``compute_logits``).
+        backend: the model's attention backend (one that declares ``cuda_graph_safe``).
         buckets: batch sizes to capture, e.g. [1, 2, 4, 8, 16, ...].
         block_size: tokens per KV block.
         max_seqlen_k: the longest context a request can reach (max_total_tokens); the
@@ -80,14 +78,17 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: DecodeModel,
+        model: CausalLM,
+        backend: AttentionBackend,
         buckets: Sequence[int],
         block_size: int,
         max_seqlen_k: int,
         device: torch.device,
     ) -> None:
         assert buckets, "no batch-size buckets"
+        assert backend.cuda_graph_safe, f"attention backend {backend.name} is not graph-safe"
         self.model = model
+        self.backend = backend
         self.buckets = sorted(buckets)
         self.block_size = block_size
         self.max_seqlen_k = max_seqlen_k
@@ -125,8 +126,10 @@ class DecodeGraphs:
             max_seqlen_q=1,
             max_seqlen_k=self.max_seqlen_k,
             block_tables=self.block_tables[:bucket],
+            block_size=self.block_size,
             has_skipped_slots=True,
         )
+        self.backend.prepare(metadata)
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], metadata)
         return self.model.compute_logits(hidden)
 

@@ -143,6 +143,7 @@ class DecodeRows:
             max_seqlen_q=1,
             max_seqlen_k=max_seqlen_k,
             block_tables=self.block_tables,
+            block_size=block_size,
             has_skipped_slots=False,
         )
         return ModelInputs(

@@ -3,9 +3,12 @@ parallel layers use.
 
 Every rank of a shard group calls :func:`init_distributed` once at start-up (before the
 model is built) with the rendezvous the launcher handed over (``--master-addr`` /
-``--master-port``); gloo is used on CPU, NCCL on CUDA. The layers then call
-:func:`all_reduce` / :func:`all_gather`, which are no-ops at world size 1, so a single
-shard never needs ``torch.distributed``.
+``--master-port``); gloo is used on CPU, NCCL on CUDA.
+
+The parallel layers learn their rank from one :class:`ParallelContext`: the model is
+built inside :func:`parallel_context`, each layer takes :func:`current_parallel` when it
+is constructed and calls the context's collectives, which are no-ops at world size 1 (a
+single shard never needs ``torch.distributed``). The model code itself never sees a rank.
 
 The tensor-parallel layout (which dimension each layer splits, where the collectives
 sit) follows Megatron-LM: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
@@ -14,6 +17,10 @@ Parameter Language Models Using Model Parallelism", §3.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -74,23 +81,62 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum ``x`` over the ranks (in place); identity when ``tp_size == 1``.
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in its tensor-parallel group, and the group's collectives.
 
-    Shape and dtype are unchanged.
+    Attributes:
+        rank: this rank, in [0, size).
+        size: ranks in the group (the tensor-parallel world size), >= 1.
+
+    Raises:
+        ValueError: size < 1 or rank outside [0, size).
     """
-    if tp_size == 1:
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"invalid tensor-parallel rank {self.rank} of {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks (in place); identity at size 1.
+
+        Shape and dtype are unchanged.
+        """
+        if self.size == 1:
+            return x
+        dist.all_reduce(x)
         return x
-    dist.all_reduce(x)
-    return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x [n, d]`` along the last dimension, in rank order:
+        ``[n, d] → [n, d * size]`` on every rank; identity at size 1."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)
 
 
-def all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Concatenate every rank's ``x [n, d]`` along the last dimension, in rank order:
-    ``[n, d] → [n, d * tp_size]`` on every rank; identity when ``tp_size == 1``."""
-    if tp_size == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x)
-    return torch.cat(parts, dim=-1)
+SINGLE_RANK = ParallelContext()
+_CURRENT: ContextVar[ParallelContext] = ContextVar("parallel_context", default=SINGLE_RANK)
+
+
+def current_parallel() -> ParallelContext:
+    """The context set by the innermost :func:`parallel_context` (a single rank outside
+    any)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def parallel_context(ctx: ParallelContext) -> Iterator[ParallelContext]:
+    """Build layers for ``ctx`` inside this block (the previous context is restored on
+    exit)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)

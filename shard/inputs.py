@@ -99,6 +99,7 @@ def build_inputs(
         max_seqlen_q=max(len(c.token_ids) for c in chunks),
         max_seqlen_k=max(seq_lens),
         block_tables=tensor(tables, torch.int32),
+        block_size=block_size,
         has_skipped_slots=any(s < 0 for s in slots),
     )
     return ModelInputs(

@@ -9,12 +9,10 @@ The router decides which blocks a request gets; the shard only reads and writes 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # NOTE: runtime import would cycle through shard.models
-    from shard.models.config import ModelConfig
+from shard.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

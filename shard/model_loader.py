@@ -1,5 +1,6 @@
 """Build the model for a :class:`ShardConfig`: parse config.json, pick the class from
-the registry, create parameters directly in the target dtype and device, load weights."""
+the registry, create parameters directly in the target dtype and device (and sharded
+for this rank's :class:`~shard.distributed.ParallelContext`), load weights."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from loguru import logger
 
 from shard.attention.base import AttentionBackend
 from shard.config import ShardConfig, dtype_name
+from shard.distributed import ParallelContext, parallel_context
 from shard.layers.linear import pack_cpu_weights
-from shard.models import get_model_class
+from shard.models.base import CausalLM
 from shard.models.config import ModelConfig
-from shard.models.llama import LlamaForCausalLM
+from shard.models.registry import get_model_class
 from shard.weights import fill_dummy_weights, load_weights
 
 
@@ -35,7 +37,7 @@ def build_model(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Create the model (no KV cache bound yet) and fill its weights.
 
     Raises:
@@ -55,15 +57,16 @@ def build_model(
         dtype_name(dtype),
         device,
     )
-    with torch.device(device), _default_dtype(dtype):
-        model = cls(model_config, backend, tp_rank=config.rank, tp_size=config.world_size)
+    tp = ParallelContext(config.rank, config.world_size)
+    with torch.device(device), _default_dtype(dtype), parallel_context(tp):
+        model = cls(model_config, backend)
     model.eval()
     if config.load_format == "dummy":
         log.info("filling dummy weights (load_format=dummy)")
         fill_dummy_weights(model)
     else:
         load_weights(model, config.model_path)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for _, p in model.named_parameters())
     packed = pack_cpu_weights(model)
     if packed:
         log.info("packed {} float32 CPU weight matrices for oneDNN", packed)

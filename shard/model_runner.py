@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 from loguru import logger
 
-from shard import warmup as warmup_lib
 from shard.attention import AttentionSpec, select_backend
 from shard.batch import Batch, BatchStore, RequestState
 from shard.config import ShardConfig, dtype_name
@@ -27,10 +26,11 @@ from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
 from shard.host_copy import HostCopy
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
-from shard.kv_cache import KVCacheLayer
+from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
+from shard.progress import PhaseProgress
 from shard.requests import (
     CachedBatchInfo,
     Generation,
@@ -49,6 +49,14 @@ from shard.sampling import (
     sample_greedy,
 )
 from shard.validate import validate_decode, validate_prefill
+from shard.warmup import (
+    WARMUP_PHASES,
+    MemoryProfile,
+    blocks_needed,
+    check_kv_fits,
+    dummy_chunks,
+    dummy_sampling_rows,
+)
 
 
 @dataclass
@@ -191,14 +199,18 @@ class ModelRunner:
     def warmup(
         self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0
     ) -> int:
-        """Size and allocate the KV cache, run a worst-case prefill through it, capture
-        the decode CUDA graphs (see :meth:`graph_buckets`) and drop all batches (also on
-        failure, which leaves no cache). Returns the number of KV blocks.
+        """Size and allocate the KV cache (see :mod:`shard.warmup`), run a worst-case
+        prefill through it, capture the decode CUDA graphs (see :meth:`graph_buckets`)
+        and drop all batches (also on failure, which leaves no cache). Each phase is
+        announced (:class:`~shard.progress.PhaseProgress`).
 
         Args:
-            max_batch_prefill_tokens: prefill token budget, tokens.
-            max_total_tokens: longest request, tokens.
+            max_batch_prefill_tokens: prefill token budget, tokens (> 0).
+            max_total_tokens: longest request (prompt + generated), tokens (> 0).
             max_batch_size: most requests in a decode step (0 = unknown: no graphs).
+
+        Returns:
+            the number of KV blocks allocated.
 
         Raises:
             KVCacheTooSmallError: the cache cannot hold the budgets (names the flag).
@@ -208,11 +220,81 @@ class ModelRunner:
         self._last_pending = None
         self.unbind_kv_cache()  # a failed warmup leaves the shard without a cache
         buckets = self.graph_buckets(max_batch_size)
-        num_blocks = warmup_lib.run_warmup(
-            self, max_batch_prefill_tokens, max_total_tokens, buckets
+        if max_batch_prefill_tokens <= 0 or max_total_tokens <= 0:
+            raise ValueError("max_batch_prefill_tokens and max_total_tokens must be > 0")
+        per_block = bytes_per_block(
+            self.model_config, self.block_size, self.dtype, self.config.world_size
         )
+        chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, self.block_size)
+        with PhaseProgress("warm-up", WARMUP_PHASES + bool(buckets), self.log,
+                           show_bar=self.config.rank == 0) as progress:
+            if self.device.type == "cuda":
+                progress.phase(
+                    f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
+                    + (" and the decode CUDA graphs" if buckets else "")
+                )
+                num_blocks = self._profile_kv_blocks(chunks, per_block, buckets, max_total_tokens)
+                memory_flag = "--gpu-memory-fraction"
+            else:
+                progress.phase("sizing the KV cache (--kv-cache-bytes)")
+                num_blocks = self.config.kv_cache_bytes // per_block
+                memory_flag = "--kv-cache-bytes"
+            check_kv_fits(num_blocks, chunks, self.block_size, per_block,
+                          max_batch_prefill_tokens, max_total_tokens, memory_flag)
+            progress.phase(
+                f"allocating the KV cache: {num_blocks} blocks of {self.block_size} tokens"
+            )
+            self.bind_kv_cache(self._allocate_kv_cache(num_blocks))
+            progress.phase("running the worst-case prefill through the cache")
+            self._run_dummy_prefill(chunks)
+            if buckets:
+                progress.phase(f"capturing decode CUDA graphs for batch sizes up to {buckets[-1]}")
+                started = time.perf_counter()
+                self.capture_graphs(buckets, max_total_tokens)
+                self.log.info("captured decode CUDA graphs for batch sizes {} in {:.1f} s",
+                              list(buckets), time.perf_counter() - started)
         self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, self.block_size)
         return num_blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:
+        return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
+                                 self.device, self.config.world_size)
+
+    def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
+        """The worst-case prefill and its sampling, through the bound cache."""
+        inputs, hidden = self.run_chunks(chunks, is_prefill=True)
+        logits = self.model.compute_logits(hidden[inputs.last_token_indices])
+        sample(logits, dummy_sampling_rows(len(chunks)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _profile_kv_blocks(
+        self, chunks: list[SeqChunk], per_block: int, buckets: Sequence[int],
+        max_total_tokens: int,
+    ) -> int:
+        """KV blocks that fit ``--gpu-memory-fraction`` of the GPU, measured by running
+        the worst-case prefill (and capturing the decode graphs) over a temporary cache
+        just large enough for it; the temporary cache and graphs are released."""
+        device = self.device
+        temp_blocks = blocks_needed(chunks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        self.bind_kv_cache(self._allocate_kv_cache(temp_blocks))
+        self._run_dummy_prefill(chunks)
+        peak = torch.cuda.max_memory_allocated(device)
+        graph_bytes = 0
+        if buckets:
+            before = torch.cuda.memory_reserved(device)
+            self.capture_graphs(buckets, max_total_tokens)
+            graph_bytes = max(0, torch.cuda.memory_reserved(device) - before)
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = total - free - torch.cuda.memory_reserved(device)
+        self.unbind_kv_cache()
+        torch.cuda.empty_cache()
+        profile = MemoryProfile(total, peak, non_torch, temp_blocks * per_block, graph_bytes)
+        fraction = self.config.gpu_memory_fraction
+        self.log.info("{}", profile.describe(fraction))
+        return profile.kv_budget(fraction) // per_block
 
     def graph_buckets(self, max_batch_size: int) -> list[int]:
         """Batch sizes whose decode runs as a CUDA graph: ``--cuda-graphs`` up to
@@ -231,7 +313,9 @@ class ModelRunner:
 
     def capture_graphs(self, buckets: Sequence[int], max_total_tokens: int) -> DecodeGraphs:
         """Capture the decode forward for ``buckets`` over the bound KV cache."""
-        graphs = DecodeGraphs(self.model, buckets, self.block_size, max_total_tokens, self.device)
+        graphs = DecodeGraphs(
+            self.model, self.backend, buckets, self.block_size, max_total_tokens, self.device
+        )
         graphs.capture()
         self.graphs = graphs
         return graphs
@@ -243,8 +327,13 @@ class ModelRunner:
         if not self.kv_cache:
             raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
         inputs = build_inputs(chunks, self.block_size, is_prefill, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        return inputs, hidden
+        return inputs, self.forward(inputs)
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """One eager forward step: the backend's per-step ``prepare``, then the model.
+        Returns hidden states [num_tokens, hidden_size]."""
+        self.backend.prepare(inputs.metadata)
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> StepOutput:
@@ -447,8 +536,7 @@ class ModelRunner:
         ):
             return graphs.run(rows)
         inputs = rows.model_inputs(self.block_size, max_seqlen_k)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self.forward(inputs))
 
     def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
         """Keep only ``request_ids`` in the batch (see :meth:`BatchStore.filter`)."""

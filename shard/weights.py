@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from loguru import logger
 from safetensors import safe_open
-from torch import nn
 
 from shard.layers.linear import get_checkpoint_shapes, get_weight_loader
-from shard.models.llama import LlamaForCausalLM
+from shard.models.base import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,7 +57,7 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: LlamaForCausalLM, path: str | Path) -> int:
+def load_weights(model: CausalLM, path: str | Path) -> int:
     """Load every checkpoint tensor through its parameter's ``weight_loader``.
 
     Returns:
@@ -97,7 +96,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> int:
     return count
 
 
-def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def fill_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for benchmarks: norms = 1, biases = 0, others ~ N(0, std²).
 
     Each full (unsharded) checkpoint tensor is drawn from a generator seeded by

@@ -39,9 +39,12 @@ class AttentionBackend(abc.ABC):
 
     Subclasses set :attr:`name`, :attr:`block_size_multiple` (the KV block size the
     backend needs is a multiple of it: flash-attn's paged API needs 256, ours any) and
-    :attr:`cuda_graph_safe`, and
-    implement :meth:`supports` and :meth:`forward`. ``supports`` is also where a backend
+    :attr:`cuda_graph_safe`, and implement :meth:`supports`, :meth:`prepare` and
+    :meth:`forward`. ``supports`` is also where a backend
     checks that its optional package imports, so a missing package means "skipped".
+
+    A forward step calls :meth:`prepare` once with the step's metadata, then every
+    layer's :meth:`forward` with that same metadata.
     """
 
     name: ClassVar[str]
@@ -65,6 +68,18 @@ class AttentionBackend(abc.ABC):
         """Whether this backend can run ``spec``; the reason when it cannot (or "ok")."""
 
     @abc.abstractmethod
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Derive what every layer of this step reuses (host-side plans, index tensors)
+        from ``metadata``, replacing the previous step's; called once per forward step,
+        before the model runs.
+
+        In a decode step captured as a CUDA graph (backends with :attr:`cuda_graph_safe`)
+        it runs inside the captured region and is replayed with it, so such a backend's
+        ``prepare`` must be graph-safe as well: device work on the metadata's tensors
+        only, no host reads of them.
+        """
+
+    @abc.abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -74,7 +89,8 @@ class AttentionBackend(abc.ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write k/v at ``metadata.slot_mapping``, then attend.
+        """Write k/v at ``metadata.slot_mapping``, then attend. ``metadata`` is the one
+        last passed to :meth:`prepare`.
 
         Args:
             q: [num_tokens, num_heads, head_dim].

@@ -66,6 +66,10 @@ class FlashAttnBackend(AttentionBackend):
             return False, f"head_dim={spec.head_dim} is not a multiple of 8 up to 256"
         return True, f"{reason} paged API, block size a multiple of {cls.block_size_multiple}"
 
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Nothing to derive: flash-attn and the KV write read the metadata's tensors
+        themselves (so a captured decode graph replays over new inputs)."""
+
     def forward(
         self,
         q: torch.Tensor,

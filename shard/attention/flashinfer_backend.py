@@ -3,9 +3,11 @@
 Optional extra: ``pip install shardserve[flashinfer]``.
 
 FlashInfer plans each batch on the host (page index arrays, split sizes); the plan
-depends only on the metadata, so it is made once per forward step and reused by every
-layer (keyed on the metadata object). ``backend="fa2"`` is passed because other
-FlashInfer backends download prebuilt kernels.
+depends only on the step's metadata, so it is made once per forward step and reused by
+every layer: :meth:`FlashInferBackend.prepare` builds the page indices and the step's
+first layer plans (the plan also needs head counts, dtypes and the softmax scale, which
+come with the layer's tensors). ``backend="fa2"`` is passed because other FlashInfer
+backends download prebuilt kernels.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ class FlashInferBackend(AttentionBackend):
         self._write = KVWriter()
         self._prefill: Any = None
         self._decode: Any = None
-        self._planned: AttentionMetadata | None = None
+        # this step's metadata, its pages in FlashInfer's CSR form, and whether the
+        # step's wrapper is planned yet (see prepare)
+        self._metadata: AttentionMetadata | None = None
+        self._pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._planned = False
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
@@ -86,8 +92,17 @@ class FlashInferBackend(AttentionBackend):
             return False, f"head_dim={spec.head_dim} not in {HEAD_DIMS}"
         return True, f"{reason} paged prefill/decode wrappers (fa2)"
 
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """The step's pages in FlashInfer's form (:func:`paged_kv_indices`); the wrapper
+        is planned again by the step's first layer."""
+        self._metadata = metadata
+        self._pages = paged_kv_indices(
+            metadata.block_tables, metadata.seq_lens, metadata.block_size
+        )
+        self._planned = False
+
     def _plan(self, q: torch.Tensor, kv_cache: KVCacheLayer, md: AttentionMetadata, scale: float):
-        """Build (once per step) the wrapper for this metadata and return it."""
+        """The wrapper for this step, planned by the step's first call."""
         if self._prefill is None:
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
             group = q.shape[1] // kv_cache.key.shape[2]
@@ -98,9 +113,10 @@ class FlashInferBackend(AttentionBackend):
                 workspace, "NHD", use_tensor_cores=group >= 4, backend="fa2"
             )
         wrapper = self._prefill if md.is_prefill else self._decode
-        if self._planned is md:
+        if self._planned:
             return wrapper
-        indptr, indices, last = paged_kv_indices(md.block_tables, md.seq_lens, kv_cache.block_size)
+        assert self._pages is not None
+        indptr, indices, last = self._pages
         heads = (q.shape[1], kv_cache.key.shape[2], q.shape[2], kv_cache.block_size)
         if md.is_prefill:
             wrapper.plan(
@@ -112,7 +128,7 @@ class FlashInferBackend(AttentionBackend):
                 indptr, indices, last, *heads, sm_scale=scale, q_data_type=q.dtype,
                 kv_data_type=kv_cache.key.dtype,
             )
-        self._planned = md
+        self._planned = True
         return wrapper
 
     def forward(
@@ -124,6 +140,7 @@ class FlashInferBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        assert metadata is self._metadata, "prepare(metadata) must run before forward"
         self._write(kv_cache, k, v, metadata)
         wrapper = self._plan(q, kv_cache, metadata, scale)
         out: torch.Tensor = wrapper.run(q.contiguous(), (kv_cache.key, kv_cache.value))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -29,10 +27,13 @@ class AttentionMetadata:
         max_seqlen_k: max seq_lens (python int).
         block_tables: [batch, max_blocks] int32, block ids of each sequence in order,
             padded with 0 (padding is never read: it lies beyond seq_lens).
+        block_size: tokens per KV block, the unit of ``block_tables`` and
+            ``slot_mapping`` (python int).
         has_skipped_slots: whether ``slot_mapping`` has entries < 0 (known when it is
             built, so no backend has to look at the tensor).
-        memo: per-forward values a backend derives from the fields above once and
-            reuses in every layer (see :meth:`memoize`).
+
+    What a backend derives from these once per step (host-side plans, index tensors)
+    it derives in :meth:`~shard.attention.base.AttentionBackend.prepare`.
     """
 
     is_prefill: bool
@@ -43,14 +44,8 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_tables: torch.Tensor
+    block_size: int
     has_skipped_slots: bool
-    memo: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
-
-    def memoize(self, key: str, build: Callable[[], Any]) -> Any:
-        """``build()`` on the first call with ``key`` in this forward, the same value after."""
-        if key not in self.memo:
-            self.memo[key] = build()
-        return self.memo[key]
 
     @property
     def num_seqs(self) -> int:

@@ -39,15 +39,25 @@ class TorchAttentionBackend(AttentionBackend):
         """``by_sequence``: attend one sequence at a time over exactly its context
         (:func:`prefill_attention_by_sequence`, :func:`decode_attention_by_sequence`)
         instead of batched over padded or block-split contexts. None (default) chooses
-        per call: by sequence on CPU, batched elsewhere (one kernel for the batch)."""
+        per step: by sequence on CPU, batched elsewhere (one kernel for the batch)."""
         self.by_sequence = by_sequence
+        # this step's metadata and, on the by-sequence path, its contexts (see prepare)
+        self._metadata: AttentionMetadata | None = None
+        self._contexts: SequenceContexts | None = None
 
-    def _by_sequence(self, q: torch.Tensor) -> bool:
-        return q.device.type == "cpu" if self.by_sequence is None else self.by_sequence
+    def _by_sequence(self, device: torch.device) -> bool:
+        return device.type == "cpu" if self.by_sequence is None else self.by_sequence
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
         return True, "pure PyTorch reference backend: runs on any device and dtype"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """On the by-sequence path: place every sequence's context in the cache once for
+        the step (:class:`SequenceContexts`; it reads the block tables on the host)."""
+        self._metadata = metadata
+        by_sequence = self._by_sequence(metadata.seq_lens.device)
+        self._contexts = SequenceContexts(metadata) if by_sequence else None
 
     def forward(
         self,
@@ -58,17 +68,19 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        assert metadata is self._metadata, "prepare(metadata) must run before forward"
         kv_cache.write(k, v, metadata.slot_mapping, metadata.has_skipped_slots)
+        contexts = self._contexts
         if not metadata.is_prefill:
-            if self._by_sequence(q):
-                return decode_attention_by_sequence(q, kv_cache, metadata, scale)
+            if contexts is not None:
+                return decode_attention_by_sequence(q, kv_cache, contexts, scale)
             if metadata.num_seqs == 1:  # nothing to pad: one gather, two matmuls
                 keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
                 return single_decode_attention(q, keys, values, scale)
             return paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens,
                                           scale)
-        if self._by_sequence(q):
-            return prefill_attention_by_sequence(q, k, v, kv_cache, metadata, scale)
+        if contexts is not None:
+            return prefill_attention_by_sequence(q, k, v, kv_cache, metadata, contexts, scale)
         keys, values = gather_kv(kv_cache, metadata.block_tables, metadata.max_seqlen_k)
         seq_idx, q_offset = token_layout(metadata)
         batch = metadata.num_seqs
@@ -96,6 +108,7 @@ def prefill_attention_by_sequence(
     v: torch.Tensor,
     kv_cache: KVCacheLayer,
     metadata: AttentionMetadata,
+    contexts: SequenceContexts,
     scale: float,
 ) -> torch.Tensor:
     """Prefill attention one sequence at a time, each over exactly its own context (no
@@ -112,13 +125,13 @@ def prefill_attention_by_sequence(
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
             (already written to ``kv_cache``).
         metadata: prefill metadata (``cu_seqlens_q``, ``seq_lens``, ``block_tables``).
+        contexts: the step's :class:`SequenceContexts` of ``metadata``.
 
     Returns:
         [num_tokens, num_heads, head_dim], the dtype of ``q``.
     """
-    cu_q = metadata.cu_seqlens_q.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    contexts = SequenceContexts.of(metadata, kv_cache.block_size)
+    cu_q = contexts.cu_q
+    seq_lens = contexts.seq_lens
     gathered = contexts.buffers(kv_cache)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
@@ -149,7 +162,8 @@ def prefill_attention_by_sequence(
 
 class SequenceContexts:
     """Where each sequence's context lies in a layer's paged cache, derived once per
-    forward from the block tables (the same in every layer).
+    step from the block tables (the same in every layer) by
+    :meth:`TorchAttentionBackend.prepare`.
 
     Only sequences that read their context from the cache are placed: all of them in
     decode, those with a cached prefix in prefill (the others attend over their new
@@ -159,10 +173,12 @@ class SequenceContexts:
     refilled by each layer), and those sequences are views of that buffer.
     """
 
-    def __init__(self, metadata: AttentionMetadata, block_size: int) -> None:
+    def __init__(self, metadata: AttentionMetadata) -> None:
+        block_size = metadata.block_size
         tables = metadata.block_tables.tolist()
         self.seq_lens: list[int] = metadata.seq_lens.tolist()
-        cu_q = metadata.cu_seqlens_q.tolist()
+        self.cu_q: list[int] = metadata.cu_seqlens_q.tolist()
+        cu_q = self.cu_q
         # per placed sequence: (True, first row in the cache) for a view of the cache, or
         # (False, first row in the gathered buffer)
         self.where: list[tuple[bool, int] | None] = []
@@ -183,14 +199,6 @@ class SequenceContexts:
             else None
         )
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @classmethod
-    def of(cls, metadata: AttentionMetadata, block_size: int) -> SequenceContexts:
-        """The contexts of ``metadata``'s batch, built on the first layer's call."""
-        ctx: SequenceContexts = metadata.memoize(
-            f"torch.contexts.{block_size}", lambda: cls(metadata, block_size)
-        )
-        return ctx
 
     def buffers(self, kv_cache: KVCacheLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gathered blocks of this layer, each [rows, num_kv_heads, head_dim], or None."""
@@ -243,7 +251,7 @@ class SequenceContexts:
 
 
 def decode_attention_by_sequence(
-    q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: KVCacheLayer, contexts: SequenceContexts, scale: float
 ) -> torch.Tensor:
     """Decode attention (one query per sequence) with one SDPA call per sequence over
     exactly its context, read in place where its blocks are consecutive.
@@ -257,7 +265,7 @@ def decode_attention_by_sequence(
     Args:
         q: [batch, num_heads, head_dim].
         kv_cache: the layer's paged cache (the new token already written).
-        metadata: decode metadata (``seq_lens``, ``block_tables``).
+        contexts: the step's :class:`SequenceContexts` (decode metadata).
         scale: softmax scale.
 
     Returns:
@@ -265,7 +273,6 @@ def decode_attention_by_sequence(
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.key.shape[2]
-    contexts = SequenceContexts.of(metadata, kv_cache.block_size)
     gathered = contexts.buffers(kv_cache)
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     outs = [

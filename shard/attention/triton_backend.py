@@ -56,6 +56,10 @@ class TritonAttentionBackend(AttentionBackend):
             return False, f"head_dim={spec.head_dim} > {MAX_HEAD_DIM}"
         return True, f"our Triton paged kernels (triton {triton.__version__})"
 
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Nothing to derive: the kernels read the metadata's tensors themselves (so a
+        captured decode graph replays over new inputs)."""
+
     def forward(
         self,
         q: torch.Tensor,

@@ -5,6 +5,9 @@ layer (q/k/v, gate/up: output features split) feeds a row-parallel one (o_proj,
 down_proj: input features split) whose partial sums are all-reduced, so one block costs
 one all-reduce and the model code never sees a rank. Embedding and LM head split the
 vocabulary; the LM head all-gathers the logits so every rank samples the same tokens.
+Each layer takes this rank's :class:`~shard.distributed.ParallelContext` from
+:func:`~shard.distributed.current_parallel` when it is constructed (the model is built
+inside :func:`~shard.distributed.parallel_context`).
 
 Every parameter carries ``weight_loader(param, loaded[, shard_id])``; ``loaded`` is a
 ``torch.Tensor`` or a lazy safetensors slice (``get_shape()`` + ``[a:b]`` indexing), so
@@ -15,14 +18,14 @@ shape per shard id, used to fill dummy weights sharded exactly like real ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard.distributed import all_gather_last_dim, all_reduce
+from shard.distributed import ParallelContext, current_parallel
 from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
 
 WeightLoader = Callable[..., None]
@@ -101,9 +104,9 @@ def default_weight_loader(param: nn.Parameter, loaded: Any) -> None:
     param.data.copy_(read_all(loaded))
 
 
-def _check_divisible(value: int, tp_size: int, what: str) -> None:
-    if value % tp_size != 0:
-        raise ValueError(f"{what}={value} is not divisible by tp_size={tp_size}")
+def _check_divisible(value: int, tp: ParallelContext, what: str) -> None:
+    if value % tp.size != 0:
+        raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}")
 
 
 def _matmul(
@@ -119,14 +122,12 @@ def _matmul(
 
 class _ParallelLinearBase(nn.Module):
     """Common fields: ``weight [out_local, in_local]``, optional ``bias [out_local]``, and
-    ``packed_weight`` (set by :func:`pack_cpu_weights`)."""
+    ``packed_weight`` (set by :func:`pack_cpu_weights`), and ``tp``, the parallel
+    context the layer was built in."""
 
-    def __init__(
-        self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int
-    ) -> None:
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: ParallelContext) -> None:
         super().__init__()
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp = tp
         self.packed_weight: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
@@ -156,21 +157,15 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Forward: ``[num_tokens, input_size] → [num_tokens, output_size / tp_size]``.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ):
-        _check_divisible(output_size, tp_size, "output_size")
-        super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = current_parallel()
+        _check_divisible(output_size, tp, "output_size")
+        super().__init__(input_size, output_size // tp.size, bias, tp)
         self._record_shapes([(None, output_size)], input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
         rows = param.shape[0]
-        _copy(param.data, read_range(loaded, 0, self.tp_rank * rows, rows), "column slice")
+        _copy(param.data, read_range(loaded, 0, self.tp.rank * rows, rows), "column slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _matmul(x, self.weight, self.packed_weight, self.bias)
@@ -183,27 +178,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ``[gate_local | up_local]``.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: Sequence[int],
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ):
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False):
         for size in output_sizes:
-            _check_divisible(size, tp_size, "output_size")
+            _check_divisible(size, current_parallel(), "output_size")
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias)
         self._record_shapes(list(enumerate(output_sizes)), input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
         (shard_id,) = args
-        sizes = [s // self.tp_size for s in self.output_sizes]
+        sizes = [s // self.tp.size for s in self.output_sizes]
         index = int(shard_id)
         offset = sum(sizes[:index])
         target = param.data.narrow(0, offset, sizes[index])
-        piece = read_range(loaded, 0, self.tp_rank * sizes[index], sizes[index])
+        piece = read_range(loaded, 0, self.tp.rank * sizes[index], sizes[index])
         _copy(target, piece, f"shard {shard_id}")
 
 
@@ -223,19 +211,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
     ):
-        _check_divisible(num_heads, tp_size, "num_heads")
-        if num_kv_heads % tp_size and tp_size % num_kv_heads:
-            raise ValueError(f"num_kv_heads={num_kv_heads} cannot be split over {tp_size} ranks")
+        tp = current_parallel()
+        _check_divisible(num_heads, tp, "num_heads")
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} cannot be split over {tp.size} ranks")
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp_size)
-        self.first_kv_head = first_kv_head(num_kv_heads, tp_rank, tp_size)
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
+        self.first_kv_head = first_kv_head(num_kv_heads, tp.rank, tp.size)
         # The local width is what this rank holds (KV heads may be replicated).
         total_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, total_local * tp_size, bias, tp_rank, tp_size)
+        super().__init__(hidden_size, total_local * tp.size, bias)
         q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
         self._record_shapes([("q", q_full), ("k", kv_full), ("v", kv_full)], hidden_size)
 
@@ -244,7 +231,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, self.tp_rank * q_size
+            offset, size, start = 0, q_size, self.tp.rank * q_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, self.first_kv_head * self.head_dim
@@ -258,16 +245,10 @@ class RowParallelLinear(_ParallelLinearBase):
     Forward: ``[num_tokens, input_size / tp_size] → [num_tokens, output_size]``.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ):
-        _check_divisible(input_size, tp_size, "input_size")
-        super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = current_parallel()
+        _check_divisible(input_size, tp, "input_size")
+        super().__init__(input_size // tp.size, output_size, bias, tp)
         self._record_shapes([(None, output_size)], input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
@@ -275,10 +256,10 @@ class RowParallelLinear(_ParallelLinearBase):
             default_weight_loader(param, loaded)
             return
         cols = param.shape[1]
-        _copy(param.data, read_range(loaded, 1, self.tp_rank * cols, cols), "row slice")
+        _copy(param.data, read_range(loaded, 1, self.tp.rank * cols, cols), "row slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(_matmul(x, self.weight, self.packed_weight, None), self.tp_size)
+        y = self.tp.all_reduce(_matmul(x, self.weight, self.packed_weight, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -291,32 +272,29 @@ class VocabParallelEmbedding(nn.Module):
     Forward: ``input_ids [num_tokens] int64 → [num_tokens, hidden_size]``.
     """
 
-    def __init__(
-        self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp = current_parallel()
         self.vocab_size = vocab_size
-        self.num_local = vocab_per_rank(vocab_size, tp_size)
+        self.num_local = vocab_per_rank(vocab_size, self.tp.size)
         self.packed_weight: torch.Tensor | None = None  # used by ParallelLMHead only
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
         set_checkpoint_shapes(self.weight, [(None, (vocab_size, hidden_size))])
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
-        piece = read_range(loaded, 0, self.tp_rank * self.num_local, self.num_local)
+        piece = read_range(loaded, 0, self.tp.rank * self.num_local, self.num_local)
         _copy(param.data[: piece.shape[0]], piece, "vocab slice")
         param.data[piece.shape[0] :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
-        local = input_ids - self.tp_rank * self.num_local
+        local = input_ids - self.tp.rank * self.num_local
         mask = (local >= 0) & (local < self.num_local)
         out = F.embedding(local.clamp(0, self.num_local - 1), self.weight)
         out = out * mask[:, None].to(self.weight.dtype)
-        return all_reduce(out, self.tp_size)
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -328,12 +306,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = _matmul(hidden, self.weight, self.packed_weight, None).to(torch.float32)
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return logits
-        return all_gather_last_dim(logits, self.tp_size)[:, : self.vocab_size]
+        return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 
-def pack_cpu_weights(model: nn.Module) -> int:
+class _ModuleTree(Protocol):
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def pack_cpu_weights(model: _ModuleTree) -> int:
     """Reorder the float32 CPU weights of every linear layer and of the LM head into
     oneDNN's blocked layout, once, so each forward skips re-packing them.
 

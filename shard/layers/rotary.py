@@ -14,17 +14,14 @@ Scalings:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shard.layers.fused import apply_rotary
+from shard.models.config import RopeConfig
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "compute_inv_freq"]
-
-if TYPE_CHECKING:  # NOTE: runtime import would cycle through shard.models
-    from shard.models.config import RopeConfig
 
 
 def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

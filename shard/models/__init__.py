@@ -1,30 +1,7 @@
-"""Model registry: Hugging Face architecture name → model class."""
+"""Model families: :mod:`~shard.models.config` (config.json parsing, no torch),
+:mod:`~shard.models.base` (the :class:`~shard.models.base.CausalLM` protocol),
+:mod:`~shard.models.registry` (architecture name → class) and one module per family.
 
-from __future__ import annotations
-
-from shard.models.config import ModelConfig
-from shard.models.llama import LlamaForCausalLM
-
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm from ModelConfig.qk_norm
-}
-
-__all__ = ["MODEL_REGISTRY", "ModelConfig", "get_model_class"]
-
-
-def get_model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The class implementing ``config.architecture``.
-
-    Raises:
-        ValueError: on an unsupported architecture, listing the supported ones.
-    """
-    try:
-        return MODEL_REGISTRY[config.architecture]
-    except KeyError:
-        supported = ", ".join(sorted(MODEL_REGISTRY))
-        raise ValueError(
-            f"unsupported architecture {config.architecture!r}; supported: {supported}"
-        ) from None
+NOTE: this package imports nothing itself, so the KV cache and rotary layers can import
+:mod:`shard.models.config` without pulling in the models that use them.
+"""

@@ -47,13 +47,7 @@ class LlamaAttention(nn.Module):
     act per head, so every tensor-parallel rank holds them whole.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        tp_rank: int,
-        tp_size: int,
-    ) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -62,8 +56,6 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=config.attention_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
         )
         # This rank's heads (KV heads may be replicated when fewer than ranks).
         self.num_heads = self.qkv_proj.num_heads
@@ -72,8 +64,6 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
             bias=config.o_proj_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -106,21 +96,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate/up fused."""
 
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size,
-            [config.intermediate_size] * 2,
-            bias=config.mlp_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
         )
         self.down_proj = RowParallelLinear(
-            config.intermediate_size,
-            config.hidden_size,
-            bias=config.mlp_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
         self.act_fn = SiluAndMul()
 
@@ -131,16 +113,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        tp_rank: int,
-        tp_size: int,
-    ) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, tp_rank, tp_size)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, backend)
+        self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -167,19 +143,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int
-    ) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_rank, tp_size
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
         self.layers = nn.ModuleList(
-            [
-                LlamaDecoderLayer(config, backend, tp_rank, tp_size)
-                for _ in range(config.num_hidden_layers)
-            ]
+            [LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -197,12 +166,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama causal LM.
+    """Llama causal LM (a :class:`~shard.models.base.CausalLM`).
 
     Args:
         config: parsed model config.
         backend: attention backend shared by all layers.
-        tp_rank, tp_size: tensor-parallel position; the layers shard themselves.
+
+    Built inside :func:`~shard.distributed.parallel_context`, the parallel layers shard
+    themselves for that rank; this code never sees one.
     """
 
     # checkpoint module name → (fused module name, shard id)
@@ -216,13 +187,11 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint tensors that are not parameters here (buffers some exporters save)
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
-    def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.model = LlamaModel(config, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

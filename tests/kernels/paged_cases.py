@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shard.attention.base import AttentionBackend
 from shard.attention.metadata import AttentionMetadata
 from shard.attention.torch_backend import TorchAttentionBackend
 from shard.inputs import SeqChunk, build_inputs
@@ -86,14 +87,28 @@ def make_case(
     )
 
 
+def run_backend(
+    backend: AttentionBackend,
+    case: PagedCase,
+    cache: KVCacheLayer,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One step of ``backend`` over ``case`` (its ``prepare``, then one layer's forward)
+    writing into ``cache``, with q/k/v cast to ``dtype`` when given.
+
+    Returns:
+        [num_tokens, num_heads, head_dim].
+    """
+    q, k, v = (t if dtype is None else t.to(dtype) for t in (case.q, case.k, case.v))
+    backend.prepare(case.metadata)
+    return backend.forward(q, k, v, cache, case.metadata, case.scale)
+
+
 def reference(case: PagedCase) -> tuple[torch.Tensor, KVCacheLayer]:
     """The ``torch`` backend in float32 on the case's device: (out [num_tokens,
     num_heads, head_dim] float32, the cache after the write, float32)."""
     cache = KVCacheLayer(case.cache.key.float(), case.cache.value.float())
-    out = TorchAttentionBackend().forward(
-        case.q.float(), case.k.float(), case.v.float(), cache, case.metadata, case.scale
-    )
-    return out, cache
+    return run_backend(TorchAttentionBackend(), case, cache, torch.float32), cache
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -94,9 +94,7 @@ def test_graph_logits_close_to_eager_bf16(tmp_path: Path) -> None:
     with torch.inference_mode():
         graphed = runner.graphs.run(rows).clone()
         inputs = rows.model_inputs(runner.block_size, 31)
-        eager = runner.model.compute_logits(
-            runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        )
+        eager = runner.model.compute_logits(runner.forward(inputs))
     err = ((graphed - eager).norm() / eager.norm()).item()
     print(f"\nGPU-CHECK graph vs eager bf16 logits rel_err={err:.2e}")
     assert err < 2e-2
@@ -149,8 +147,6 @@ def test_block_table_wider_than_captured_replays(tmp_path: Path) -> None:
     with torch.inference_mode():
         graphed = runner.graphs.run(rows).clone()
         inputs = rows.model_inputs(runner.block_size, 31)
-        eager = runner.model.compute_logits(
-            runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        )
+        eager = runner.model.compute_logits(runner.forward(inputs))
     assert graphed.argmax(-1).tolist() == eager.argmax(-1).tolist()
     assert torch.allclose(graphed, eager, atol=1e-4, rtol=1e-4)

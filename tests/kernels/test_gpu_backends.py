@@ -12,7 +12,7 @@ import torch
 from shard.attention import AttentionSpec, get_backend_class
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
-from tests.kernels.paged_cases import make_case, reference, rel_error
+from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -48,7 +48,7 @@ def test_backend_bf16_vs_fp32_reference(
                      torch.bfloat16, "cuda", seed=num_heads + head_dim)
     ref, _ = reference(case)
     backend = get_backend_class(name)()
-    out = backend.forward(case.q, case.k, case.v, case.fresh_cache(), case.metadata, case.scale)
+    out = run_backend(backend, case, case.fresh_cache())
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     err = rel_error(out, ref)
     print(f"\nGPU-CHECK {name} {phase} H={num_heads} HKV={num_kv_heads} D={head_dim} "

@@ -17,7 +17,7 @@ from shard.attention.triton_kernels import (
     prefill_attention,
     write_kv_cache,
 )
-from tests.kernels.paged_cases import make_case, reference, rel_error
+from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_HEADS = 2
@@ -42,7 +42,7 @@ def test_backend_decode(group: int, head_dim: int) -> None:
                      seed=group * 1000 + head_dim)
     ref, ref_cache = reference(case)
     cache = case.fresh_cache()
-    out = TritonAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
+    out = run_backend(TritonAttentionBackend(), case, cache)
     _check(out, ref)
     assert torch.equal(cache.key, ref_cache.key) and torch.equal(cache.value, ref_cache.value)
 
@@ -53,9 +53,7 @@ def test_backend_prefill_over_cached_prefix(group: int, head_dim: int) -> None:
     case = make_case(PREFILL_SEQS, PREFILL_QS, group * KV_HEADS, KV_HEADS, head_dim,
                      device=DEVICE, seed=group * 7 + head_dim)
     ref, _ = reference(case)
-    out = TritonAttentionBackend().forward(
-        case.q, case.k, case.v, case.fresh_cache(), case.metadata, case.scale
-    )
+    out = run_backend(TritonAttentionBackend(), case, case.fresh_cache())
     _check(out, ref)
 
 

@@ -11,8 +11,8 @@ import torch
 
 from shard.config import ShardConfig, env_overrides
 from shard.layers.rotary import compute_inv_freq
-from shard.models import get_model_class
 from shard.models.config import ModelConfig, RopeConfig
+from shard.models.registry import get_model_class
 from shard.server import config_from_args
 
 HF = {

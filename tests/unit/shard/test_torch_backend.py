@@ -78,6 +78,7 @@ def test_matches_naive(
     new_v = torch.cat([v[-ql:] for v, ql in zip(full_v, q_lens, strict=True)])
     scale = 1 / math.sqrt(D)
     backend = TorchAttentionBackend(by_sequence=by_sequence)
+    backend.prepare(inputs.metadata)
     out = backend.forward(q, new_k, new_v, cache, inputs.metadata, scale)
     cu = inputs.metadata.cu_seqlens_q.tolist()
     for i in range(len(seq_lens)):
@@ -122,7 +123,7 @@ def test_registry() -> None:
 
 
 def test_metadata_reused_with_a_cache_of_another_dtype() -> None:
-    """Values memoized on the metadata (contexts, gather buffers) must not leak between
+    """What a step derives in prepare (contexts, gather buffers) must not leak between
     caches of different dtypes, as when a test runs a float32 reference first."""
     gen = torch.Generator().manual_seed(1)
     seq_lens, tables = [9, 14], [[5, 2, 7], [3, 1, 6, 0]]
@@ -137,6 +138,7 @@ def test_metadata_reused_with_a_cache_of_another_dtype() -> None:
     q = torch.randn(2, H, D, generator=gen)
     k_new, v_new = torch.randn(2, HKV, D, generator=gen), torch.randn(2, HKV, D, generator=gen)
     backend = TorchAttentionBackend(by_sequence=True)
+    backend.prepare(inputs.metadata)
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
         cache = KVCacheLayer(key.clone().to(dtype), value.clone().to(dtype))
@@ -161,3 +163,36 @@ def test_kv_writer_fallback_skips_slots_flagged_by_the_metadata() -> None:
     KVWriter(use_triton=False)(cache, k, -k, metadata)
     assert cache.key.flatten().tolist() == [3.0, 0, 0, 2.0]
     assert cache.value.flatten().tolist() == [-3.0, 0, 0, -2.0]
+
+
+@pytest.mark.parametrize("by_sequence", [True, False], ids=["by_sequence", "batched"])
+def test_each_step_is_prepared_before_its_forward(by_sequence: bool) -> None:
+    """prepare replaces the previous step's state: one backend over two decode steps of
+    different layouts gives each step's own attention; a forward whose metadata was not
+    prepared is refused instead of reading the previous step's contexts."""
+    gen = torch.Generator().manual_seed(3)
+    cache = KVCacheLayer(
+        torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen),
+        torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen),
+    )
+    backend = TorchAttentionBackend(by_sequence=by_sequence)
+    steps = [([9, 14], [[5, 2, 7], [3, 1, 6, 0]]), ([6, 3, 11], [[8, 9], [4], [10, 11, 12]])]
+    for seq_lens, tables in steps:
+        metadata = build_inputs(
+            [SeqChunk([0], n - 1, t) for n, t in zip(seq_lens, tables, strict=True)],
+            BS,
+            False,
+            torch.device("cpu"),
+        ).metadata
+        q = torch.randn(len(seq_lens), H, D, generator=gen)
+        k_new, v_new = (torch.randn(len(seq_lens), HKV, D, generator=gen) for _ in range(2))
+        with pytest.raises(AssertionError, match=r"prepare\(metadata\) must run before"):
+            backend.forward(q, k_new, v_new, cache, metadata, 0.3)
+        backend.prepare(metadata)
+        out = backend.forward(q, k_new, v_new, cache, metadata, 0.3)
+        for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
+            slots = [table[p // BS] * BS + p % BS for p in range(n)]
+            keys = cache.key.view(-1, HKV, D)[slots]
+            values = cache.value.view(-1, HKV, D)[slots]
+            ref = naive_attention(q[i : i + 1], keys, values, 0.3)
+            torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=1e-5)

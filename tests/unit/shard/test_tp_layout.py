@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from shard.distributed import ParallelContext, current_parallel, parallel_context
 from shard.layers.linear import QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from shard.layers.tp_layout import check_tp_size, first_kv_head, valid_tp_sizes
 
@@ -44,7 +45,8 @@ class RecordingSlice:
 
 def test_loaders_read_only_their_slice() -> None:
     full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
-    qkv = QKVParallelLinear(6, 2, num_heads=4, num_kv_heads=1, tp_rank=1, tp_size=2)
+    with parallel_context(ParallelContext(rank=1, size=2)):
+        qkv = QKVParallelLinear(6, 2, num_heads=4, num_kv_heads=1)
     q = RecordingSlice(full)
     qkv.weight.weight_loader(qkv.weight, q, "q")  # type: ignore[attr-defined]
     assert q.reads == [(slice(4, 8),)]
@@ -52,7 +54,8 @@ def test_loaders_read_only_their_slice() -> None:
     qkv.weight.weight_loader(qkv.weight, k, "k")  # type: ignore[attr-defined]
     assert k.reads == [(slice(0, 2),)]  # the one KV head, replicated on rank 1
     assert torch.equal(qkv.weight[:4], full[4:8])
-    row = RowParallelLinear(6, 8, tp_rank=1, tp_size=3)
+    with parallel_context(ParallelContext(rank=1, size=3)):
+        row = RowParallelLinear(6, 8)
     w = RecordingSlice(full)
     row.weight.weight_loader(row.weight, w)  # type: ignore[attr-defined]
     assert w.reads == [(slice(None), slice(2, 4))]
@@ -61,7 +64,21 @@ def test_loaders_read_only_their_slice() -> None:
 
 def test_vocab_rows_pad_on_the_last_rank() -> None:
     full = torch.randn(10, 4)
-    last = VocabParallelEmbedding(10, 4, tp_rank=2, tp_size=3)  # 4 rows per rank
+    with parallel_context(ParallelContext(rank=2, size=3)):
+        last = VocabParallelEmbedding(10, 4)  # 4 rows per rank
     last.weight.weight_loader(last.weight, RecordingSlice(full))  # type: ignore[attr-defined]
     assert torch.equal(last.weight[:2], full[8:10])
     assert torch.equal(last.weight[2:], torch.zeros(2, 4))
+
+
+def test_layers_take_the_parallel_context_they_are_built_in() -> None:
+    """A layer keeps the context of its construction; leaving the block restores the
+    single-rank default."""
+    with parallel_context(ParallelContext(rank=1, size=2)) as tp:
+        inner = RowParallelLinear(8, 4)
+        assert current_parallel() is tp
+    outer = RowParallelLinear(8, 4)
+    assert inner.tp == ParallelContext(1, 2) and inner.weight.shape == (4, 4)
+    assert outer.tp == ParallelContext() and outer.weight.shape == (4, 8)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        ParallelContext(rank=2, size=2)

@@ -1,0 +1,54 @@
+"""What the shard needs of a model: the :class:`CausalLM` protocol that the registry,
+the loaders, the model runner and the decode CUDA graphs program against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from shard.attention.base import AttentionBackend
+from shard.attention.layer import Attention
+from shard.attention.metadata import AttentionMetadata
+from shard.models.config import ModelConfig
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model over flattened tokens and a paged KV cache.
+
+    An implementation is an ``nn.Module`` whose parameters carry their own
+    ``weight_loader`` (see :mod:`shard.layers.linear`), built inside
+    :func:`~shard.distributed.parallel_context` for its tensor-parallel rank.
+    """
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 → hidden [num_tokens, hidden_size]
+        (model dtype)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] → logits [n, vocab_size] float32 (full vocabulary on
+        every rank)."""
+        ...
+
+    def attention_layers(self) -> list[Attention]:
+        """The per-layer :class:`Attention` modules, in layer order (to bind the KV cache)."""
+        ...
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None] | None:
+        """Checkpoint tensor name → (parameter name, shard id or None), or None to skip."""
+        ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def eval(self) -> Any: ...
+
+
+# How the registry builds a model: ``cls(config, backend)``.
+ModelClass = Callable[[ModelConfig, AttentionBackend], CausalLM]
