@@ -106,7 +106,6 @@ class Engine:
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
-        self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self._failed_at: float | None = None
@@ -499,13 +498,24 @@ class Engine:
         calls this when a rank dies; queued requests wait for the restarted group)."""
         self._fail_all(message, include_waiting)
 
-    def replace_shards(self, client: ShardClient, num_blocks: int, block_size: int) -> None:
+    @property
+    def config(self) -> SchedulerConfig:
+        """The scheduler's budgets (the validator reads the same scheduler), derived
+        from the last Warmup."""
+        return self.scheduler.config
+
+    def replace_shards(
+        self, client: ShardClient, config: SchedulerConfig, num_blocks: int, block_size: int
+    ) -> None:
         """Serve from a restarted shard group: its KV cache is empty, so the block
-        manager (and its prefix cache index) starts empty too. Call with the loop
-        stopped and nothing running (after :meth:`fail_all`); queued requests stay."""
+        manager (and its prefix cache index) starts empty too, sized by the new Warmup
+        (``num_blocks``), and ``config`` holds the budgets derived from that Warmup.
+        Call with the loop stopped and nothing running (after :meth:`fail_all`);
+        queued requests stay."""
         assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
         self.client = client
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
+        self.scheduler.config = config
         self.scheduler.block_manager = self.block_manager
         self._batches = []
         self._drop_inflight()
