@@ -197,7 +197,7 @@ async def serve(config: ServerConfig) -> int:
     client: ShardClient | None = None
     supervisor: Supervisor | None = None
     try:
-        logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
+        logger.info("starting {} shard(s) with the {} executor", config.shard.world_size,
                     config.executor)
         client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
         state, warmup = await build_state(config, client)

@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from router.api.app import create_app
-from router.config import ServerConfig, ShardLaunchConfig
+from router.config import ServerConfig
 from router.launcher import Supervisor, build_state, start_group
+from shard.config import ShardConfig
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
 from tests.unit.api.scripted import ScriptedShardClient
@@ -126,7 +127,7 @@ class ShrinkingExecutor:
 async def served(default_model_dir: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Supervisor]]:
     """The HTTP app over a group of 64 KV blocks that restarts with 8: (client, supervisor)."""
     executor = ShrinkingExecutor([64, 8])
-    config = ServerConfig(shard=ShardLaunchConfig(model_path=str(default_model_dir),
+    config = ServerConfig(shard=ShardConfig(model_path=str(default_model_dir),
                                                   model_id="scripted"),
                           executor="local", max_restarts=1)
     client = await start_group(executor, 30)
