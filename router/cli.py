@@ -20,20 +20,16 @@ from typing import Any
 
 from loguru import logger
 
-from router.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    ENV_PREFIX,
-    SchedulerConfig,
-    ServerConfig,
-    ShardLaunchConfig,
-    ValidationLimits,
-    derive_budgets,
-    parse_size,
-)
+from router.config import SchedulerConfig, ServerConfig, ValidationLimits, derive_budgets
 from router.log import setup_logging
 from router.model_files import prepare_default_model, resolve_model
+from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool, size_arg
 from shard.layers.tp_layout import check_tp_size_for_folder
+
+# The shard flags of ``launch``, defined with ShardConfig's fields (defaults, help, types).
+_MODEL_SHARD_FLAGS = ("dtype", "device", "load_format")
+_SHARD_FLAGS = ("attention_backend", "cuda_graphs", "block_size", "kv_cache_bytes",
+                "gpu_memory_fraction")
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,15 +44,10 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                        help="names the model answers to in the OpenAI `model` field (another "
                        "is a 404); the first is reported by /info, /v1/models and responses "
                        "(default: the folder's name or the repository id)")
-    model.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                       help="weights and activations; auto = float32 on CPU, bfloat16 on GPU")
-    model.add_argument("--device", default="auto",
-                       help="cpu, cuda, cuda:N or auto (cuda when available)")
-    model.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
-                       help="read the checkpoint, or random weights from config.json alone")
+    add_shard_flags(model, _MODEL_SHARD_FLAGS)
 
     shards = parser.add_argument_group("shards")
-    shards.add_argument("--num-shard", type=int, default=1, help="tensor-parallel ranks")
+    add_shard_flags(shards, {"world_size": "--num-shard"})  # TGI's name
     shards.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="start shards as Ray actors or local processes")
     shards.add_argument("--ray-address", default=None,
@@ -75,19 +66,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         "10 x the slowest step seen, Warmup included))")
     shards.add_argument("--master-port", type=int, default=0,
                         help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
-    shards.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="attention kernels; auto = the fastest that runs here (our Triton "
-                        "kernels, then flash-attn, FlashInfer on a GPU; PyTorch on CPU; the log "
-                        "and /info say why)")
-    shards.add_argument("--cuda-graphs", default="auto", metavar="SIZES",
-                        help="decode batch sizes captured as CUDA graphs at warm-up: auto "
-                        "(1,2,4,8, then multiples of 16 up to --max-batch-size), 0 (off), "
-                        "or a list such as 1,2,4,8,16,32")
-    shards.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    shards.add_argument("--kv-cache-bytes", type=_size, default="512MiB", metavar="SIZE",
-                        help="KV cache per rank on CPU: bytes, or with a unit (512MiB, 1GiB, 2G)")
-    shards.add_argument("--gpu-memory-fraction", type=float, default=0.9,
-                        help="share of GPU memory for weights, activations and KV cache")
+    add_shard_flags(shards, _SHARD_FLAGS)
 
     budgets = parser.add_argument_group("scheduling")
     for name in _DERIVED_BUDGETS:
@@ -130,7 +109,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS",
                         help="while busy, log throughput, running/waiting requests and KV "
                         "cache use this often (0 = never)")
-    server.add_argument("--max-request-bytes", type=_size, default="1MiB", metavar="SIZE",
+    server.add_argument("--max-request-bytes", type=size_arg, default="1MiB", metavar="SIZE",
                         help="largest HTTP request body and public gRPC message: bytes or with "
                         "a unit (413 / RESOURCE_EXHAUSTED beyond)")
     server.add_argument("--graceful-timeout", type=int, default=30, metavar="SECONDS",
@@ -147,7 +126,6 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
 _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
 # Flags whose value the help never shows (it may come from the environment).
 _SECRET_DESTS = frozenset({"api_key"})
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 _DERIVED_HELP = {
     "max_batch_prefill_tokens": "prompt tokens per prefill step, the chunk of chunked prefill "
     "(default: 512 on CPU, 2048 on GPU; max-input-tokens with --chunked-prefill off)",
@@ -158,14 +136,6 @@ _DERIVED_HELP = {
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _size(text: str) -> int:
-    """argparse type of size flags (bytes, or with a unit: see ``parse_size``)."""
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def env_names(action: argparse.Action) -> list[str]:
@@ -184,10 +154,7 @@ def _convert(action: argparse.Action, raw: str) -> Any:
         ValueError: not a valid value (argparse.ArgumentTypeError included).
     """
     if action.nargs == 0:  # a switch such as --json-output
-        word = raw.strip().lower()
-        if word not in _TRUE | _FALSE:
-            raise ValueError("expected true/false (1/0, yes/no, on/off)")
-        return action.const if word in _TRUE else action.default
+        return action.const if parse_bool(raw) else action.default
     convert: Callable[[str], Any] = action.type if callable(action.type) else str
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     values = [convert(word) for word in (shlex.split(raw) if many else [raw])]
@@ -253,7 +220,17 @@ def _shown_default(action: argparse.Action) -> str:
         return "none"
     if isinstance(value, list):
         return " ".join(map(str, value))
+    if action.metavar == "SIZE" and isinstance(value, int):
+        return _size_text(value)
     return str(value)
+
+
+def _size_text(size: int) -> str:
+    """``size`` bytes in the largest IEC unit that divides it (536870912 → ``512MiB``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -282,16 +259,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ValueError: a flag has an invalid value (the message names it).
         FileNotFoundError: ``--model`` is not a model folder.
     """
+    if args.num_shard < 1:
+        raise ValueError("--num-shard must be at least 1")
     files = resolve_model(args.model)
     check_tp_size_for_folder(files.path, args.num_shard)  # fail before starting any shard
     names = tuple(args.served_model_name or [files.model_id])
-    shard = ShardLaunchConfig(
-        model_path=str(files.path), model_id=names[0], num_shard=args.num_shard,
-        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-        cuda_graphs=args.cuda_graphs,
-        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-        gpu_memory_fraction=args.gpu_memory_fraction, load_format=args.load_format,
+    shard = ShardConfig(
+        model_path=str(files.path), model_id=names[0], world_size=args.num_shard,
         json_logs=args.json_output,
+        **{name: getattr(args, name) for name in (*_MODEL_SHARD_FLAGS, *_SHARD_FLAGS)},
     )
     budget_flags = {name: getattr(args, name) for name in _DERIVED_BUDGETS}
     # Validate the given budgets now (placeholders for the derived ones).

@@ -1,6 +1,7 @@
 """Router and launcher configuration: frozen dataclasses validated at construction.
 
-Command-line flags (``router/cli.py``) map onto these. Environment variables with the
+Command-line flags (``router/cli.py``) map onto these; the shards' flags and their
+defaults are defined once, with :class:`shard.config.ShardConfig`. Environment variables with the
 ``SHARDSERVE_`` prefix are read in two places only, both at call time: every flag's
 ``SHARDSERVE_<FLAG>`` by ``router.cli.apply_env_defaults``, and the cache folder by
 :func:`default_cache_dir`.
@@ -9,35 +10,10 @@ Command-line flags (``router/cli.py``) map onto these. Environment variables wit
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENV_PREFIX = "SHARDSERVE_"
-# Names of shard/attention's registry plus "auto" (the router cannot import it: torch).
-ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "flashinfer", "torch")
-DTYPES = ("float32", "bfloat16", "float16")
-# Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
-# 2Gi = 2GiB = 2 x 2**30); case does not matter, a trailing B is optional.
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*?)b?\s*", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """A size in bytes from ``text``: a number of bytes, or a number with a unit —
-    ``512MiB`` (2**20), ``1GiB`` / ``1Gi`` (2**30), ``2G`` / ``2GB`` (10**9), ``64k`` —
-    rounded down to whole bytes.
-
-    Raises:
-        ValueError: not a size.
-    """
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
-                         "(K, M, G, T for powers of 1000; KiB, MiB, GiB, TiB for powers of 1024)")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+from shard.config import ENV_PREFIX, ShardConfig
 
 
 def env_default(name: str, default: str | None = None) -> str | None:
@@ -179,62 +155,14 @@ class ValidationLimits:
 
 
 @dataclass(frozen=True)
-class ShardLaunchConfig:
-    """How the launcher starts each shard; mirrors ``shard.config.ShardConfig`` flags."""
-
-    model_path: str
-    model_id: str
-    num_shard: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    cuda_graphs: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int = 512 * 1024 * 1024
-    gpu_memory_fraction: float = 0.9
-    load_format: str = "safetensors"
-    json_logs: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_shard < 1:
-            raise ValueError("--num-shard must be at least 1")
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError("--gpu-memory-fraction must be in (0, 1]")
-        if self.kv_cache_bytes <= 0:
-            raise ValueError("--kv-cache-bytes must be positive")
-
-    def shard_args(
-        self, rank: int, port: int, host: str = "127.0.0.1",
-        master_addr: str = "127.0.0.1", master_port: int = 0,
-    ) -> list[str]:
-        """Command-line arguments of ``python -m shard.server`` for one rank
-        (``master_addr``/``master_port``: rank 0's rendezvous, needed when num_shard > 1)."""
-        return [
-            "--model", self.model_path,
-            "--model-id", self.model_id,
-            "--host", host,
-            "--port", str(port),
-            "--dtype", self.dtype,
-            "--device", self.device,
-            "--attention-backend", self.attention_backend,
-            "--cuda-graphs", self.cuda_graphs,
-            "--block-size", str(self.block_size),
-            "--kv-cache-bytes", str(self.kv_cache_bytes),
-            "--gpu-memory-fraction", str(self.gpu_memory_fraction),
-            "--load-format", self.load_format,
-            "--rank", str(rank),
-            "--world-size", str(self.num_shard),
-            "--master-addr", master_addr,
-            "--master-port", str(master_port),
-            *(["--json-output"] if self.json_logs else []),
-        ]
-
-
-@dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``shardserve launch`` needs."""
+    """Everything ``shardserve launch`` needs.
 
-    shard: ShardLaunchConfig
+    ``shard`` is what every rank is started with (``world_size`` = ``--num-shard``);
+    each rank's copy gets its rank and the rendezvous from the executor.
+    """
+
+    shard: ShardConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: ValidationLimits = field(default_factory=ValidationLimits)
     host: str = "0.0.0.0"

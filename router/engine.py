@@ -120,7 +120,6 @@ class Engine:
         block_size: int,
     ) -> None:
         self.tokenizer = tokenizer
-        self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.shards = ShardSteps(client, block_size)
@@ -270,14 +269,26 @@ class Engine:
         self.shards.forget_batches()
         self._drop_inflight()
 
-    def replace_shards(self, client: ShardClient, num_blocks: int, block_size: int) -> None:
+    @property
+    def config(self) -> SchedulerConfig:
+        """The scheduler's budgets (the validator reads the same scheduler), derived
+        from the last Warmup."""
+        return self.scheduler.config
+
+    def replace_shards(
+        self, client: ShardClient, config: SchedulerConfig, num_blocks: int, block_size: int
+    ) -> None:
         """Serve from a restarted shard group: its KV cache is empty, so the block
-        manager (and its prefix cache index) starts empty too. Call with the loop
-        stopped and nothing running (after :meth:`fail_all`); queued requests stay."""
+        manager (and its prefix cache index) starts empty too, sized by the new Warmup
+        (``num_blocks``), and ``config`` holds the budgets derived from that Warmup.
+        Call with the loop stopped and nothing running (after :meth:`fail_all`);
+        queued requests stay."""
         assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
         self.shards.reset(client, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
+        self.scheduler.config = config
         self.scheduler.block_manager = self.block_manager
+        self.output.max_total_tokens = config.max_total_tokens
         self._drop_inflight()
         self._failed_at = None
 

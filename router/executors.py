@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import grpc
 from loguru import logger
 
-from router.config import ENV_PREFIX, ShardLaunchConfig
 from router.log import announce_wait
+from shard.config import ENV_PREFIX, ShardConfig, shard_argv
 from shard.pb import shard_pb2, shard_pb2_grpc
 
 LIVENESS_TIMEOUT_S = 5.0
@@ -96,16 +96,17 @@ class HealthProbe:
 
 
 class LocalExecutor:
-    """Each rank as a ``python -m shard.server`` child process on this machine.
+    """Each rank as a ``python -m shard.server`` child process on this machine, started
+    with the flags :func:`~shard.config.shard_argv` spells its configuration as.
 
     Args:
-        config: what to start.
+        config: what to start (``world_size`` ranks).
         host: interface the shards bind (and rank 0's rendezvous address).
         master_port: rendezvous port; 0 picks a free one at each start.
     """
 
     def __init__(
-        self, config: ShardLaunchConfig, host: str = "127.0.0.1", master_port: int = 0
+        self, config: ShardConfig, host: str = "127.0.0.1", master_port: int = 0
     ) -> None:
         self.config = config
         self.host = host
@@ -116,12 +117,10 @@ class LocalExecutor:
     async def start(self) -> list[str]:
         addresses = []
         master_port = self.master_port or free_port(self.host)
-        for rank in range(self.config.num_shard):
+        for rank in range(self.config.world_size):
             port = free_port(self.host)
-            args = self.config.shard_args(
-                rank=rank, port=port, host=self.host, master_addr=self.host,
-                master_port=master_port,
-            )
+            args = shard_argv(self.config.for_rank(rank, self.host, master_port),
+                              host=self.host, port=port)
             # Every shard setting is a flag: the router's SHARDSERVE_* variables stay out.
             env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
             process = subprocess.Popen([sys.executable, "-m", "shard.server", *args], env=env)
@@ -168,59 +167,6 @@ class LocalExecutor:
         await self.stop_group()
 
 
-class ShardActor:
-    """Ray actor hosting one rank's gRPC server in the actor's event loop."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.args = args
-        self._server: Any = None
-
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's IP and a port free on it (asked of rank 0 before any start)."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        return host, free_port("0.0.0.0")
-
-    def where(self) -> dict[str, Any]:
-        """``{"pid", "node_id", "ip"}`` of this actor's worker process."""
-        import ray
-
-        context = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_id": context.get_node_id(),
-                "ip": ray.util.get_node_ip_address()}
-
-    async def start(self, master_addr: str, master_port: int, loopback: bool = False) -> str:
-        """Join the process group, load the model, start the gRPC server; return its
-        ``host:port``. Runs concurrently on every rank (the rendezvous waits for all).
-
-        Args:
-            loopback: Bind 127.0.0.1 (the router runs on this node) instead of the
-                node's IP, so the shard service is not reachable from the network.
-        """
-        import ray
-
-        from shard.server import config_from_args, configure_logging, start_server
-
-        args = [*self.args, "--master-addr", master_addr, "--master-port", str(master_port)]
-        # Every shard setting is a flag: the router's SHARDSERVE_* variables are not the
-        # shard's (they may use spellings only the router understands, such as 1GiB).
-        config, _, _ = config_from_args(args, environ={})
-        configure_logging(config.rank, config.json_logs)
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        self._server, port = await start_server(config, host=host, port=0)
-        return f"{host}:{port}"
-
-    async def ping(self) -> bool:
-        """Liveness probe."""
-        return True
-
-    async def stop(self) -> None:
-        """Stop the gRPC server."""
-        if self._server is not None:
-            await self._server.stop(grace=5)
-
-
 def _all_on_this_node(places: list[dict[str, Any]]) -> bool:
     """Whether every rank (``ShardActor.where`` answers) runs on the router's node, so
     the shards can bind loopback. Never through Ray Client (``ray://``), where the
@@ -234,10 +180,11 @@ def _all_on_this_node(places: list[dict[str, Any]]) -> bool:
 
 
 class RayExecutor:
-    """One Ray actor per rank in a placement group (one bundle per rank).
+    """One Ray actor (:class:`shard.actor.ShardActor`) per rank in a placement group (one
+    bundle per rank); each actor gets the configuration object itself (Ray pickles it).
 
     Args:
-        config: What to start.
+        config: What to start (``world_size`` ranks).
         ray_address: An existing cluster to join; ``None`` starts a local Ray instance
             that the group fits on (see :mod:`router.ray_placement`).
         placement: ``"pack"`` (default) or ``"spread"`` (``STRICT_SPREAD``: one rank
@@ -246,7 +193,7 @@ class RayExecutor:
     """
 
     def __init__(
-        self, config: ShardLaunchConfig, ray_address: str | None = None, placement: str = "pack",
+        self, config: ShardConfig, ray_address: str | None = None, placement: str = "pack",
         placement_timeout_s: float = 300.0,
     ) -> None:
         self.config = config
@@ -269,8 +216,9 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from router.ray_placement import check_local_gpus, start_local_ray, wait_for_placement
+        from shard.actor import ShardActor
 
-        num_shard = self.config.num_shard
+        num_shard = self.config.world_size
         if not ray.is_initialized():
             if not (sys.stdout.isatty() and sys.stderr.isatty()):
                 # Shard lines reach our log through log_to_driver with a "(ShardActor
@@ -295,7 +243,7 @@ class RayExecutor:
                                  self.placement_timeout_s)
         logger.info("placement group ready; starting {} shard actor(s)", num_shard)
         actor_class = ray.remote(ShardActor)
-        for rank in range(self.config.num_shard):
+        for rank in range(num_shard):
             options = actor_class.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
@@ -303,7 +251,7 @@ class RayExecutor:
                     placement_group=self._placement_group, placement_group_bundle_index=rank
                 ),
             )
-            self.actors.append(options.remote(self.config.shard_args(rank=rank, port=0)))
+            self.actors.append(options.remote(self.config, rank))
         places = await asyncio.gather(*(actor.where.remote() for actor in self.actors))
         for rank, place in enumerate(places):
             logger.info("shard rank {}: pid {} on node {} at {}", rank, place["pid"],
@@ -313,7 +261,7 @@ class RayExecutor:
             logger.info("every rank runs on this node: shard gRPC servers bind 127.0.0.1")
         master_addr, master_port = await self.actors[0].rendezvous.remote()
         logger.info("waiting for {} shard(s) to join the process group and load the model",
-                    self.config.num_shard)
+                    num_shard)
         # NOTE: all at once: each start blocks in init_process_group until every rank joins.
         starts = [actor.start.remote(master_addr, master_port, loopback) for actor in self.actors]
         return list(await announce_wait(asyncio.gather(*starts), "the shards to load the model"))

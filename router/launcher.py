@@ -9,7 +9,8 @@ serving a busy server logs a status line every ``--status-interval`` seconds.
 
 While serving, :class:`Supervisor` polls the executor; when a rank dies it fails the
 in-flight requests, restarts the whole group (``--max-restarts`` times), warms it up
-again and hands the engine the new client with an empty block manager.
+again and hands the engine the new client, an empty block manager sized by the new
+Warmup and the token budgets derived from it (which the validator reads too).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from loguru import logger
 
 from router.api.app import ServerState, create_app
 from router.api.http_server import make_http_server
-from router.config import ServerConfig, derive_budgets
+from router.config import SchedulerConfig, ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
 from router.grpc_api.server import start_grpc_server
@@ -39,6 +40,7 @@ from router.status_log import StatusLogger
 from router.step_deadline import StepDeadline
 from router.tokenizer import Tokenizer
 from router.validation import Validator
+from shard.pb.shard_pb2 import InfoResponse
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
@@ -106,16 +108,39 @@ async def start_group(
     return client
 
 
+def warmed_up_budgets(
+    config: ServerConfig, info: InfoResponse, num_blocks: int
+) -> SchedulerConfig:
+    """The scheduler's budgets once the group has warmed up: the flags, with the unset
+    token budgets derived from the model (``info``) and the ``num_blocks`` KV blocks
+    Warmup sized (see :func:`~router.config.derive_budgets`). Built again after every
+    restart, since a restarted group may hold fewer blocks.
+
+    Raises:
+        ValueError: a given budget exceeds the model's context length.
+    """
+    budgets = derive_budgets(
+        config.budget_flags, info.max_position_embeddings, num_blocks * info.block_size,
+        chunked_prefill=config.scheduler.chunked_prefill,
+        device_type=info.device.split(":")[0],
+    )
+    return dataclasses.replace(
+        config.scheduler,
+        max_total_tokens=budgets["max_total_tokens"],
+        max_input_tokens=budgets["max_input_tokens"],
+        max_batch_prefill_tokens=budgets["max_batch_prefill_tokens"],
+    )
+
+
 async def build_state(
     config: ServerConfig, client: ShardClient
 ) -> tuple[ServerState, WarmupBudgets]:
     """Ask the shards for Info, run Warmup and build the engine and validator."""
     infos = await client.info()
     first = infos[0]
-    max_position = first.max_position_embeddings
-    chunked = config.scheduler.chunked_prefill
     device_type = first.device.split(":")[0]
-    before = derive_budgets(config.budget_flags, max_position, chunked_prefill=chunked,
+    before = derive_budgets(config.budget_flags, first.max_position_embeddings,
+                            chunked_prefill=config.scheduler.chunked_prefill,
                             device_type=device_type)
     warmup = WarmupBudgets(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
@@ -133,15 +158,10 @@ async def build_state(
         ),
         "the warm-up", quiet=quiet)
     logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
-    budgets = derive_budgets(config.budget_flags, max_position, num_blocks * first.block_size,
-                             chunked_prefill=chunked, device_type=device_type)
-    scheduler = dataclasses.replace(
-        config.scheduler,
-        max_total_tokens=budgets["max_total_tokens"],
-        max_input_tokens=budgets["max_input_tokens"],
-        max_batch_prefill_tokens=budgets["max_batch_prefill_tokens"],
-    )
-    logger.info("budgets: {}", budgets)
+    scheduler = warmed_up_budgets(config, first, num_blocks)
+    logger.info("budgets: max_total_tokens={} max_input_tokens={} max_batch_prefill_tokens={}",
+                scheduler.max_total_tokens, scheduler.max_input_tokens,
+                scheduler.max_batch_prefill_tokens)
     logger.info(
         "shards ready: {} rank(s), {} on {}, attention {}, {} KV blocks of {} tokens",
         len(infos), first.dtype, first.device, first.attention_backend, num_blocks,
@@ -151,9 +171,8 @@ async def build_state(
     engine = Engine(client, tokenizer, scheduler, num_blocks, first.block_size)
     validator = Validator(
         tokenizer=tokenizer,
-        scheduler=scheduler,
+        scheduler=engine.scheduler,
         limits=config.limits,
-        kv_capacity_tokens=num_blocks * first.block_size,
         max_request_bytes=config.max_request_bytes,
     )
     return ServerState(
@@ -178,7 +197,7 @@ async def serve(config: ServerConfig) -> int:
     client: ShardClient | None = None
     supervisor: Supervisor | None = None
     try:
-        logger.info("starting {} shard(s) with the {} executor", config.shard.num_shard,
+        logger.info("starting {} shard(s) with the {} executor", config.shard.world_size,
                     config.executor)
         client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
         state, warmup = await build_state(config, client)
@@ -199,9 +218,8 @@ async def serve(config: ServerConfig) -> int:
             loop.add_signal_handler(signum, _request_exit, server, state.engine, grpc_drain,
                                     signum)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
-        supervisor = Supervisor(executor, state.engine, warmup, config.max_restarts,
-                                on_give_up=lambda: setattr(server, "should_exit", True),
-                                step_timeout_s=config.step_timeout_s)
+        supervisor = Supervisor(executor, state.engine, config, warmup,
+                                on_give_up=lambda: setattr(server, "should_exit", True))
         watches = [asyncio.ensure_future(supervisor.run())]
         if config.status_interval_s:
             status = StatusLogger(state.engine, config.status_interval_s)
@@ -232,23 +250,24 @@ class Supervisor:
 
     Args:
         executor: the group's executor (liveness via ``dead_rank``).
-        engine: the running engine; it gets the new client and an empty block manager.
+        engine: the running engine; it gets the new client, an empty block manager and
+            the budgets derived from the new Warmup (:func:`warmed_up_budgets`).
+        config: the server's configuration: ``max_restarts`` restarts are allowed over
+            the server's life (after that ``on_give_up`` is called, the server exits
+            and requests keep failing); restarted groups get ``step_timeout_s``.
         warmup: the budgets Warmup is asked for after each restart.
-        max_restarts: restarts allowed over the server's life; after that
-            ``on_give_up`` is called (the server exits) and requests keep failing.
         on_give_up: called once when no restart is left.
-        step_timeout_s: ``--step-timeout`` of the restarted groups (0 = adaptive).
     """
 
-    def __init__(self, executor: ShardExecutor, engine: Engine, warmup: WarmupBudgets,
-                 max_restarts: int, on_give_up: Callable[[], None],
-                 step_timeout_s: float = 0.0) -> None:
+    def __init__(self, executor: ShardExecutor, engine: Engine, config: ServerConfig,
+                 warmup: WarmupBudgets, on_give_up: Callable[[], None]) -> None:
         self.executor = executor
         self.engine = engine
+        self.config = config
         self.warmup = warmup
-        self.max_restarts = max_restarts
+        self.max_restarts = config.max_restarts
         self.on_give_up = on_give_up
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = config.step_timeout_s
         self.restarts = 0
         self.gave_up = False
 
@@ -298,15 +317,16 @@ class Supervisor:
                     self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens,
                     self.warmup.max_batch_size,
                 )
+                budgets = warmed_up_budgets(self.config, infos[0], num_blocks)
             except Exception as error:
                 logger.error("restarting the shard group failed: {}", error)
                 if client is not None:
                     await client.close()
                 continue
-            self.engine.replace_shards(client, num_blocks, infos[0].block_size)
+            self.engine.replace_shards(client, budgets, num_blocks, infos[0].block_size)
             self.engine.start()
-            logger.info("shard group restarted: {} rank(s), {} KV blocks", len(infos),
-                        num_blocks)
+            logger.info("shard group restarted: {} rank(s), {} KV blocks, max_total_tokens={}",
+                        len(infos), num_blocks, budgets.max_total_tokens)
             return True
         return False
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.config import default_cache_dir
-from shard.convert import DEFAULT_MODEL_ID, is_converted  # torch-free at import
+from shard.default_model import DEFAULT_MODEL_ID, is_converted
 
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 

@@ -23,6 +23,7 @@ from tokenizers import Encoding
 from router.api.schemas import MAX_SEED, GenerateParameters
 from router.config import SchedulerConfig, ValidationLimits
 from router.request import GenerationRequest, SamplingParams, StoppingParams
+from router.scheduler import Scheduler
 from router.tokenizer import Tokenizer
 
 # Below this temperature a request is greedy (OpenAI's temperature 0).
@@ -109,17 +110,29 @@ class Validator:
     """Checks requests against the tokenizer, token budgets and parameter limits.
 
     Attributes:
-        kv_capacity_tokens: Tokens the whole KV cache holds; a request needing more can
-            never run and is rejected at once.
+        scheduler: The engine's scheduler: its budgets and block manager are the ones
+            requests are checked against, so the limits a restarted shard group's
+            Warmup gives (see ``Engine.replace_shards``) apply to the next request.
         max_request_bytes: ``--max-request-bytes``; no text is longer than this many
             characters, on any entry point.
     """
 
     tokenizer: Tokenizer
-    scheduler: SchedulerConfig
+    scheduler: Scheduler
     limits: ValidationLimits
-    kv_capacity_tokens: int
     max_request_bytes: int = 1 << 20
+
+    @property
+    def budgets(self) -> SchedulerConfig:
+        """The token budgets in force (from the last Warmup)."""
+        return self.scheduler.config
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds; a request needing more can never run and is
+        rejected at once."""
+        manager = self.scheduler.block_manager
+        return manager.num_blocks * manager.block_size
 
     def validate(
         self, inputs: str | Sequence[int], params: GenerateParameters,
@@ -245,12 +258,13 @@ class Validator:
             )
         if truncate is not None:
             return
-        limit = self.scheduler.max_input_tokens * self.tokenizer.max_token_chars
+        max_input_tokens = self.budgets.max_input_tokens
+        limit = max_input_tokens * self.tokenizer.max_token_chars
         if len(text) > limit:
             raise RequestValidationError(
                 field,
                 f"{len(text)} characters is more than max_input_tokens="
-                f"{self.scheduler.max_input_tokens} tokens can hold; pass `truncate` to keep "
+                f"{max_input_tokens} tokens can hold; pass `truncate` to keep "
                 "only the last tokens",
             )
 
@@ -281,7 +295,8 @@ class Validator:
         )
 
     def _check_lengths(self, num_input: int, params: GenerateParameters, field: str) -> None:
-        budgets = self.scheduler
+        budgets = self.budgets
+        capacity = self.kv_capacity_tokens
         if num_input > budgets.max_input_tokens:
             raise RequestValidationError(
                 field,
@@ -302,9 +317,9 @@ class Validator:
                 f"{budgets.max_total_tokens}; given {num_input} prompt tokens and "
                 f"{params.max_new_tokens} max_new_tokens",
             )
-        if total > self.kv_capacity_tokens:
+        if total > capacity:
             raise RequestValidationError(
                 "max_new_tokens",
                 f"{num_input} input tokens + {params.max_new_tokens} max_new_tokens exceed the "
-                f"KV cache ({self.kv_capacity_tokens} tokens)",
+                f"KV cache ({capacity} tokens)",
             )

@@ -15,7 +15,6 @@ from shard.requests import (
     RequestInput,
     ShardInfo,
     StepOutput,
-    StoppingParams,
 )
 from shard.sampling import SamplingParams
 
@@ -51,11 +50,6 @@ def request_from_pb(r: pb.Request) -> RequestInput:
         cache_len=r.cache_len,
         block_ids=tuple(r.block_ids),
         sampling=sampling,
-        stopping=StoppingParams(
-            max_new_tokens=r.stopping.max_new_tokens,
-            stop_token_ids=tuple(r.stopping.stop_token_ids),
-            ignore_eos=r.stopping.ignore_eos,
-        ),
         partial=r.partial,
         top_n_tokens=r.top_n_tokens,
         prompt_logprobs=r.prompt_logprobs,

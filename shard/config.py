@@ -1,28 +1,112 @@
-"""Shard configuration: one frozen dataclass, validated at construction.
+"""Shard configuration: one frozen dataclass, validated at construction, and the one
+definition of every shard flag.
 
-Environment variables (prefix ``SHARDSERVE_``) are read in exactly one place,
+Each :class:`ShardConfig` field carries its flag (:class:`ShardFlag`: spelling, help,
+type, choices) in its metadata. From that one definition come the command line of
+``python -m shard.server`` (:func:`shard_parser`, :func:`config_from_args`), the argv
+the local executor starts a rank with (:func:`shard_argv`), and the shard flags of
+``shardserve launch`` (:func:`add_shard_flags`), so a default is written once.
+
+This module is part of the router ↔ shard contract: it imports no torch (torch is
+imported inside the two methods that resolve a device and a dtype), so the router can
+import it. Environment variables (prefix ``SHARDSERVE_``) are read in exactly one place,
 :func:`env_overrides`, and only when it is called — never at import time.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ENV_PREFIX = "SHARDSERVE_"
 MiB = 1024 * 1024
 
 LoadFormat = Literal["safetensors", "dummy"]
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+LOAD_FORMATS = ("safetensors", "dummy")
+DTYPES = ("float32", "bfloat16", "float16")
+# Names of shard/attention's registry plus "auto" (tests/unit/router/test_cli.py checks
+# that they agree; the registry itself imports torch).
+ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "flashinfer", "torch")
+
+# Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
+# 2Gi = 2GiB = 2 x 2**30); case does not matter, a trailing B is optional.
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*?)b?\s*", re.IGNORECASE)
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes from ``text``: a number of bytes, or a number with a unit —
+    ``512MiB`` (2**20), ``1GiB`` / ``1Gi`` (2**30), ``2G`` / ``2GB`` (10**9), ``64k`` —
+    rounded down to whole bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
+                         "(K, M, G, T for powers of 1000; KiB, MiB, GiB, TiB for powers of 1024)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def size_arg(text: str) -> int:
+    """argparse type of size flags (bytes, or with a unit: see :func:`parse_size`).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size.
+    """
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_bool(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off, any case) as a bool.
+
+    Raises:
+        ValueError: none of those words.
+    """
+    word = text.strip().lower()
+    if word not in _TRUE | _FALSE:
+        raise ValueError("expected true/false (1/0, yes/no, on/off)")
+    return word in _TRUE
+
+
+@dataclass(frozen=True)
+class ShardFlag:
+    """The command-line flag of one :class:`ShardConfig` field.
+
+    Attributes:
+        help: What the flag sets (argparse help; ``shardserve launch`` appends the
+            default, the choices and the environment variable).
+        name: The flag's spelling; empty = ``--`` + the field name with dashes.
+        type: Converts the flag's text to the field's value (a switch when ``bool``).
+        choices: The accepted values, if only some are.
+        metavar: The value's name in the help.
+    """
+
+    help: str
+    name: str = ""
+    type: Callable[[str], Any] = str
+    choices: tuple[Any, ...] | None = None
+    metavar: str | None = None
+
+
+def _flag(help: str, **kwargs: Any) -> Any:
+    """Metadata of a :class:`ShardConfig` field: its :class:`ShardFlag`."""
+    return {"flag": ShardFlag(help, **kwargs)}
 
 
 @dataclass(frozen=True)
@@ -36,49 +120,68 @@ class ShardConfig:
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
-        block_size: Tokens per KV block; must suit the attention backend.
-        kv_cache_bytes: KV cache budget on CPU, in bytes (all layers, K and V).
-        gpu_memory_fraction: Fraction of total GPU memory the shard may use
-            (weights + activations + KV cache), in (0, 1].
+        load_format: ``"safetensors"`` reads the checkpoint; ``"dummy"`` fills
+            random weights from config.json alone (benchmarks).
+        world_size: Tensor-parallel world size.
         attention_backend: Registry name (see :mod:`shard.attention`), or ``"auto"``.
         cuda_graphs: Decode batch sizes captured as CUDA graphs at warmup: ``"auto"``
             (1, 2, 4, 8, then multiples of 16 up to the max batch size), ``"0"`` (off), or
             comma-separated sizes such as ``"1,2,4,8,16,32"``. CUDA only.
-        rank: Tensor-parallel rank of this shard, in [0, world_size).
-        world_size: Tensor-parallel world size.
-        load_format: ``"safetensors"`` reads the checkpoint; ``"dummy"`` fills
-            random weights from config.json alone (benchmarks).
+        block_size: Tokens per KV block; must suit the attention backend.
+        kv_cache_bytes: KV cache budget on CPU, in bytes (all layers, K and V).
+        gpu_memory_fraction: Fraction of total GPU memory the shard may use
+            (weights + activations + KV cache), in (0, 1].
         json_logs: Log JSON lines instead of readable ones.
+        rank: Tensor-parallel rank of this shard, in [0, world_size).
         master_addr: IP of rank 0, where the process group meets (world_size > 1).
         master_port: Free TCP port on ``master_addr`` for the rendezvous; 0 = unset
-            (required when world_size > 1).
+            (a rank of a group of several gets one from :meth:`for_rank`).
 
     Raises:
         ValueError: on any invalid field, naming it.
     """
 
-    model_path: str
-    model_id: str = ""
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int = 512 * MiB
-    gpu_memory_fraction: float = 0.9
-    attention_backend: str = "auto"
-    cuda_graphs: str = "auto"
-    rank: int = 0
-    world_size: int = 1
-    load_format: LoadFormat = "safetensors"
-    json_logs: bool = False
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
+    model_path: str = field(metadata=_flag("Hugging Face model folder", name="--model"))
+    model_id: str = field(default="", metadata=_flag(
+        "name reported by Info (default: --model)"))
+    dtype: str = field(default="auto", metadata=_flag(
+        "weights and activations; auto = float32 on CPU, bfloat16 on GPU",
+        choices=("auto", *DTYPES)))
+    device: str = field(default="auto", metadata=_flag(
+        "cpu, cuda, cuda:N or auto (cuda when available)"))
+    load_format: LoadFormat = field(default="safetensors", metadata=_flag(
+        "read the checkpoint, or random weights from config.json alone",
+        choices=LOAD_FORMATS))
+    world_size: int = field(default=1, metadata=_flag("tensor-parallel ranks", type=int))
+    attention_backend: str = field(default="auto", metadata=_flag(
+        "attention kernels; auto = the fastest that runs here (our Triton kernels, then "
+        "flash-attn, FlashInfer on a GPU; PyTorch on CPU; the log and /info say why)",
+        choices=ATTENTION_BACKENDS))
+    cuda_graphs: str = field(default="auto", metadata=_flag(
+        "decode batch sizes captured as CUDA graphs at warm-up: auto (1,2,4,8, then "
+        "multiples of 16 up to --max-batch-size), 0 (off), or a list such as 1,2,4,8,16,32",
+        metavar="SIZES"))
+    block_size: int = field(default=16, metadata=_flag("tokens per KV block", type=int))
+    kv_cache_bytes: int = field(default=512 * MiB, metadata=_flag(
+        "KV cache per rank on CPU: bytes, or with a unit (512MiB, 1GiB, 2G)",
+        type=size_arg, metavar="SIZE"))
+    gpu_memory_fraction: float = field(default=0.9, metadata=_flag(
+        "share of GPU memory for weights, activations and KV cache", type=float))
+    json_logs: bool = field(default=False, metadata=_flag(
+        "log JSON lines (each with the rank)", name="--json-output", type=bool))
+    rank: int = field(default=0, metadata=_flag("tensor-parallel rank of this shard",
+                                                type=int))
+    master_addr: str = field(default="127.0.0.1", metadata=_flag(
+        "rank 0's IP (world size > 1)"))
+    master_port: int = field(default=0, metadata=_flag(
+        "rendezvous port on rank 0 (needed when world size > 1)", type=int))
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path must be set")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+                f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}"
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
@@ -96,9 +199,7 @@ class ShardConfig:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
-        if self.world_size > 1 and self.master_port == 0:
-            raise ValueError("master_port must be set when world_size > 1")
-        if self.load_format not in ("safetensors", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
             )
@@ -108,9 +209,29 @@ class ShardConfig:
         """The model id reported by ``Info``: ``model_id`` or else ``model_path``."""
         return self.model_id or self.model_path
 
+    def for_rank(self, rank: int, master_addr: str, master_port: int) -> ShardConfig:
+        """This configuration for rank ``rank`` of its group, whose ranks meet at
+        ``master_addr:master_port`` (the launcher's template has rank 0 and no port).
+
+        Raises:
+            ValueError: ``rank`` is not in [0, world_size), or no port is given for a
+                group of several ranks.
+        """
+        config = dataclasses.replace(self, rank=rank, master_addr=master_addr,
+                                     master_port=master_port)
+        config.check_rendezvous()
+        return config
+
+    def check_rendezvous(self) -> None:
+        """Raise ValueError unless the ranks have a port to meet at (world_size > 1)."""
+        if self.world_size > 1 and self.master_port == 0:
+            raise ValueError("master_port must be set when world_size > 1")
+
     def torch_device(self) -> torch.device:
         """Resolve ``device`` ("auto" → cuda when available, else cpu; with several
         visible GPUs and world_size > 1, rank r takes ``cuda:r``)."""
+        import torch
+
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,14 +243,110 @@ class ShardConfig:
 
     def torch_dtype(self) -> torch.dtype:
         """Resolve ``dtype`` ("auto" → bfloat16 on CUDA, float32 on CPU)."""
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` → ``"bfloat16"`` (the spelling used by ``Info``)."""
     return str(dtype).removeprefix("torch.")
+
+
+def shard_flag(name: str) -> ShardFlag:
+    """The :class:`ShardFlag` of field ``name`` of :class:`ShardConfig`."""
+    flag: ShardFlag = _FIELDS[name].metadata["flag"]
+    return flag
+
+
+def flag_name(name: str) -> str:
+    """The spelling of field ``name``'s flag (``kv_cache_bytes`` → ``--kv-cache-bytes``)."""
+    return shard_flag(name).name or "--" + name.replace("_", "-")
+
+
+def add_shard_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    names: Sequence[str] | Mapping[str, str],
+    dest_is_field: bool = False,
+) -> None:
+    """Add the flags of :class:`ShardConfig` fields ``names`` to ``parser``, with the
+    fields' defaults.
+
+    Args:
+        names: Field names, or field name → another spelling of its flag (the router
+            calls ``world_size`` ``--num-shard``, as TGI does).
+        dest_is_field: Parse each flag into its field's name; otherwise argparse's
+            name from the spelling (``--num-shard`` → ``num_shard``).
+    """
+    spellings = names if isinstance(names, Mapping) else {name: "" for name in names}
+    for name, spelling in spellings.items():
+        spec = shard_flag(name)
+        default = _FIELDS[name].default
+        options: dict[str, Any] = {
+            "help": spec.help, "default": None if default is dataclasses.MISSING else default,
+        }
+        if dest_is_field:
+            options["dest"] = name
+        if spec.type is bool:
+            options["action"] = "store_true"
+        else:
+            options.update(type=spec.type, choices=spec.choices, metavar=spec.metavar)
+        parser.add_argument(spelling or flag_name(name), **options)
+
+
+def shard_parser() -> argparse.ArgumentParser:
+    """Command-line flags of ``python -m shard.server``: one a :class:`ShardConfig`
+    field, plus ``--host`` and ``--port``. ``--model`` has no default here (it may come
+    from ``SHARDSERVE_MODEL_PATH``); :func:`config_from_args` requires it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m shard.server", description="Run one shardserve shard."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    add_shard_flags(parser, list(_FIELDS), dest_is_field=True)
+    return parser
+
+
+def shard_argv(config: ShardConfig, host: str, port: int) -> list[str]:
+    """The ``python -m shard.server`` arguments that start ``config`` on ``host:port``
+    (every field spelled out; :func:`config_from_args` parses them back to ``config``)."""
+    argv = ["--host", host, "--port", str(port)]
+    for spec in dataclasses.fields(ShardConfig):
+        value = getattr(config, spec.name)
+        if shard_flag(spec.name).type is bool:
+            argv += [flag_name(spec.name)] if value else []
+        else:
+            argv += [flag_name(spec.name), str(value)]
+    return argv
+
+
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[ShardConfig, str, int]:
+    """Parse ``python -m shard.server`` flags (``SHARDSERVE_<FIELD>`` variables in
+    ``environ``, ``os.environ`` when None, supply defaults) into (config, host, port).
+
+    Raises:
+        SystemExit: on bad flags (argparse) or an invalid configuration.
+    """
+    parser = shard_parser()
+    try:
+        parser.set_defaults(**env_overrides(environ))
+    except ValueError as error:
+        parser.error(str(error))
+    args = vars(parser.parse_args(argv))
+    host, port = args.pop("host"), args.pop("port")
+    if not args.get("model_path"):
+        parser.error("--model is required (or SHARDSERVE_MODEL_PATH)")
+    try:
+        config = ShardConfig(**args)
+        config.check_rendezvous()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, host, port
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -141,26 +358,27 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, object]
         environ: Mapping to read; ``os.environ`` when None.
 
     Returns:
-        ``{field_name: value}`` converted to the field's type, only for variables set,
-        e.g. ``SHARDSERVE_ATTENTION_BACKEND=torch`` → ``{"attention_backend": "torch"}``.
+        ``{field_name: value}`` converted as the field's flag converts it, only for
+        variables set, e.g. ``SHARDSERVE_ATTENTION_BACKEND=torch`` →
+        ``{"attention_backend": "torch"}``, ``SHARDSERVE_KV_CACHE_BYTES=1GiB`` →
+        ``{"kv_cache_bytes": 1073741824}``.
 
     Raises:
         ValueError: when a value does not parse as the field's type (names the variable).
     """
     env = os.environ if environ is None else environ
     out: dict[str, object] = {}
-    for field in dataclasses.fields(ShardConfig):
-        key = ENV_PREFIX + field.name.upper()
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
         if key not in env:
             continue
         raw = env[key]
+        convert = shard_flag(name).type
         try:
-            if field.name in ("block_size", "kv_cache_bytes", "rank", "world_size", "master_port"):
-                out[field.name] = int(raw)
-            elif field.name == "gpu_memory_fraction":
-                out[field.name] = float(raw)
-            else:
-                out[field.name] = raw
-        except ValueError as exc:
-            raise ValueError(f"{key}={raw!r} is not a valid {field.name}: {exc}") from exc
+            out[name] = parse_bool(raw) if convert is bool else convert(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"{key}={raw!r} is not a valid {name}: {exc}") from exc
     return out
+
+
+_FIELDS = {spec.name: spec for spec in dataclasses.fields(ShardConfig)}

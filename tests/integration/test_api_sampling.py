@@ -32,8 +32,7 @@ async def client(tiny_shard_address: str, tiny_model_dir: Path) -> AsyncIterator
     tokenizer = Tokenizer.from_folder(tiny_model_dir)
     engine = Engine(shard, tokenizer, config, num_blocks, info.block_size)
     engine.start()
-    validator = Validator(tokenizer, config, ValidationLimits(max_best_of=4),
-                          num_blocks * info.block_size)
+    validator = Validator(tokenizer, engine.scheduler, ValidationLimits(max_best_of=4))
     state = ServerState(engine, validator, "tiny", "float32", "cpu", 1, "torch", "test")
     transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as http:

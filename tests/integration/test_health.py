@@ -58,7 +58,7 @@ async def state(
                              max_total_tokens=128)
     tokenizer = Tokenizer.from_folder(tiny_model_dir)
     engine = Engine(client, tokenizer, config, num_blocks=16, block_size=16)
-    validator = Validator(tokenizer, config, ValidationLimits(), kv_capacity_tokens=256)
+    validator = Validator(tokenizer, engine.scheduler, ValidationLimits())
     yield ServerState(engine=engine, validator=validator, model_id="tiny", dtype="float32",
                       device_type="cpu", num_shard=1, attention_backend="torch",
                       version="test")

@@ -7,10 +7,11 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.config import ServerConfig, ShardLaunchConfig
+from router.config import ServerConfig
 from router.launcher import build_state
 from router.request import ErrorEvent, GenerationRequest, SamplingParams, StoppingParams
 from router.shard_client import ShardClient
+from shard.config import ShardConfig
 from shard.pb import shard_pb2 as pb
 
 LONG_PROMPT_TOKENS = 1500
@@ -55,7 +56,7 @@ async def test_default_budgets_chunk_a_long_prompt_between_decode_steps(
     client = RecordingClient([tiny_long_shard_address])
     await client.wait_ready(30)
     config = ServerConfig(
-        shard=ShardLaunchConfig(model_path=str(tiny_long_model_dir), model_id="tiny"),
+        shard=ShardConfig(model_path=str(tiny_long_model_dir), model_id="tiny"),
         budget_flags={"max_batch_prefill_tokens": None, "max_input_tokens": None,
                       "max_total_tokens": None},
     )

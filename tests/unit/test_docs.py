@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from router.cli import build_parser
-from router.config import parse_size
+from shard.config import parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()

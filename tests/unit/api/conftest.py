@@ -39,8 +39,7 @@ def scripted_state(
                                 "max_batch_prefill_tokens": 256, **budgets})
     engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
                     shard.block_size)
-    validator = Validator(tokenizer, config, limits or ValidationLimits(),
-                          kv_capacity_tokens=shard.num_blocks * shard.block_size,
+    validator = Validator(tokenizer, engine.scheduler, limits or ValidationLimits(),
                           max_request_bytes=max_request_bytes)
     state = ServerState(engine=engine, validator=validator, model_id="scripted/model",
                         dtype="float32", device_type="cpu", num_shard=1,

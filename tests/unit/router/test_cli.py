@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from router.cli import build_parser, env_names
-from router.config import ATTENTION_BACKENDS, parse_size
+from router.cli import build_parser, config_from_args, env_names
+from shard.config import (
+    ATTENTION_BACKENDS,
+    ShardConfig,
+    parse_size,
+    shard_argv,
+    shard_flag,
+)
+from shard.config import config_from_args as shard_config_from_args
 
 
 def launch_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -141,3 +149,30 @@ def test_attention_backend_choices_are_the_shard_registry() -> None:
 
     assert set(ATTENTION_BACKENDS) == {"auto", *REGISTRY}
     assert build_parser({}).parse_args(["launch"]).attention_backend == "auto"
+
+
+def test_shard_flags_of_launch_are_the_shard_configs(default_model_dir: Path) -> None:
+    """launch's shard flags come from ShardConfig (same defaults and help), and what
+    launch parses reaches the shards as one ShardConfig, which the local executor's
+    argv carries to ``python -m shard.server`` unchanged."""
+    blocks = help_blocks(launch_parser())
+    default = ShardConfig(model_path="-")
+    defaults = launch_parser().parse_args([])
+    for name in ("dtype", "device", "load_format", "attention_backend", "cuda_graphs",
+                 "block_size", "kv_cache_bytes", "gpu_memory_fraction"):
+        assert getattr(defaults, name) == getattr(default, name), name
+        flag = "--" + name.replace("_", "-")
+        assert shard_flag(name).help in blocks[flag], blocks[flag]
+    assert defaults.num_shard == default.world_size
+    assert "default: 512MiB" in blocks["--kv-cache-bytes"]
+
+    args = launch_parser().parse_args([
+        "--model", str(default_model_dir), "--kv-cache-bytes", "1GiB", "--block-size", "32",
+        "--dtype", "float32", "--cuda-graphs", "0", "--json-output"])
+    config = config_from_args(args)
+    assert config.shard == ShardConfig(
+        model_path=str(default_model_dir), model_id=default_model_dir.name, dtype="float32",
+        cuda_graphs="0", block_size=32, kv_cache_bytes=2**30, json_logs=True)
+    rank = config.shard.for_rank(0, "127.0.0.1", 0)
+    assert shard_config_from_args(shard_argv(rank, "127.0.0.1", 5000), environ={}) == (
+        rank, "127.0.0.1", 5000)

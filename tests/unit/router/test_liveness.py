@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import grpc
 
-from router.config import ShardLaunchConfig
 from router.executors import HealthProbe, LocalExecutor, free_port
+from shard.config import ShardConfig
 from shard.pb import shard_pb2, shard_pb2_grpc
 
 
@@ -19,7 +19,7 @@ class AlwaysHealthy(shard_pb2_grpc.ShardServiceServicer):
 
 
 async def test_a_rank_silent_since_start_up_is_hung_once_the_group_is_ready() -> None:
-    executor = LocalExecutor(ShardLaunchConfig(model_path="m", model_id="m"))
+    executor = LocalExecutor(ShardConfig(model_path="m", model_id="m"))
     # nothing listens there: the probe never gets an answer
     executor.probes = [HealthProbe(f"127.0.0.1:{free_port()}", timeout_s=0.5)]
     try:
@@ -32,7 +32,7 @@ async def test_a_rank_silent_since_start_up_is_hung_once_the_group_is_ready() ->
 
 
 async def test_a_rank_that_listens_after_refused_probes_is_not_hung() -> None:
-    executor = LocalExecutor(ShardLaunchConfig(model_path="m", model_id="m"))
+    executor = LocalExecutor(ShardConfig(model_path="m", model_id="m"))
     port = free_port()
     probe = HealthProbe(f"127.0.0.1:{port}", timeout_s=0.3)
     executor.probes = [probe]

@@ -3,13 +3,14 @@ the model registry."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 import torch
 
-from shard.config import ShardConfig, env_overrides
+from shard.config import ShardConfig, env_overrides, shard_argv
 from shard.layers.rotary import compute_inv_freq
 from shard.models.config import ModelConfig, RopeConfig
 from shard.models.registry import get_model_class
@@ -110,6 +111,48 @@ def test_cli_flags_and_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with pytest.raises(SystemExit):
         config_from_args(["--model", "/m", "--gpu-memory-fraction", "2"])
+
+
+def test_argv_of_a_config_parses_back_to_it() -> None:
+    """The local executor's argv and the shard's parser are one definition: every field
+    survives the trip (each differs from its default here)."""
+    config = ShardConfig(
+        model_path="/models/m", model_id="served", dtype="bfloat16", device="cuda:1",
+        load_format="dummy", world_size=4, attention_backend="triton", cuda_graphs="1,2,4",
+        block_size=32, kv_cache_bytes=3 * 2**20 + 7, gpu_memory_fraction=0.55,
+        json_logs=True, rank=3, master_addr="10.0.0.2", master_port=29500,
+    )
+    default = ShardConfig(model_path="-")
+    same = [f.name for f in dataclasses.fields(ShardConfig)
+            if getattr(config, f.name) == getattr(default, f.name)]
+    assert not same, f"fields left at their default: {same}"
+    argv = shard_argv(config, host="0.0.0.0", port=5001)
+    assert config_from_args(argv, environ={}) == (config, "0.0.0.0", 5001)
+    plain = ShardConfig(model_path="/m")
+    assert config_from_args(shard_argv(plain, "h", 1), environ={})[0] == plain
+
+
+def test_env_and_flags_take_sizes_and_switches() -> None:
+    assert env_overrides({"SHARDSERVE_KV_CACHE_BYTES": "1GiB", "SHARDSERVE_JSON_LOGS": "false",
+                          "SHARDSERVE_WORLD_SIZE": "2"}) == {
+        "kv_cache_bytes": 2**30, "json_logs": False, "world_size": 2}
+    assert env_overrides({"SHARDSERVE_JSON_LOGS": "on"}) == {"json_logs": True}
+    with pytest.raises(ValueError, match="SHARDSERVE_JSON_LOGS"):
+        env_overrides({"SHARDSERVE_JSON_LOGS": "maybe"})
+    config, _, _ = config_from_args(["--model", "/m", "--kv-cache-bytes", "64MiB"], environ={})
+    assert config.kv_cache_bytes == 64 * 2**20
+
+
+def test_a_group_of_several_ranks_needs_a_rendezvous_port() -> None:
+    group = ShardConfig(model_path="m", world_size=2)  # the launcher's template
+    assert group.for_rank(1, "10.0.0.1", 29500) == ShardConfig(
+        model_path="m", world_size=2, rank=1, master_addr="10.0.0.1", master_port=29500)
+    with pytest.raises(ValueError, match="master_port"):
+        group.for_rank(1, "10.0.0.1", 0)
+    with pytest.raises(ValueError, match="rank"):
+        group.for_rank(2, "10.0.0.1", 29500)
+    with pytest.raises(SystemExit):
+        config_from_args(["--model", "/m", "--world-size", "2"], environ={})
 
 
 def test_model_config_transformers4_spelling() -> None:
