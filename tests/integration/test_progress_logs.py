@@ -65,7 +65,8 @@ def test_busy_server_logs_a_status_line(server: LiveServer) -> None:
     lines = status_lines(server)
     assert lines, server.log()[-3000:]
     busy = [m for m in lines if m["running"] == "1"]
-    assert busy and float(busy[0]["generation"]) > 0 and float(busy[0]["kv"]) > 0
+    # (an interval can hold only the admission, or a stall of a loaded machine)
+    assert any(float(m["generation"]) > 0 and float(m["kv"]) > 0 for m in busy), lines
     assert any(float(m["prompt"]) > 0 for m in lines)
     assert all(m["waiting"] == "0" for m in lines)
     # Idle: no more lines.
