@@ -38,7 +38,7 @@ from benchmarks.harness import free_port
 from shard.config import ShardConfig
 from shard.distributed import destroy_distributed
 from shard.model_runner import ModelRunner
-from shard.requests import PrefillBatch, RequestInput
+from shard.records import PrefillBatch, RequestInput
 from shard.sampling import SamplingParams
 
 LLAMA3_8B = dict(

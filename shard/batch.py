@@ -66,8 +66,9 @@ class RequestState:
 
 
 @dataclass
-class Batch:
-    """Requests kept under one batch id, in order.
+class CachedBatch:
+    """The shard's state of a cached batch (the router's ``pb.CachedBatch`` names it by
+    id and request ids): requests kept under one batch id, in order, between steps.
 
     Attributes:
         batch_id: router-assigned id.
@@ -88,7 +89,7 @@ class BatchStore:
     """All batches held by the shard, keyed by batch id."""
 
     def __init__(self) -> None:
-        self._batches: dict[int, Batch] = {}
+        self._batches: dict[int, CachedBatch] = {}
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -96,7 +97,7 @@ class BatchStore:
     def __contains__(self, batch_id: int) -> bool:
         return batch_id in self._batches
 
-    def add(self, batch: Batch) -> None:
+    def add(self, batch: CachedBatch) -> None:
         """Keep ``batch``. Raises ValueError when its id is already held."""
         if batch.batch_id in self._batches:
             raise ValueError(
@@ -104,7 +105,7 @@ class BatchStore:
             )
         self._batches[batch.batch_id] = batch
 
-    def get(self, batch_id: int) -> Batch:
+    def get(self, batch_id: int) -> CachedBatch:
         """Raises UnknownBatchError."""
         try:
             return self._batches[batch_id]
@@ -129,7 +130,7 @@ class BatchStore:
                     raise ValueError(f"request id {rid} appears in more than one batch")
                 seen.add(rid)
 
-    def concatenate(self, batch_ids: Sequence[int]) -> Batch:
+    def concatenate(self, batch_ids: Sequence[int]) -> CachedBatch:
         """Merge batches, in order, into one kept under the first id; the others are dropped.
 
         Raises: as :meth:`check_concatenate`.
@@ -144,7 +145,7 @@ class BatchStore:
         first.rows = DecodeRows.concatenate(rows)
         return first
 
-    def filter(self, batch_id: int, keep: Iterable[int]) -> Batch:
+    def filter(self, batch_id: int, keep: Iterable[int]) -> CachedBatch:
         """Keep only the listed request ids (in the batch's order); an empty result
         drops the batch.
 

@@ -18,7 +18,7 @@ import torch
 from loguru import logger
 
 from shard.attention import AttentionSpec, select_backend
-from shard.batch import Batch, BatchStore, RequestState
+from shard.batch import BatchStore, CachedBatch, RequestState
 from shard.config import ShardConfig, dtype_name
 from shard.cuda_graphs import DecodeGraphs, parse_buckets
 from shard.decode_state import DecodeRows
@@ -31,7 +31,7 @@ from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
 from shard.progress import PhaseProgress
-from shard.requests import (
+from shard.records import (
     CachedBatchInfo,
     Generation,
     PrefillBatch,
@@ -48,7 +48,7 @@ from shard.sampling import (
     sample,
     sample_greedy,
 )
-from shard.validate import validate_decode, validate_prefill
+from shard.step_checks import validate_decode, validate_prefill
 from shard.warmup import (
     WARMUP_PHASES,
     MemoryProfile,
@@ -341,7 +341,7 @@ class ModelRunner:
         each non-partial one and keep those under ``batch.batch_id``.
 
         Raises:
-            ValueError: invalid request (see :mod:`shard.validate`) or batch id already held.
+            ValueError: invalid request (see :mod:`shard.step_checks`) or batch id already held.
             NotWarmedUpError: before Warmup.
         """
         if not self.kv_cache:
@@ -375,7 +375,7 @@ class ModelRunner:
                 [s.block_table for s in states],
                 self.device,
             )
-            self.batches.add(Batch(batch.batch_id, states, device_rows))
+            self.batches.add(CachedBatch(batch.batch_id, states, device_rows))
         info = CachedBatchInfo(batch.batch_id, tuple(s.request_id for s in states))
         return StepOutput(tuple(generations), info, forward_ns)
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 import grpc
 from loguru import logger
 
-from shard import codec
+from shard import pb_convert
 from shard.errors import NotWarmedUpError, UnknownBatchError
 from shard.model_runner import ModelRunner, PendingDecode
 from shard.pb import shard_pb2 as pb
@@ -115,7 +115,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
-        return codec.info_to_pb(self.runner.info())
+        return pb_convert.info_to_pb(self.runner.info())
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
@@ -143,12 +143,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         out = await self._run(
             context,
             "Prefill",
-            lambda: self.runner.prefill(codec.prefill_batch_from_pb(request.batch)),
+            lambda: self.runner.prefill(pb_convert.prefill_batch_from_pb(request.batch)),
         )
         return pb.PrefillResponse(
-            generations=codec.step_generations_to_pb(out),
-            batch=codec.cached_batch_to_pb(out.batch),
-            timings=codec.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
+            generations=pb_convert.step_generations_to_pb(out),
+            batch=pb_convert.cached_batch_to_pb(out.batch),
+            timings=pb_convert.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
         )
 
     async def Decode(
@@ -156,7 +156,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     ) -> pb.DecodeResponse:
         t0 = time.perf_counter_ns()
         batch_ids = [b.id for b in request.batches]
-        appends = codec.block_appends_from_pb(list(request.block_appends))
+        appends = pb_convert.block_appends_from_pb(list(request.block_appends))
         removed = list(request.remove_request_ids)
         await self._wait_turn(context, request.step)
         # Launch under the lock, then wait for the results without it: the next step
@@ -171,7 +171,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         else:
             out = launched
-        return codec.decode_response_to_pb(out, time.perf_counter_ns() - t0)
+        return pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
 
     async def FilterBatch(
         self, request: pb.FilterBatchRequest, context: grpc.aio.ServicerContext
@@ -180,7 +180,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         info = await self._run(
             context, "FilterBatch", lambda: self.runner.filter_batch(request.batch_id, ids)
         )
-        return pb.FilterBatchResponse(batch=codec.cached_batch_to_pb(info))
+        return pb.FilterBatchResponse(batch=pb_convert.cached_batch_to_pb(info))
 
     async def ClearCache(
         self, request: pb.ClearCacheRequest, context: grpc.aio.ServicerContext

@@ -25,7 +25,7 @@ from transformers import (
 
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
-from shard.requests import PrefillBatch, RequestInput
+from shard.records import PrefillBatch, RequestInput
 from shard.sampling import SamplingParams
 
 # NOTE: the shard tests run on CPU; SHARD_TEST_DEVICE=cuda runs the model tests on a GPU

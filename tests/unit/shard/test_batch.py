@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard.batch import Batch, BatchStore, RequestState
+from shard.batch import BatchStore, CachedBatch, RequestState
 from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
 from shard.sampling import SamplingParams
@@ -25,7 +25,7 @@ def store_with(*batches: tuple[int, list[int]]) -> BatchStore:
             [s.block_table for s in states],
             torch.device("cpu"),
         )
-        store.add(Batch(bid, states, rows))
+        store.add(CachedBatch(bid, states, rows))
     return store
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shard.errors import KVCacheTooSmallError, NotWarmedUpError
-from shard.requests import PrefillBatch
+from shard.records import PrefillBatch
 from shard.sampling import SamplingParams
 from tests.unit.shard.helpers import (
     PROMPTS,

@@ -131,7 +131,7 @@ def test_recompute_after_preemption(runner, expected_greedy) -> None:
 
 
 def _batch(batch_id, *requests):
-    from shard.requests import PrefillBatch
+    from shard.records import PrefillBatch
 
     return PrefillBatch(batch_id, tuple(requests))
 

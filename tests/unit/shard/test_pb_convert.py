@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shard.codec import request_from_pb
 from shard.pb import shard_pb2 as pb
+from shard.pb_convert import request_from_pb
 
 
 def test_stopping_parameters_are_not_decoded() -> None:

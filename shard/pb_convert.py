@@ -1,4 +1,4 @@
-"""Protobuf ↔ typed records (:mod:`shard.requests`). No logic beyond field mapping.
+"""Protobuf ↔ typed records (:mod:`shard.records`). No logic beyond field mapping.
 
 NOTE proto3 zero values: an unset ``temperature``, ``top_p``, ``typical_p`` or
 ``repetition_penalty`` arrives as 0.0, which is mapped to its "off" value (1.0).
@@ -8,7 +8,7 @@ Greedy decoding is requested with ``do_sample=false``, never with temperature 0.
 from __future__ import annotations
 
 from shard.pb import shard_pb2 as pb
-from shard.requests import (
+from shard.records import (
     CachedBatchInfo,
     Generation,
     PrefillBatch,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shard.batch import RequestState
-from shard.requests import PrefillBatch, RequestInput
+from shard.records import PrefillBatch, RequestInput
 
 
 def _check_blocks(
