@@ -156,6 +156,54 @@ async def _unless_gone(
             await asyncio.gather(task, return_exceptions=True)
 
 
+@dataclass
+class StartedStream:
+    """A stream whose first event has arrived (see :func:`start_stream`).
+
+    Attributes:
+        stream: The requests' merged events; close it when done (``aclose``).
+        events: Its iterator, past the first event.
+        first: The first event.
+    """
+
+    stream: MergedStream
+    events: AsyncIterator[tuple[int, TokenEvent]]
+    first: tuple[int, TokenEvent]
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
+        """The events in order, the first included, grouped as they can be written:
+        each group is one event and those that arrived meanwhile. Raises what the
+        iteration raises (:class:`GenerationFailed`)."""
+        item: tuple[int, TokenEvent] | None = self.first
+        while item is not None:
+            yield [item, *self.stream.take_ready()]
+            item = await anext(self.events, None)
+
+
+async def start_stream(
+    engine: Engine, requests: Sequence[GenerationRequest],
+    disconnected: Callable[[], Awaitable[bool]] | None,
+) -> StartedStream:
+    """Submit ``requests`` as one stream and wait for its first event, so that a 429 or
+    a queue wait comes before the response starts; a client that leaves meanwhile
+    cancels them (see :func:`first_event`).
+
+    Raises:
+        QueueFullError: the engine refused a request.
+        GenerationFailed: a request failed before its first token.
+        ClientDisconnected: the client left first.
+    """
+    stream = MergedStream(engine, requests)
+    await stream.__aenter__()
+    events = aiter(stream)
+    try:
+        first = await first_event(events, disconnected)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return StartedStream(stream, events, first)
+
+
 def sse_events(lines: Iterable[str]) -> bytes:
     """Server-sent events, one per line of ``lines`` (framed by sse-starlette), as one
     body part: written at once, several events cost one write to the socket."""

@@ -22,10 +22,9 @@ from sse_starlette.sse import EventSourceResponse
 from router.api.generation import (
     Completion,
     GenerationFailed,
-    MergedStream,
-    first_event,
     run_all,
     sse_events,
+    start_stream,
     text_without_stop,
 )
 from router.api.openai_logprobs import (
@@ -333,30 +332,20 @@ async def _sse(
 ) -> EventSourceResponse:
     """Stream ``requests`` as OpenAI chunks; ``[DONE]`` last. The first token (or a 429)
     comes before the response starts; a client that leaves before it cancels them."""
-    stream = MergedStream(state.engine, requests)
-    await stream.__aenter__()
-    events = aiter(stream)
-    try:
-        first = await first_event(events, http_request.is_disconnected)
-    except BaseException:
-        await stream.aclose()
-        raise
+    started = await start_stream(state.engine, requests, http_request.is_disconnected)
     done = [Completion(r) for r in requests]
 
     async def lines() -> AsyncIterator[str | bytes]:
         try:
             for line in opening:
                 yield line
-            item: tuple[int, TokenEvent] | None = first
-            while item is not None:
-                # with the events that arrived meanwhile: one write for all of them
+            async for batch in started.batches():  # one write for each batch
                 chunks: list[str] = []
-                for index, event in [item, *stream.take_ready()]:
+                for index, event in batch:
                     done[index].tokens.append(event)
                     done[index].finish = event.finish or done[index].finish
                     chunks.extend(on_event(index, event))
                 yield sse_events(chunks)
-                item = await anext(events, None)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield usage_chunk(done)
             yield "[DONE]"
@@ -369,6 +358,6 @@ async def _sse(
             yield json.dumps({"error": {"message": message, "type": "server_error",
                                         "param": None, "code": None}})
         finally:
-            await stream.aclose()
+            await started.stream.aclose()
 
     return EventSourceResponse(lines())

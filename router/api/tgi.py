@@ -19,10 +19,10 @@ from sse_starlette.sse import EventSourceResponse
 from router.api.generation import (
     Completion,
     GenerationFailed,
-    MergedStream,
-    first_event,
+    StartedStream,
     run_all,
     sse_events,
+    start_stream,
 )
 from router.api.schemas import (
     BestOfSequence,
@@ -147,21 +147,13 @@ def tgi_routes(state: ServerState) -> APIRouter:
         if (body.parameters.best_of or 1) > 1:
             raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
         request = await validate(body)
-        stream = MergedStream(state.engine, [request])
-        await stream.__aenter__()
-        events = aiter(stream)
-        try:
-            # The first token (or a 429) before the response starts; a client that
-            # leaves while its request is queued cancels it.
-            first = await first_event(events, http_request.is_disconnected)
-        except BaseException:
-            await stream.aclose()
-            raise
-        return EventSourceResponse(_stream(body, request, first, stream, events))
+        # The first token (or a 429) before the response starts; a client that leaves
+        # while its request is queued cancels it.
+        started = await start_stream(state.engine, [request], http_request.is_disconnected)
+        return EventSourceResponse(_stream(body, request, started))
 
     async def _stream(
-        body: GenerateRequest, request: GenerationRequest, first: tuple[int, TokenEvent],
-        stream: MergedStream, events: AsyncIterator[tuple[int, TokenEvent]],
+        body: GenerateRequest, request: GenerationRequest, started: StartedStream
     ) -> AsyncIterator[str | bytes]:
         prefix = body.inputs if body.parameters.return_full_text else ""
         completion = Completion(request)
@@ -185,15 +177,12 @@ def tgi_routes(state: ServerState) -> APIRouter:
             return response.model_dump_json()
 
         try:
-            item: tuple[int, TokenEvent] | None = first
-            while item is not None:
-                # with the events that arrived meanwhile: one write for all of them
-                yield sse_events(message(event) for _, event in [item, *stream.take_ready()])
-                item = await anext(events, None)
+            async for batch in started.batches():  # one write for each batch
+                yield sse_events(message(event) for _, event in batch)
         except GenerationFailed as error:
             yield json.dumps({"error": str(error), "error_type": "generation"})
         finally:
-            await stream.aclose()
+            await started.stream.aclose()
 
     @router.post("/", response_model=None)
     async def compat_generate(
