@@ -17,9 +17,10 @@ unexpected is logged and answered 500 with a JSON body, and the server keeps ser
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError as SchemaValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from loguru import logger
@@ -27,14 +28,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.api import tgi
 from router.api.auth import ApiKeyAuth
 from router.api.generation import ClientDisconnected, GenerationFailed
 from router.api.health import health_problem
 from router.api.limits import BodySizeLimit
 from router.api.openai import ModelNotFoundError, openai_routes
 from router.api.schemas import ErrorResponse, Info
-from router.api.state import ServerState
-from router.api.tgi import tgi_routes
+from router.api.state import ServerState, State, server_state
 from router.chat_template import ChatTemplateError
 from router.engine import QueueFullError, ShuttingDownError
 from router.validation import RequestValidationError
@@ -119,6 +120,123 @@ class CancelledAsError:
             await response(scope, receive, send)
 
 
+def _count_rejected(state: ServerState) -> None:
+    """Count a request refused before it reached the engine."""
+    state.engine.metrics.requests.labels("rejected").inc()
+
+
+async def _schema_error(request: Request, exc: SchemaValidationError) -> JSONResponse:
+    _count_rejected(server_state(request))
+    message, field = _describe_schema_errors(list(exc.errors()))
+    return _error(request, 422, message, "validation", field)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _count_rejected(server_state(request))
+    return _error(request, 422, str(exc), "validation", exc.field)
+
+
+async def _template_error(request: Request, exc: ChatTemplateError) -> JSONResponse:
+    _count_rejected(server_state(request))
+    return _error(request, 422, f"messages: {exc}", "validation", "messages")
+
+
+async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+    _count_rejected(server_state(request))
+    return _error(request, 404, str(exc), "not_found", "model", code="model_not_found")
+
+
+async def _shutting_down(request: Request, exc: ShuttingDownError) -> JSONResponse:
+    return _error(request, 503, str(exc), "unavailable")
+
+
+async def _overloaded(request: Request, exc: QueueFullError) -> JSONResponse:
+    return _error(request, 429, str(exc), "overloaded")
+
+
+async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
+    return _error(request, 500, str(exc), "generation")
+
+
+async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
+    # Nobody reads this; 499 is the conventional "client closed request" status.
+    return _error(request, 499, str(exc), "cancelled")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # E.g. a body that is not UTF-8 or nests too deeply to parse: name the body.
+    if exc.status_code in (400, 413):
+        _count_rejected(server_state(request))
+    message = f"body: {exc.detail}" if exc.status_code in (400, 413) else exc.detail
+    return _error(request, exc.status_code, str(message), "validation", "body")
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    logger.opt(exception=exc).error("unhandled error on {}", request.url.path)
+    return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
+
+
+# Exception type -> its answer. ShuttingDownError before QueueFullError: it is one.
+_ERROR_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+    SchemaValidationError: _schema_error,
+    RequestValidationError: _validation_error,
+    ChatTemplateError: _template_error,
+    ModelNotFoundError: _no_model,
+    ShuttingDownError: _shutting_down,
+    QueueFullError: _overloaded,
+    GenerationFailed: _failed,
+    ClientDisconnected: _gone,
+    StarletteHTTPException: _http_error,
+    Exception: _internal,
+}
+
+service = APIRouter(tags=["TGI"])
+
+
+@service.get("/health")
+async def health(request: Request, state: State) -> JSONResponse:
+    """200 when every shard answers, the last step succeeded and the server is not
+    shutting down, else 503 (the gRPC health service answers the same)."""
+    problem = await health_problem(state)
+    if problem is not None:
+        return _error(request, 503, problem, "unhealthy")
+    return JSONResponse({"status": "ok"})
+
+
+@service.get("/metrics", response_class=PlainTextResponse)
+async def metrics(state: State) -> PlainTextResponse:
+    """Prometheus text exposition (names listed in the README)."""
+    return PlainTextResponse(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@service.get("/info", response_model=Info)
+async def info(state: State) -> Info:
+    """Model, shards, KV cache and request limits."""
+    budgets = state.engine.config
+    status = state.engine.status()
+    limits = state.validator.limits
+    return Info(
+        model_id=state.model_id,
+        model_dtype=state.dtype,
+        model_device_type=state.device_type,
+        num_shard=state.num_shard,
+        attention_backend=state.attention_backend,
+        block_size=status.block_size,
+        kv_blocks_total=status.kv_blocks_total,
+        kv_blocks_free=status.kv_blocks_free,
+        kv_blocks_used=status.kv_blocks_used,
+        prefix_cache_hit_tokens=status.prefix_cache_hit_tokens,
+        max_input_tokens=budgets.max_input_tokens,
+        max_total_tokens=budgets.max_total_tokens,
+        max_batch_prefill_tokens=budgets.max_batch_prefill_tokens,
+        max_concurrent_requests=budgets.max_concurrent_requests,
+        max_best_of=limits.max_best_of,
+        max_stop_sequences=limits.max_stop_sequences,
+        max_top_n_tokens=limits.max_top_n_tokens,
+        version=state.version,
+    )
+
+
 def create_app(state: ServerState) -> FastAPI:
     """Build the FastAPI application serving ``state``."""
     app = FastAPI(
@@ -126,108 +244,15 @@ def create_app(state: ServerState) -> FastAPI:
         version=state.version,
         description="LLM text generation: TGI-compatible and OpenAI-compatible APIs.",
     )
-
-    def rejected() -> None:
-        """Count a request refused before it reached the engine."""
-        state.engine.metrics.requests.labels("rejected").inc()
-
-    @app.exception_handler(SchemaValidationError)
-    async def _schema_error(request: Request, exc: SchemaValidationError) -> JSONResponse:
-        rejected()
-        message, field = _describe_schema_errors(list(exc.errors()))
-        return _error(request, 422, message, "validation", field)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        rejected()
-        return _error(request, 422, str(exc), "validation", exc.field)
-
-    @app.exception_handler(ChatTemplateError)
-    async def _template_error(request: Request, exc: ChatTemplateError) -> JSONResponse:
-        rejected()
-        return _error(request, 422, f"messages: {exc}", "validation", "messages")
-
-    @app.exception_handler(ModelNotFoundError)
-    async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        rejected()
-        return _error(request, 404, str(exc), "not_found", "model", code="model_not_found")
-
-    @app.exception_handler(ShuttingDownError)
-    async def _shutting_down(request: Request, exc: ShuttingDownError) -> JSONResponse:
-        return _error(request, 503, str(exc), "unavailable")
-
-    @app.exception_handler(QueueFullError)
-    async def _overloaded(request: Request, exc: QueueFullError) -> JSONResponse:
-        return _error(request, 429, str(exc), "overloaded")
-
-    @app.exception_handler(GenerationFailed)
-    async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
-        return _error(request, 500, str(exc), "generation")
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
-        # Nobody reads this; 499 is the conventional "client closed request" status.
-        return _error(request, 499, str(exc), "cancelled")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # E.g. a body that is not UTF-8 or nests too deeply to parse: name the body.
-        if exc.status_code in (400, 413):
-            rejected()
-        message = f"body: {exc.detail}" if exc.status_code in (400, 413) else exc.detail
-        return _error(request, exc.status_code, str(message), "validation", "body")
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.opt(exception=exc).error("unhandled error on {}", request.url.path)
-        return _error(request, 500, f"internal error: {type(exc).__name__}", "internal")
-
-    app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes, on_reject=rejected)
+    app.state.server = state
+    for exc_type, handler in _ERROR_HANDLERS.items():
+        app.add_exception_handler(exc_type, handler)
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes,
+                       on_reject=lambda: _count_rejected(state))
     app.add_middleware(CancelledAsError)
     if state.api_key:
         app.add_middleware(ApiKeyAuth, api_key=state.api_key)  # outermost: checked first
-    app.include_router(tgi_routes(state))
+    app.include_router(tgi.router)
     app.include_router(openai_routes(state))
-
-    @app.get("/health", tags=["TGI"])
-    async def health(request: Request) -> JSONResponse:
-        """200 when every shard answers, the last step succeeded and the server is not
-        shutting down, else 503 (the gRPC health service answers the same)."""
-        problem = await health_problem(state)
-        if problem is not None:
-            return _error(request, 503, problem, "unhealthy")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics", response_class=PlainTextResponse, tags=["TGI"])
-    async def metrics() -> PlainTextResponse:
-        """Prometheus text exposition (names listed in the README)."""
-        return PlainTextResponse(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/info", response_model=Info, tags=["TGI"])
-    async def info() -> Info:
-        """Model, shards, KV cache and request limits."""
-        budgets = state.engine.config
-        status = state.engine.status()
-        limits = state.validator.limits
-        return Info(
-            model_id=state.model_id,
-            model_dtype=state.dtype,
-            model_device_type=state.device_type,
-            num_shard=state.num_shard,
-            attention_backend=state.attention_backend,
-            block_size=status.block_size,
-            kv_blocks_total=status.kv_blocks_total,
-            kv_blocks_free=status.kv_blocks_free,
-            kv_blocks_used=status.kv_blocks_used,
-            prefix_cache_hit_tokens=status.prefix_cache_hit_tokens,
-            max_input_tokens=budgets.max_input_tokens,
-            max_total_tokens=budgets.max_total_tokens,
-            max_batch_prefill_tokens=budgets.max_batch_prefill_tokens,
-            max_concurrent_requests=budgets.max_concurrent_requests,
-            max_best_of=limits.max_best_of,
-            max_stop_sequences=limits.max_stop_sequences,
-            max_top_n_tokens=limits.max_top_n_tokens,
-            version=state.version,
-        )
-
+    app.include_router(service)
     return app

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from router.api.offload import Offload
 from router.engine import Engine
@@ -40,3 +43,14 @@ class ServerState:
     def model_names(self) -> tuple[str, ...]:
         """Every name the model is served as, the reported one first."""
         return (self.model_id, *self.model_aliases)
+
+
+def server_state(request: Request) -> ServerState:
+    """The :class:`ServerState` of the app serving ``request`` (``create_app`` keeps it
+    in ``app.state.server``)."""
+    state: ServerState = request.app.state.server
+    return state
+
+
+# A route parameter of this type receives the app's ServerState.
+State = Annotated[ServerState, Depends(server_state)]

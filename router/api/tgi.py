@@ -36,7 +36,7 @@ from router.api.schemas import (
     TokenInfo,
     TokenizeRequest,
 )
-from router.api.state import ServerState
+from router.api.state import ServerState, State
 from router.request import GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
 from router.validation import RequestValidationError
@@ -106,105 +106,116 @@ def _sequence_fields(
     }
 
 
-def tgi_routes(state: ServerState) -> APIRouter:
-    """Build the TGI routes over ``state``."""
-    router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"])
+
+
+async def _validate(state: ServerState, body: GenerateRequest) -> GenerationRequest:
+    # Tokenizing runs off the event loop: a long prompt must not stop the streams.
+    return await state.offload.run(state.validator.validate, body.inputs, body.parameters)
+
+
+@router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
+async def generate(body: GenerateRequest, http_request: Request, state: State) -> GenerateResponse:
+    """Generate text (TGI ``POST /generate``)."""
+    request = await _validate(state, body)
+    best_of = body.parameters.best_of or 1
+    completions = await run_all(state.engine, state.validator.fan_out(request, best_of),
+                                http_request.is_disconnected)
+    # best_of: the sequence with the highest total logprob, as TGI does.
+    completions.sort(key=lambda c: c.logprob_sum, reverse=True)
+    return _response(state.engine.tokenizer, body, completions, best_of)
+
+
+def _response(tokenizer: Tokenizer, body: GenerateRequest, completions: list[Completion],
+              best_of: int) -> GenerateResponse:
+    """``/generate``'s answer: the best sequence, with the details asked for."""
+    params = body.parameters
+    prefix = body.inputs if params.return_full_text else ""
+    best = _sequence_fields(tokenizer, completions[0], prefix, params.decoder_input_details)
+    details = None
+    if params.details or params.decoder_input_details:
+        others = [
+            BestOfSequence.model_validate(
+                _sequence_fields(tokenizer, c, prefix, params.decoder_input_details)
+            )
+            for c in completions[1:]
+        ]
+        fields = {k: v for k, v in best.items() if k != "generated_text"}
+        details = Details.model_validate(
+            {**fields, "best_of_sequences": others if best_of > 1 else None}
+        )
+    return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
+
+
+@router.post("/generate_stream", response_class=EventSourceResponse)
+async def generate_stream(
+    body: GenerateRequest, http_request: Request, state: State
+) -> EventSourceResponse:
+    """Generate text as server-sent events (TGI ``POST /generate_stream``)."""
+    if (body.parameters.best_of or 1) > 1:
+        raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
+    request = await _validate(state, body)
+    # The first token (or a 429) before the response starts; a client that leaves
+    # while its request is queued cancels it.
+    started = await start_stream(state.engine, [request], http_request.is_disconnected)
+    return EventSourceResponse(_stream(state.engine.tokenizer, body, request, started))
+
+
+async def _stream(
+    tokenizer: Tokenizer, body: GenerateRequest, request: GenerationRequest,
+    started: StartedStream,
+) -> AsyncIterator[str | bytes]:
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    completion = Completion(request)
+
+    def message(event: TokenEvent) -> str:
+        completion.tokens.append(event)
+        response = StreamResponse(
+            index=len(completion.tokens),
+            token=Token(id=event.id, text=event.text, logprob=event.logprob,
+                        special=event.special),
+            top_tokens=top_tokens(tokenizer, event),
+        )
+        if event.finish is not None:
+            completion.finish = event.finish
+            response.generated_text = prefix + completion.text
+            response.details = StreamDetails(
+                finish_reason=event.finish.reason.value,
+                generated_tokens=event.finish.generated_tokens,
+                seed=completion.seed,
+            )
+        return response.model_dump_json()
+
+    try:
+        async for batch in started.batches():  # one write for each batch
+            yield sse_events(message(event) for _, event in batch)
+    except GenerationFailed as error:
+        yield json.dumps({"error": str(error), "error_type": "generation"})
+    finally:
+        await started.stream.aclose()
+
+
+@router.post("/", response_model=None)
+async def compat_generate(
+    body: GenerateRequest, http_request: Request, state: State
+) -> list[GenerateResponse] | EventSourceResponse:
+    """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
+    if body.stream:
+        return await generate_stream(body, http_request, state)
+    return [await generate(body, http_request, state)]
+
+
+@router.post("/tokenize", response_model=list[TokenInfo])
+async def tokenize(body: TokenizeRequest, state: State) -> Response:
+    """Tokenize ``inputs``: ids, texts and character offsets (TGI ``POST /tokenize``)."""
     tokenizer = state.engine.tokenizer
 
-    async def validate(body: GenerateRequest) -> GenerationRequest:
-        # Tokenizing runs off the event loop: a long prompt must not stop the streams.
-        return await state.offload.run(state.validator.validate, body.inputs, body.parameters)
+    def answer() -> bytes:
+        encoding = state.validator.tokenize(body.inputs, body.add_special_tokens)
+        return _token_list_json(
+            body.inputs, encoding.ids, encoding.offsets,
+            lambda token_id: token_text(tokenizer, token_id),
+        )
 
-    @router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
-    async def generate(body: GenerateRequest, http_request: Request) -> GenerateResponse:
-        """Generate text (TGI ``POST /generate``)."""
-        request = await validate(body)
-        best_of = body.parameters.best_of or 1
-        completions = await run_all(state.engine, state.validator.fan_out(request, best_of),
-                                    http_request.is_disconnected)
-        # best_of: the sequence with the highest total logprob, as TGI does.
-        completions.sort(key=lambda c: c.logprob_sum, reverse=True)
-        params = body.parameters
-        prefix = body.inputs if params.return_full_text else ""
-        best = _sequence_fields(tokenizer, completions[0], prefix, params.decoder_input_details)
-        details = None
-        if params.details or params.decoder_input_details:
-            others = [
-                BestOfSequence.model_validate(
-                    _sequence_fields(tokenizer, c, prefix, params.decoder_input_details)
-                )
-                for c in completions[1:]
-            ]
-            fields = {k: v for k, v in best.items() if k != "generated_text"}
-            details = Details.model_validate(
-                {**fields, "best_of_sequences": others if best_of > 1 else None}
-            )
-        return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
-
-    @router.post("/generate_stream", response_class=EventSourceResponse)
-    async def generate_stream(body: GenerateRequest, http_request: Request) -> EventSourceResponse:
-        """Generate text as server-sent events (TGI ``POST /generate_stream``)."""
-        if (body.parameters.best_of or 1) > 1:
-            raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
-        request = await validate(body)
-        # The first token (or a 429) before the response starts; a client that leaves
-        # while its request is queued cancels it.
-        started = await start_stream(state.engine, [request], http_request.is_disconnected)
-        return EventSourceResponse(_stream(body, request, started))
-
-    async def _stream(
-        body: GenerateRequest, request: GenerationRequest, started: StartedStream
-    ) -> AsyncIterator[str | bytes]:
-        prefix = body.inputs if body.parameters.return_full_text else ""
-        completion = Completion(request)
-
-        def message(event: TokenEvent) -> str:
-            completion.tokens.append(event)
-            response = StreamResponse(
-                index=len(completion.tokens),
-                token=Token(id=event.id, text=event.text, logprob=event.logprob,
-                            special=event.special),
-                top_tokens=top_tokens(tokenizer, event),
-            )
-            if event.finish is not None:
-                completion.finish = event.finish
-                response.generated_text = prefix + completion.text
-                response.details = StreamDetails(
-                    finish_reason=event.finish.reason.value,
-                    generated_tokens=event.finish.generated_tokens,
-                    seed=completion.seed,
-                )
-            return response.model_dump_json()
-
-        try:
-            async for batch in started.batches():  # one write for each batch
-                yield sse_events(message(event) for _, event in batch)
-        except GenerationFailed as error:
-            yield json.dumps({"error": str(error), "error_type": "generation"})
-        finally:
-            await started.stream.aclose()
-
-    @router.post("/", response_model=None)
-    async def compat_generate(
-        body: GenerateRequest, http_request: Request
-    ) -> list[GenerateResponse] | EventSourceResponse:
-        """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
-        if body.stream:
-            return await generate_stream(body, http_request)
-        return [await generate(body, http_request)]
-
-    @router.post("/tokenize", response_model=list[TokenInfo])
-    async def tokenize(body: TokenizeRequest) -> Response:
-        """Tokenize ``inputs``: ids, texts and character offsets (TGI ``POST /tokenize``)."""
-
-        def answer() -> bytes:
-            encoding = state.validator.tokenize(body.inputs, body.add_special_tokens)
-            return _token_list_json(
-                body.inputs, encoding.ids, encoding.offsets,
-                lambda token_id: token_text(tokenizer, token_id),
-            )
-
-        # Tokenizing and writing the answer (one entry per token) run off the event loop.
-        return Response(await state.offload.run(answer), media_type="application/json")
-
-    return router
+    # Tokenizing and writing the answer (one entry per token) run off the event loop.
+    return Response(await state.offload.run(answer), media_type="application/json")

@@ -65,7 +65,7 @@ def split_entrypoint(entrypoint: str) -> list[str]:
 
 
 def router_paths() -> set[str]:
-    """Every HTTP path the router's FastAPI app declares.
+    """Every HTTP path the router's FastAPI app declares (its OpenAPI document).
 
     ``create_app`` only keeps the state for the request handlers (it reads a few
     attributes while building), so a stand-in state is enough to list the routes.
@@ -75,7 +75,7 @@ def router_paths() -> set[str]:
     from router.api.app import create_app
 
     app = create_app(MagicMock(version="0"))
-    return {route.path for route in app.routes if hasattr(route, "path")}
+    return set(app.openapi()["paths"])
 
 
 def by_kind(objects: list[Object], kind: str) -> list[Object]:
