@@ -91,20 +91,29 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             tokens.append(token)
         return tokens
 
-    def _sequence(self, completion: Completion, prefix: str) -> pb.Sequence:
+    @staticmethod
+    def _ending(completion: Completion, prefix: str) -> dict[str, Any]:
+        """The fields that end a sequence, in ``Sequence`` and in a stream's last
+        message alike: text, finish reason, token count and seed."""
         assert completion.finish is not None, "a generation ended without a finish"
+        fields: dict[str, Any] = {
+            "generated_text": prefix + completion.text,
+            "finish_reason": _FINISH[completion.finish.reason],
+            "generated_tokens": completion.finish.generated_tokens,
+        }
+        if completion.seed is not None:
+            fields["seed"] = completion.seed
+        return fields
+
+    def _sequence(self, completion: Completion, prefix: str) -> pb.Sequence:
         sequence = pb.Sequence(
-            generated_text=prefix + completion.text,
-            finish_reason=_FINISH[completion.finish.reason],
-            generated_tokens=completion.num_generated,
             prefill=self._prefill(completion),
             tokens=[self._token(e) for e in completion.tokens],
+            **self._ending(completion, prefix),
         )
         if completion.request.top_n_tokens:
             sequence.top_tokens.extend(pb.TopTokens(tokens=self._tops(e))
                                        for e in completion.tokens)
-        if completion.seed is not None:
-            sequence.seed = completion.seed
         return sequence
 
     async def Generate(
@@ -144,18 +153,13 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             while (item := await _call(context, anext(events, None), self.state)) is not None:
                 event = item[1]
                 completion.tokens.append(event)
-                message = pb.GenerateStreamResponse(token=self._token(event),
-                                                    top_tokens=self._tops(event))
-                if len(completion.tokens) == 1:
-                    message.prefill.extend(self._prefill(completion))
-                if event.finish is not None:
-                    completion.finish = event.finish
-                    message.generated_text = prefix + completion.text
-                    message.finish_reason = _FINISH[event.finish.reason]
-                    message.generated_tokens = event.finish.generated_tokens
-                    if completion.seed is not None:
-                        message.seed = completion.seed
-                yield message
+                completion.finish = event.finish
+                yield pb.GenerateStreamResponse(
+                    token=self._token(event),
+                    top_tokens=self._tops(event),
+                    prefill=self._prefill(completion) if len(completion.tokens) == 1 else [],
+                    **(self._ending(completion, prefix) if event.finish is not None else {}),
+                )
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
