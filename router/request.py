@@ -8,6 +8,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shard.sampling_params import SamplingParams
+
 
 class FinishReason(enum.StrEnum):
     """Why a sequence ended (TGI's names)."""
@@ -24,26 +26,6 @@ class Status(enum.Enum):
     PREFILLING = "prefilling"  # admitted, prompt partly prefilled (chunked prefill)
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling, already validated (see router.api.schemas.py for meanings).
-
-    Off values: ``top_k`` 0, ``top_p`` 1.0, ``typical_p`` 1.0, ``min_p`` 0.0, penalties
-    1.0 (repetition) and 0.0 (frequency, presence).
-    """
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    typical_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int = 0  # the API layer assigns one to every sampling request
 
 
 @dataclass(frozen=True)

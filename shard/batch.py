@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
-from shard.sampling import SamplingParams, is_plain_greedy
+from shard.sampling import is_plain_greedy
+from shard.sampling_params import SamplingParams
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shard.sampling import SamplingParams
+from shard.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
