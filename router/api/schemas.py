@@ -141,27 +141,26 @@ class PrefillToken(BaseModel):
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
 
 
-class BestOfSequence(BaseModel):
+class SequenceDetails(BaseModel):
+    """How one generated sequence ended and its tokens (TGI shape)."""
+
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[PrefillToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class BestOfSequence(SequenceDetails):
     """One of the other ``best_of - 1`` sequences of a best_of request."""
 
     generated_text: str
-    finish_reason: FinishReasonName
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[PrefillToken] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
-    top_tokens: list[list[Token]] = Field(default_factory=list)
 
 
-class Details(BaseModel):
+class Details(SequenceDetails):
     """``details`` of a /generate response (TGI shape)."""
 
-    finish_reason: FinishReasonName
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[PrefillToken] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
-    top_tokens: list[list[Token]] = Field(default_factory=list)
     best_of_sequences: list[BestOfSequence] | None = None
 
 
