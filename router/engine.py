@@ -388,6 +388,7 @@ class Engine:
             # Prompt logprobs are sent once, with the first token (not after a recompute).
             prompt_logprobs=seq.wants_prompt_logprobs,
             num_generated=len(seq.output_ids),
+            grammar=seq.request.grammar,
         )
 
     async def _sync_batches(self) -> None:
@@ -439,7 +440,9 @@ class Engine:
         stopping = seq.request.stopping
         reason: FinishReason | None = None
         stop_text: str | None = None
-        if token_id in self.tokenizer.eos_token_ids and not stopping.ignore_eos:
+        if token_id in self.tokenizer.eos_token_ids and (
+            not stopping.ignore_eos or seq.request.grammar
+        ):
             reason = FinishReason.EOS_TOKEN
         elif token_id in stopping.stop_token_ids:
             reason = FinishReason.STOP_SEQUENCE
