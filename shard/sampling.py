@@ -129,12 +129,19 @@ class TokenMask:
     rows: torch.Tensor
     allowed: torch.Tensor
 
-    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``scores`` ([batch, vocab] float32) with disallowed tokens of the constrained
-        rows at -inf (a new tensor; the other rows are unchanged)."""
-        masked = scores.clone()
+        rows at -inf; the other rows are unchanged. A copy unless ``inplace``."""
+        masked = scores if inplace else scores.clone()
         masked[self.rows] = scores[self.rows].masked_fill(~self.allowed, float("-inf"))
         return masked
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy picks ([batch] int64) of ``logits`` ([batch, vocab]) under the mask;
+        only the constrained rows are copied."""
+        token_ids = logits.argmax(dim=-1)
+        picked = logits[self.rows].masked_fill(~self.allowed, float("-inf")).argmax(dim=-1)
+        return token_ids.index_copy(0, self.rows, picked)
 
 
 def row_seed(seed: int, step: int) -> int:
@@ -260,7 +267,8 @@ def sample(
             [r.generated_tokens for r in rows],
         )
     if mask is not None:
-        scores = mask.apply(scores)
+        # the penalties made a new tensor, which can be masked in place
+        scores = mask.apply(scores, inplace=scores is not logits)
     token_ids = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
     if sampled:
@@ -307,7 +315,7 @@ def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None) -> Sample
             under the unmasked distribution).
     """
     logits = logits.to(torch.float32)
-    token_ids = (logits if mask is None else mask.apply(logits)).argmax(dim=-1)
+    token_ids = logits.argmax(dim=-1) if mask is None else mask.argmax(logits)
     chosen = logits.gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids, chosen - logits.logsumexp(dim=-1), None, None)
 
