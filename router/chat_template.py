@@ -50,9 +50,12 @@ def _compile(template: str) -> Any:
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render ``messages`` (``[{"role", "content"}, ...]``) with the model's template.
+    """Render ``messages`` (``[{"role", "content"}, ...]``) with the model's template;
+    ``tools`` (OpenAI tool objects) are passed as the template's ``tools`` variable, as
+    transformers does.
 
     Raises:
         ChatTemplateError: the model has no chat template, or rendering failed.
@@ -64,6 +67,7 @@ def render_chat(
             _compile(tokenizer.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=tokenizer.bos_token or "",
                 eos_token=tokenizer.eos_token or "",
             )

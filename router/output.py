@@ -68,7 +68,9 @@ class OutputProcessor:
         stopping = seq.request.stopping
         reason: FinishReason | None = None
         stop_text: str | None = None
-        if token_id in self._eos and not stopping.ignore_eos:
+        # a constrained request ends at EOS even with ignore_eos: its grammar allows
+        # EOS only once the output is complete
+        if token_id in self._eos and (not stopping.ignore_eos or seq.request.grammar):
             reason = FinishReason.EOS_TOKEN
         elif stopping.stop_token_ids and token_id in stopping.stop_token_ids:
             reason = FinishReason.STOP_SEQUENCE

@@ -47,6 +47,10 @@ class GenerationRequest:
     stopping: StoppingParams
     top_n_tokens: int = 0
     prompt_logprobs: bool = False
+    # llguidance grammar (JSON text) the output must follow, checked by router.grammar;
+    # "" = unconstrained. EOS ends a constrained request even with ignore_eos (it is the
+    # only token a complete grammar allows).
+    grammar: str = ""
     # False: the caller needs only the whole answer, so the engine hands over the
     # token events together when the request ends (one wake-up instead of one per token).
     stream: bool = True

@@ -176,4 +176,5 @@ class ShardSteps:
             # Prompt logprobs are sent once, with the first token (not after a recompute).
             prompt_logprobs=seq.wants_prompt_logprobs,
             num_generated=len(seq.output_ids),
+            grammar=seq.request.grammar,
         )

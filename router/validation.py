@@ -14,14 +14,15 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
 from tokenizers import Encoding
 
-from router.api.schemas import MAX_SEED, GenerateParameters
+from router.api.schemas import MAX_SEED, GenerateParameters, GrammarParameters
 from router.config import SchedulerConfig, ValidationLimits
+from router.grammar import GrammarChecker, GrammarError, json_schema_grammar, regex_grammar
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.scheduler import Scheduler
 from router.tokenizer import Tokenizer
@@ -115,12 +116,18 @@ class Validator:
             Warmup gives (see ``Engine.replace_shards``) apply to the next request.
         max_request_bytes: ``--max-request-bytes``; no text is longer than this many
             characters, on any entry point.
+        grammars: compiles the grammars of constrained requests (one per server).
     """
 
     tokenizer: Tokenizer
     scheduler: Scheduler
     limits: ValidationLimits
     max_request_bytes: int = 1 << 20
+    grammars: GrammarChecker = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.grammars is None:
+            object.__setattr__(self, "grammars", GrammarChecker(self.tokenizer))
 
     @property
     def budgets(self) -> SchedulerConfig:
@@ -166,6 +173,7 @@ class Validator:
             raise RequestValidationError(field, "tokenizes to zero tokens")
         self._check_lengths(len(input_ids), params, field)
         sampling = self._sampling(params)
+        grammar = self.grammar(params.grammar)
         return GenerationRequest(
             input_ids=tuple(input_ids),
             sampling=sampling,
@@ -177,7 +185,28 @@ class Validator:
             ),
             top_n_tokens=params.top_n_tokens or 0,
             prompt_logprobs=params.decoder_input_details,
+            grammar=grammar,
         )
+
+    def grammar(self, spec: GrammarParameters | None, field: str = "grammar") -> str:
+        """The compiled-and-checked grammar text of ``spec`` ("" for None). Blocking
+        (compiles; call off the event loop).
+
+        Raises:
+            RequestValidationError: naming ``field.value`` (bad schema or regex, or a
+                grammar that does not compile in time).
+        """
+        if spec is None:
+            return ""
+        try:
+            if spec.type == "json":
+                text = json_schema_grammar(spec.value, strict=spec.strict)
+            else:
+                text = regex_grammar(spec.value)
+            self.grammars.check(text)
+        except GrammarError as error:
+            raise RequestValidationError(f"{field}.value", str(error)) from None
+        return text
 
     def tokenize(
         self, text: str, add_special_tokens: bool = True, field: str = "inputs"

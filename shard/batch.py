@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
+from shard.grammar import GrammarMatcher
 from shard.sampling import is_plain_greedy
 from shard.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class RequestState:
         num_generated: generated tokens (a suffix of token_ids).
         sampling: sampling parameters.
         top_n_tokens: alternatives to return per token.
+        grammar: the grammar state of a constrained request (None = unconstrained).
     """
 
     request_id: int
@@ -36,6 +38,7 @@ class RequestState:
     num_generated: int
     sampling: SamplingParams
     top_n_tokens: int = 0
+    grammar: GrammarMatcher | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -62,8 +65,11 @@ class RequestState:
         self.num_generated += 1
 
     def record_token(self, token_id: int) -> None:
-        """The second half, done when the step's result is read: the new token's id."""
+        """The second half, done when the step's result is read: the new token's id
+        (which also advances the grammar state)."""
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 @dataclass

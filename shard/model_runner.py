@@ -24,6 +24,7 @@ from shard.cuda_graphs import DecodeGraphs, parse_buckets
 from shard.decode_state import DecodeRows
 from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
+from shard.grammar import GrammarCompiler, GrammarMatcher, unpack_bitmask
 from shard.host_copy import HostCopy
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
@@ -43,6 +44,7 @@ from shard.records import (
 from shard.sampling import (
     SamplerOutput,
     SamplingRow,
+    TokenMask,
     TokenSuffix,
     has_penalty,
     sample,
@@ -148,6 +150,7 @@ class ModelRunner:
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
         self.graphs: DecodeGraphs | None = None
         self._last_pending: PendingDecode | None = None  # the last launched decode step
+        self.grammars = GrammarCompiler(config.model_path, mc.vocab_size)
 
     @property
     def num_blocks(self) -> int:
@@ -358,7 +361,9 @@ class ModelRunner:
         if final:
             rows = [i for i, r in enumerate(batch.requests) if not r.partial]
             logits = self.model.compute_logits(hidden[inputs.last_token_indices[rows]])
-            out = sample(logits, [_prefill_sampling_row(r) for r in final])
+            matchers = [self._prefill_matcher(r) for r in final]
+            mask = self._token_mask(matchers, logits.device)
+            out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)
             prompt_lps = [
                 self._prompt_logprobs(r, c, i, inputs, hidden)
                 for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)
@@ -366,7 +371,10 @@ class ModelRunner:
             generations = _generations(
                 [r.request_id for r in final], [r.top_n_tokens for r in final], out, prompt_lps
             )
-            states = [_new_state(r, g.token_id) for r, g in zip(final, generations, strict=True)]
+            states = [
+                _new_state(r, g.token_id, m)
+                for r, g, m in zip(final, generations, matchers, strict=True)
+            ]
         forward_ns = time.perf_counter_ns() - t0
         if states:
             device_rows = DecodeRows.build(
@@ -378,6 +386,27 @@ class ModelRunner:
             self.batches.add(CachedBatch(batch.batch_id, states, device_rows))
         info = CachedBatchInfo(batch.batch_id, tuple(s.request_id for s in states))
         return StepOutput(tuple(generations), info, forward_ns)
+
+    def _prefill_matcher(self, r: RequestInput) -> GrammarMatcher | None:
+        """The grammar state of a constrained request: fresh, or after a recompute
+        rebuilt from the tokens it had generated (the last num_generated of input_ids)."""
+        if not r.grammar:
+            return None
+        generated = r.input_ids[len(r.input_ids) - r.num_generated :]
+        return self.grammars.matcher(r.grammar, r.request_id, generated)
+
+    def _token_mask(
+        self, matchers: Sequence[GrammarMatcher | None], device: torch.device
+    ) -> TokenMask | None:
+        """The allowed tokens of the constrained rows (None when no row is): the
+        bitmasks are filled on the host, then copied and unpacked on ``device``."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        bitmask = self.grammars.fill_bitmask([m for m in matchers if m is not None])
+        allowed = unpack_bitmask(bitmask, self.model_config.vocab_size, device)
+        index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        return TokenMask(index, allowed)
 
     def _prompt_logprobs(
         self,
@@ -468,12 +497,19 @@ class ModelRunner:
         max_seqlen_k = max(r.seq_len for r in batch.requests) + 1
         logits = self._decode_logits(batch.rows, max_seqlen_k)
         requests = list(batch.requests)
+        mask = None
+        if any(r.grammar is not None for r in requests):
+            # NOTE: the forward is already queued on the device; the grammar states need
+            # the previous step's tokens, so the host waits for them here and fills the
+            # masks while the device computes this step's logits.
+            self._wait_previous_finish()
+            mask = self._token_mask([r.grammar for r in requests], logits.device)
         if all(r.plain_greedy for r in requests):
-            out = sample_greedy(logits)
+            out = sample_greedy(logits, mask)
         else:
             if any(has_penalty(r.sampling) for r in requests):
                 self._wait_previous_finish()  # penalties read the host's token history
-            out = sample(logits, [_decode_sampling_row(r) for r in requests])
+            out = sample(logits, [_decode_sampling_row(r) for r in requests], mask)
         batch.rows.advance(out.token_ids)
         for r in requests:
             r.advance()
@@ -572,7 +608,11 @@ def _decode_sampling_row(r: RequestState) -> SamplingRow:
     return SamplingRow(r.sampling, r.num_generated, r.token_ids, generated, r.top_n_tokens)
 
 
-def _new_state(r: RequestInput, token_id: int) -> RequestState:
+def _new_state(
+    r: RequestInput, token_id: int, grammar: GrammarMatcher | None = None
+) -> RequestState:
+    if grammar is not None:
+        grammar.accept(token_id)
     return RequestState(
         request_id=r.request_id,
         block_table=list(r.block_ids),
@@ -581,6 +621,7 @@ def _new_state(r: RequestInput, token_id: int) -> RequestState:
         num_generated=r.num_generated + 1,
         sampling=r.sampling,
         top_n_tokens=r.top_n_tokens,
+        grammar=grammar,
     )
 
 

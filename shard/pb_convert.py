@@ -54,6 +54,7 @@ def request_from_pb(r: pb.Request) -> RequestInput:
         top_n_tokens=r.top_n_tokens,
         prompt_logprobs=r.prompt_logprobs,
         num_generated=r.num_generated,
+        grammar=r.grammar,
     )
 
 

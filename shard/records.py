@@ -27,7 +27,10 @@ class RequestInput:
             first (aligned with ``input_ids[max(cache_len, 1):]``). A partial chunk
             returns no Generation, so with chunked prefill only the final chunk's
             prompt logprobs come back.
-        num_generated: how many trailing tokens of input_ids were generated (penalties).
+        num_generated: how many trailing tokens of input_ids were generated (penalties,
+            and the grammar's state after a recompute).
+        grammar: llguidance grammar (JSON text) the generated tokens must follow; ""
+            = unconstrained (see :mod:`shard.grammar`).
     """
 
     request_id: int
@@ -39,6 +42,7 @@ class RequestInput:
     top_n_tokens: int = 0
     prompt_logprobs: bool = False
     num_generated: int = 0
+    grammar: str = ""
 
 
 @dataclass(frozen=True)

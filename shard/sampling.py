@@ -6,7 +6,8 @@ Pipeline per step (all rows at once, each with its own parameters):
    the top-n alternatives) is under the *model's* distribution, before penalties,
    temperature and truncation, so it does not depend on sampling settings (as in TGI).
 2. penalties: repetition (HF, over prompt + generated), then frequency / presence
-   (OpenAI, over generated tokens) — see :mod:`shard.penalties`.
+   (OpenAI, over generated tokens) — see :mod:`shard.penalties`; then the grammar's
+   token mask (:class:`TokenMask`) of constrained rows: disallowed tokens get -inf.
 3. greedy rows (``do_sample=False``): argmax of the penalized logits.
 4. sampled rows: temperature → top-k → top-p → min-p → typical-p (Hugging Face's warper
    order), then an exponential race ``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn
@@ -65,6 +66,33 @@ class SamplerOutput:
     logprobs: torch.Tensor
     top_token_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """Tokens allowed for some rows of a batch (grammar-constrained decoding).
+
+    Attributes:
+        rows: [n] int64, indices of the constrained rows in the batch.
+        allowed: [n, vocab] bool, True where the token is allowed for that row.
+    """
+
+    rows: torch.Tensor
+    allowed: torch.Tensor
+
+    def apply(self, scores: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """``scores`` ([batch, vocab] float32) with disallowed tokens of the constrained
+        rows at -inf; the other rows are unchanged. A copy unless ``inplace``."""
+        masked = scores if inplace else scores.clone()
+        masked[self.rows] = scores[self.rows].masked_fill(~self.allowed, float("-inf"))
+        return masked
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy picks ([batch] int64) of ``logits`` ([batch, vocab]) under the mask;
+        only the constrained rows are copied."""
+        token_ids = logits.argmax(dim=-1)
+        picked = logits[self.rows].masked_fill(~self.allowed, float("-inf")).argmax(dim=-1)
+        return token_ids.index_copy(0, self.rows, picked)
 
 
 def row_seed(seed: int, step: int) -> int:
@@ -196,12 +224,16 @@ def _warp(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
+) -> SamplerOutput:
     """Pick one token per row (see the module docstring for the pipeline).
 
     Args:
         logits: [batch, vocab] float32 raw model logits.
         rows: one :class:`SamplingRow` per logits row.
+        mask: the allowed tokens of grammar-constrained rows (logprobs stay those of
+            the unmasked distribution).
 
     Returns:
         :class:`SamplerOutput`.
@@ -228,6 +260,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
             _param(rows, "presence_penalty", torch.float32, dev),
             [r.generated_tokens for r in rows],
         )
+    if mask is not None:
+        # the penalties made a new tensor, which can be masked in place
+        scores = mask.apply(scores, inplace=scores is not logits)
     token_ids = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
     if sampled:
@@ -263,16 +298,18 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     return not params.do_sample and not has_penalty(params)
 
 
-def sample_greedy(logits: torch.Tensor) -> SamplerOutput:
+def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None) -> SamplerOutput:
     """:func:`sample` for a batch whose rows are all :func:`is_plain_greedy` and ask for
     no alternatives: argmax, and its logprob as ``logit - logsumexp(logits)`` (no full
     log_softmax, no per-row host work).
 
     Args:
         logits: [batch, vocab] raw model logits.
+        mask: as for :func:`sample` (the argmax is over the allowed tokens, the logprob
+            under the unmasked distribution).
     """
     logits = logits.to(torch.float32)
-    token_ids = logits.argmax(dim=-1)
+    token_ids = logits.argmax(dim=-1) if mask is None else mask.argmax(logits)
     chosen = logits.gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids, chosen - logits.logsumexp(dim=-1), None, None)
 

@@ -51,6 +51,15 @@ from router.api.openai_schemas import (
     Usage,
     unsupported_field,
 )
+from router.api.openai_tools import (
+    RESPONSE_SCHEMA_FIELD,
+    StreamedChoice,
+    call_deltas,
+    chat_messages,
+    response_grammar,
+    tool_calls_of,
+    tool_plan,
+)
 from router.api.schemas import GenerateParameters
 from router.api.state import ServerState
 from router.chat_template import encode_chat_prompt, render_chat
@@ -61,7 +70,8 @@ from router.validation import RequestValidationError, check_text, parameters_fro
 DEFAULT_CHAT_MAX_TOKENS = 100
 # The shared validator speaks /generate's names; errors of the OpenAI routes use these.
 COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "top_n_tokens": "logprobs",
-                    "decoder_input_details": "echo", "inputs": "prompt"}
+                    "decoder_input_details": "echo", "inputs": "prompt",
+                    "grammar.value": RESPONSE_SCHEMA_FIELD}
 
 
 class ModelNotFoundError(LookupError):
@@ -101,7 +111,8 @@ def _check_request(body: SamplingFields, state: ServerState) -> None:
 
 
 def _parameters(
-    body: SamplingFields, max_tokens: int, top_n: int, prompt_logprobs: bool = False
+    body: SamplingFields, max_tokens: int, top_n: int, prompt_logprobs: bool = False,
+    grammar: dict[str, Any] | None = None,
 ) -> GenerateParameters:
     temperature = 1.0 if body.temperature is None else body.temperature
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -116,6 +127,7 @@ def _parameters(
         "ignore_eos": body.ignore_eos,
         "truncate": body.truncate,
         "decoder_input_details": prompt_logprobs,
+        "grammar": grammar,
     }
     for name in ("top_p", "top_k", "min_p", "typical_p", "repetition_penalty",
                  "frequency_penalty", "presence_penalty"):
@@ -240,7 +252,8 @@ def openai_routes(state: ServerState) -> APIRouter:
         width = _check_n(body, body.best_of)
         top_n = _top_n(body.logprobs or 0, "logprobs")
         echo_logprobs = body.echo and body.logprobs is not None
-        params = _parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs)
+        params = _parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs,
+                             grammar=response_grammar(body.response_format))
         prompts: list[Any]
         if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
             prompts = [body.prompt]
@@ -270,11 +283,14 @@ def openai_routes(state: ServerState) -> APIRouter:
             top_n = _top_n(body.top_logprobs or 0, "top_logprobs")
             max_tokens = (body.max_completion_tokens or body.max_tokens
                           or DEFAULT_CHAT_MAX_TOKENS)
-            params = _parameters(body, max_tokens, top_n)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            plan = tool_plan(body, tokenizer)
+            names["grammar.value"] = "tools" if plan.grammar else RESPONSE_SCHEMA_FIELD
+            params = _parameters(body, max_tokens, top_n,
+                                 grammar=plan.grammar or response_grammar(body.response_format))
+            messages, tools = chat_messages(body.messages, plan, tokenizer)
 
             def prepare() -> GenerationRequest:
-                prompt = render_chat(tokenizer, messages)
+                prompt = render_chat(tokenizer, messages, tools=tools)
                 check_text("messages", prompt)
                 validator.check_chars(prompt, "messages", params.truncate)
                 prompt_ids = encode_chat_prompt(tokenizer, prompt)
@@ -295,12 +311,32 @@ def openai_routes(state: ServerState) -> APIRouter:
         if body.stream:
             opening = [chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
                        for i in range(body.n)]
+            streamed = [StreamedChoice(plan) for _ in range(body.n)]
 
             def on_event(index: int, event: TokenEvent) -> list[str]:
                 logprobs = chat_logprobs(tokenizer, [event]) if body.logprobs else None
-                delta = Delta(content=text_without_stop(event.text, event.finish))
-                return [chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                               finish_reason=finish_reason(event.finish))])]
+                content = streamed[index].feed(text_without_stop(event.text, event.finish))
+                if event.finish is None:
+                    if not content and logprobs is None and plan.mode != "none":
+                        return []  # held back: it may be a tool call
+                    return [chunk([ChatChunkChoice(index=index, delta=Delta(content=content),
+                                                   logprobs=logprobs)])]
+                tail, calls = streamed[index].finish()
+                reason = "tool_calls" if calls else finish_reason(event.finish)
+                lines = []
+                if calls:
+                    if content + tail:
+                        lines.append(chunk([ChatChunkChoice(
+                            index=index, delta=Delta(content=content + tail), logprobs=logprobs)]))
+                        logprobs = None
+                    lines.append(chunk([ChatChunkChoice(
+                        index=index, delta=Delta(tool_calls=call_deltas(calls)),
+                        logprobs=logprobs)]))
+                    lines.append(chunk([ChatChunkChoice(index=index, delta=Delta(),
+                                                        finish_reason=reason)]))
+                    return lines
+                return [chunk([ChatChunkChoice(index=index, delta=Delta(content=content + tail),
+                                               logprobs=logprobs, finish_reason=reason)])]
 
             def usage_chunk(done: list[Completion]) -> str:
                 return chunk([], usage=_usage(prompt_tokens, done))
@@ -309,15 +345,15 @@ def openai_routes(state: ServerState) -> APIRouter:
                               http_request)
 
         done = await run_all(state.engine, requests, http_request.is_disconnected)
-        choices = [
-            ChatChoice(
+        choices = []
+        for i, c in enumerate(done):
+            content, calls = tool_calls_of(text_without_stop(c.text, c.finish), plan)
+            choices.append(ChatChoice(
                 index=i,
-                message=AssistantMessage(content=text_without_stop(c.text, c.finish)),
+                message=AssistantMessage(content=content, tool_calls=calls or None),
                 logprobs=chat_logprobs(tokenizer, c.tokens) if body.logprobs else None,
-                finish_reason=finish_reason(c.finish),
-            )
-            for i, c in enumerate(done)
-        ]
+                finish_reason="tool_calls" if calls else finish_reason(c.finish),
+            ))
         return ChatCompletionResponse(id=ident, created=created, model=state.model_id,
                                       choices=choices, usage=_usage(prompt_tokens, done))
 

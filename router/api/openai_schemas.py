@@ -21,15 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.api.schemas import MAX_PENALTY, MAX_SEED, MIN_PENALTY
 
 # NOTE: the one list of OpenAI request fields this server does not implement: field →
-# why. Delete an entry when its feature lands (structured output will retire
-# response_format). A field is only refused when set to something other than "off":
-# null, an empty list or object, false, or a value of OFF_VALUES.
+# why. Delete an entry when its feature lands. A field is only refused when set to
+# something other than "off": null, an empty list or object, false, or a value of
+# OFF_VALUES. (``tools`` and ``tool_choice`` are fields of chat requests only, so on
+# /v1/completions they land here.)
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "response_format": "structured output (JSON mode, JSON schema) is not supported yet",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "tools": "tool calling is only supported on /v1/chat/completions",
+    "tool_choice": "tool calling is only supported on /v1/chat/completions",
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
     "modalities": "only text output is supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
@@ -38,7 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "web_search_options": "web search is not supported",
 }
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
@@ -61,6 +60,32 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must follow."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="A JSON schema; {} = any JSON."
+    )
+    strict: bool | None = Field(
+        None, description="true: refuse schema keywords the grammar cannot enforce; "
+        "false/null: ignore them. The output always follows the rest of the schema."
+    )
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (default), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON following ``json_schema.schema``), enforced while decoding."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -95,6 +120,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     truncate: int | None = Field(None, ge=1, description="Keep the last N prompt tokens.")
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -120,14 +146,73 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call of a function: its name and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON schema of the arguments; null = no arguments."
+    )
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """``tools[i]``: a function tool."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the answer is a call of it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
-    """One message of a conversation."""
+    """One message of a conversation (an assistant's may carry its tool calls, a
+    ``tool`` message answers the call ``tool_call_id``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -147,6 +232,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="Return logprobs of the chosen tokens.")
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="Alternatives per token (needs logprobs)."
+    )
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none: no calls; auto (default with tools): the model chooses; "
+        "required: one or more calls; a named function: one call of it."
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call (tool_choice required)."
     )
 
 
@@ -210,13 +303,14 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -229,16 +323,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of tool call ``index`` (id, type and name come first)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -19,6 +19,28 @@ MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3
 MAX_TEMPERATURE = 100.0
 
 
+class GrammarParameters(BaseModel):
+    """``parameters.grammar``: the output must follow a grammar (TGI's field). Every
+    generated token is masked by it on the shards, so the output is guaranteed to match
+    (unless ``max_new_tokens`` or a stop sequence cuts it short); a complete grammar
+    ends the request with EOS."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json", "regex"] = Field(
+        ..., description="`json`: value is a JSON schema; `regex`: value is a regular "
+        "expression the whole output fully matches."
+    )
+    value: Any = Field(
+        ..., description="A JSON schema (object, or its JSON text) for `json`; a regex "
+        "string for `regex` (Rust regex syntax: no look-around, no backreferences)."
+    )
+    strict: bool = Field(
+        True, description="`json` only: refuse schema keywords the grammar cannot enforce "
+        "(false ignores them)."
+    )
+
+
 class GenerateParameters(BaseModel):
     """Generation parameters of ``/generate`` and ``/generate_stream`` (and, converted,
     of every other endpoint). Source: TGI's ``GenerateParameters``.
@@ -87,7 +109,10 @@ class GenerateParameters(BaseModel):
         "highest total logprob (others in details.best_of_sequences); needs sampling.",
     )
     watermark: bool = Field(False, description="Accepted for compatibility; must be false.")
-    grammar: Any | None = Field(None, description="Accepted for compatibility; must be null.")
+    grammar: GrammarParameters | None = Field(
+        None, description="Constrain the output to a JSON schema or a regex (see "
+        "GrammarParameters); null = free text."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -95,13 +120,6 @@ class GenerateParameters(BaseModel):
         if any(stop == "" for stop in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
-
-    @field_validator("grammar")
-    @classmethod
-    def _no_grammar(cls, grammar: Any) -> None:
-        if grammar is not None:
-            raise ValueError("grammar-constrained generation is not supported")
-        return None
 
     @field_validator("watermark")
     @classmethod

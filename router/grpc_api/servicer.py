@@ -35,10 +35,17 @@ _FINISH = {
 def parameters_dict(message: pb.Parameters) -> dict[str, Any]:
     """The fields set in ``message`` (unset optionals take the HTTP defaults); repeated
     fields as lists, as the strict schema wants."""
-    return {
+    values: dict[str, Any] = {
         field.name: list(value) if field.is_repeated else value
         for field, value in message.ListFields()
     }
+    if message.HasField("grammar"):
+        grammar = message.grammar
+        values["grammar"] = {
+            "type": grammar.type, "value": grammar.value,
+            **({"strict": grammar.strict} if grammar.HasField("strict") else {}),
+        }
+    return values
 
 
 async def _call(

@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x16shardserve.generate.v1\"\xfc\x05\n\nParameters\x12\x16\n\tdo_sample\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\ttypical_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08truncate\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12\x1d\n\x10return_full_text\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\"\n\x15\x64\x65\x63oder_input_details\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x19\n\x0ctop_n_tokens\x18\x12 \x01(\rH\x0f\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x13 \x01(\rH\x10\x88\x01\x01\x42\x0c\n\n_do_sampleB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_truncateB\x13\n\x11_return_full_textB\x18\n\x16_decoder_input_detailsB\x0f\n\r_top_n_tokensB\n\n\x08_best_of\"Y\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x36\n\nparameters\x18\x02 \x01(\x0b\x32\".shardserve.generate.v1.Parameters\"T\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x42\n\n\x08_logprob\":\n\tTopTokens\x12-\n\x06tokens\x18\x01 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\"\xab\x02\n\x08Sequence\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12;\n\rfinish_reason\x18\x02 \x01(\x0e\x32$.shardserve.generate.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12.\n\x07prefill\x18\x05 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12-\n\x06tokens\x18\x06 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x35\n\ntop_tokens\x18\x07 \x03(\x0b\x32!.shardserve.generate.v1.TopTokensB\x07\n\x05_seed\"\x83\x01\n\x10GenerateResponse\x12\x32\n\x08sequence\x18\x01 \x01(\x0b\x32 .shardserve.generate.v1.Sequence\x12;\n\x11\x62\x65st_of_sequences\x18\x02 \x03(\x0b\x32 .shardserve.generate.v1.Sequence\"\xcc\x02\n\x16GenerateStreamResponse\x12,\n\x05token\x18\x01 \x01(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x31\n\ntop_tokens\x18\x02 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x1b\n\x0egenerated_text\x18\x03 \x01(\tH\x00\x88\x01\x01\x12;\n\rfinish_reason\x18\x04 \x01(\x0e\x32$.shardserve.generate.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12.\n\x07prefill\x18\x07 \x03(\x0b\x32\x1d.shardserve.generate.v1.TokenB\x11\n\x0f_generated_textB\x07\n\x05_seed\"=\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"`\n\x10TokenizeResponse\x12-\n\x06tokens\x18\x01 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x0e\n\x06starts\x18\x02 \x03(\r\x12\r\n\x05stops\x18\x03 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xf8\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x02 \x01(\t\x12\x19\n\x11model_device_type\x18\x03 \x01(\t\x12\x11\n\tnum_shard\x18\x04 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x06 \x01(\r\x12\x13\n\x0bmax_best_of\x18\x07 \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\x08 \x01(\r\x12\x18\n\x10max_top_n_tokens\x18\t \x01(\r\x12\x0f\n\x07version\x18\n \x01(\t*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\x9d\x03\n\x0eTextGeneration\x12]\n\x08Generate\x12\'.shardserve.generate.v1.GenerateRequest\x1a(.shardserve.generate.v1.GenerateResponse\x12k\n\x0eGenerateStream\x12\'.shardserve.generate.v1.GenerateRequest\x1a..shardserve.generate.v1.GenerateStreamResponse0\x01\x12]\n\x08Tokenize\x12\'.shardserve.generate.v1.TokenizeRequest\x1a(.shardserve.generate.v1.TokenizeResponse\x12`\n\tModelInfo\x12(.shardserve.generate.v1.ModelInfoRequest\x1a).shardserve.generate.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x16shardserve.generate.v1\"\xae\x06\n\nParameters\x12\x16\n\tdo_sample\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\ttypical_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08truncate\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12\x1d\n\x10return_full_text\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\"\n\x15\x64\x65\x63oder_input_details\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x19\n\x0ctop_n_tokens\x18\x12 \x01(\rH\x0f\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x13 \x01(\rH\x10\x88\x01\x01\x12\x30\n\x07grammar\x18\x14 \x01(\x0b\x32\x1f.shardserve.generate.v1.GrammarB\x0c\n\n_do_sampleB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_truncateB\x13\n\x11_return_full_textB\x18\n\x16_decoder_input_detailsB\x0f\n\r_top_n_tokensB\n\n\x08_best_of\"F\n\x07Grammar\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x13\n\x06strict\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\"Y\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x36\n\nparameters\x18\x02 \x01(\x0b\x32\".shardserve.generate.v1.Parameters\"T\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x42\n\n\x08_logprob\":\n\tTopTokens\x12-\n\x06tokens\x18\x01 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\"\xab\x02\n\x08Sequence\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12;\n\rfinish_reason\x18\x02 \x01(\x0e\x32$.shardserve.generate.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12.\n\x07prefill\x18\x05 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12-\n\x06tokens\x18\x06 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x35\n\ntop_tokens\x18\x07 \x03(\x0b\x32!.shardserve.generate.v1.TopTokensB\x07\n\x05_seed\"\x83\x01\n\x10GenerateResponse\x12\x32\n\x08sequence\x18\x01 \x01(\x0b\x32 .shardserve.generate.v1.Sequence\x12;\n\x11\x62\x65st_of_sequences\x18\x02 \x03(\x0b\x32 .shardserve.generate.v1.Sequence\"\xcc\x02\n\x16GenerateStreamResponse\x12,\n\x05token\x18\x01 \x01(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x31\n\ntop_tokens\x18\x02 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x1b\n\x0egenerated_text\x18\x03 \x01(\tH\x00\x88\x01\x01\x12;\n\rfinish_reason\x18\x04 \x01(\x0e\x32$.shardserve.generate.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12.\n\x07prefill\x18\x07 \x03(\x0b\x32\x1d.shardserve.generate.v1.TokenB\x11\n\x0f_generated_textB\x07\n\x05_seed\"=\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"`\n\x10TokenizeResponse\x12-\n\x06tokens\x18\x01 \x03(\x0b\x32\x1d.shardserve.generate.v1.Token\x12\x0e\n\x06starts\x18\x02 \x03(\r\x12\r\n\x05stops\x18\x03 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xf8\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x02 \x01(\t\x12\x19\n\x11model_device_type\x18\x03 \x01(\t\x12\x11\n\tnum_shard\x18\x04 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x06 \x01(\r\x12\x13\n\x0bmax_best_of\x18\x07 \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\x08 \x01(\r\x12\x18\n\x10max_top_n_tokens\x18\t \x01(\r\x12\x0f\n\x07version\x18\n \x01(\t*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\x9d\x03\n\x0eTextGeneration\x12]\n\x08Generate\x12\'.shardserve.generate.v1.GenerateRequest\x1a(.shardserve.generate.v1.GenerateResponse\x12k\n\x0eGenerateStream\x12\'.shardserve.generate.v1.GenerateRequest\x1a..shardserve.generate.v1.GenerateStreamResponse0\x01\x12]\n\x08Tokenize\x12\'.shardserve.generate.v1.TokenizeRequest\x1a(.shardserve.generate.v1.TokenizeResponse\x12`\n\tModelInfo\x12(.shardserve.generate.v1.ModelInfoRequest\x1a).shardserve.generate.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2250
-  _globals['_FINISHREASON']._serialized_end=2383
+  _globals['_FINISHREASON']._serialized_start=2372
+  _globals['_FINISHREASON']._serialized_end=2505
   _globals['_PARAMETERS']._serialized_start=43
-  _globals['_PARAMETERS']._serialized_end=807
-  _globals['_GENERATEREQUEST']._serialized_start=809
-  _globals['_GENERATEREQUEST']._serialized_end=898
-  _globals['_TOKEN']._serialized_start=900
-  _globals['_TOKEN']._serialized_end=984
-  _globals['_TOPTOKENS']._serialized_start=986
-  _globals['_TOPTOKENS']._serialized_end=1044
-  _globals['_SEQUENCE']._serialized_start=1047
-  _globals['_SEQUENCE']._serialized_end=1346
-  _globals['_GENERATERESPONSE']._serialized_start=1349
-  _globals['_GENERATERESPONSE']._serialized_end=1480
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1483
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1815
-  _globals['_TOKENIZEREQUEST']._serialized_start=1817
-  _globals['_TOKENIZEREQUEST']._serialized_end=1878
-  _globals['_TOKENIZERESPONSE']._serialized_start=1880
-  _globals['_TOKENIZERESPONSE']._serialized_end=1976
-  _globals['_MODELINFOREQUEST']._serialized_start=1978
-  _globals['_MODELINFOREQUEST']._serialized_end=1996
-  _globals['_MODELINFORESPONSE']._serialized_start=1999
-  _globals['_MODELINFORESPONSE']._serialized_end=2247
-  _globals['_TEXTGENERATION']._serialized_start=2386
-  _globals['_TEXTGENERATION']._serialized_end=2799
+  _globals['_PARAMETERS']._serialized_end=857
+  _globals['_GRAMMAR']._serialized_start=859
+  _globals['_GRAMMAR']._serialized_end=929
+  _globals['_GENERATEREQUEST']._serialized_start=931
+  _globals['_GENERATEREQUEST']._serialized_end=1020
+  _globals['_TOKEN']._serialized_start=1022
+  _globals['_TOKEN']._serialized_end=1106
+  _globals['_TOPTOKENS']._serialized_start=1108
+  _globals['_TOPTOKENS']._serialized_end=1166
+  _globals['_SEQUENCE']._serialized_start=1169
+  _globals['_SEQUENCE']._serialized_end=1468
+  _globals['_GENERATERESPONSE']._serialized_start=1471
+  _globals['_GENERATERESPONSE']._serialized_end=1602
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1605
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1937
+  _globals['_TOKENIZEREQUEST']._serialized_start=1939
+  _globals['_TOKENIZEREQUEST']._serialized_end=2000
+  _globals['_TOKENIZERESPONSE']._serialized_start=2002
+  _globals['_TOKENIZERESPONSE']._serialized_end=2098
+  _globals['_MODELINFOREQUEST']._serialized_start=2100
+  _globals['_MODELINFOREQUEST']._serialized_end=2118
+  _globals['_MODELINFORESPONSE']._serialized_start=2121
+  _globals['_MODELINFORESPONSE']._serialized_end=2369
+  _globals['_TEXTGENERATION']._serialized_start=2508
+  _globals['_TEXTGENERATION']._serialized_end=2921
 # @@protoc_insertion_point(module_scope)

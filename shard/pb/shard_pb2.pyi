@@ -97,7 +97,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "cache_len", "block_ids", "sampling", "stopping", "partial", "top_n_tokens", "prompt_logprobs", "num_generated")
+    __slots__ = ("id", "input_ids", "cache_len", "block_ids", "sampling", "stopping", "partial", "top_n_tokens", "prompt_logprobs", "num_generated", "grammar")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Request(_message.Message):
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
@@ -118,7 +119,8 @@ class Request(_message.Message):
     top_n_tokens: int
     prompt_logprobs: bool
     num_generated: int
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., partial: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., partial: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., num_generated: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")

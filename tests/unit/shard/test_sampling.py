@@ -233,3 +233,29 @@ def test_counter_noise_race_picks_tokens_by_probability() -> None:
     picks = (probs[None, :] / counter_noise(keys, 4)).argmax(dim=-1)
     freq = torch.bincount(picks, minlength=4).float() / len(keys)
     assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_token_mask_on_every_path_keeps_raw_logprobs() -> None:
+    from shard.grammar import unpack_bitmask
+    from shard.sampling import TokenMask, sample_greedy
+
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 0.0, 0.0, 0.0], [0.0, 1.0, 3.0, 2.0]])
+    # row 1 (the second) may only produce token 2 or 3: bits 2 and 3 of one int32 word
+    allowed = unpack_bitmask(torch.tensor([[0b1100]], dtype=torch.int32), 4, torch.device("cpu"))
+    assert allowed.tolist() == [[False, False, True, True]]
+    mask = TokenMask(torch.tensor([1]), allowed)
+    raw = logits.log_softmax(-1)
+    for out in (sample_greedy(logits, mask),
+                sample(logits, [SamplingRow(SamplingParams())] * 3, mask),
+                sample(logits, [SamplingRow(SamplingParams(repetition_penalty=1.5),
+                                            seen_tokens=[0])] * 3, mask)):
+        assert out.token_ids.tolist()[1] in (2, 3)
+        assert out.token_ids.tolist()[0] == 1 and out.token_ids.tolist()[2] == 2  # unmasked
+        torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+    rows = [SamplingRow(SamplingParams(do_sample=True, seed=s)) for s in range(3)]
+    sampled = sample(logits, rows, mask)
+    assert sampled.token_ids.tolist()[1] in (2, 3)
+    assert logits[1, 0] == 5.0  # the caller's logits are not changed
+    # bit 31 (the sign bit of an int32 word) reads as allowed too
+    high = unpack_bitmask(torch.tensor([[-(2**31)]], dtype=torch.int32), 32, torch.device("cpu"))
+    assert high[0].nonzero().flatten().tolist() == [31]
