@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from router.grammar import json_schema_grammar, regex_grammar
+from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.model_runner import ModelRunner
 from shard.records import PrefillBatch, RequestInput
 from shard.sampling import SamplingParams
@@ -113,7 +114,7 @@ def test_unconstrained_rows_are_unchanged_and_logprobs_unmasked(runner) -> None:
     # the constrained row's logprob is under the model's (unmasked) distribution
     with torch.inference_mode():
         logits = runner.model.compute_logits(
-            runner.model(*_prompt_inputs(runner, mixed_reqs[0]))
+            runner.forward(_prompt_inputs(runner, mixed_reqs[0]))
         )[-1].log_softmax(-1)
     torch.testing.assert_close(
         torch.tensor(out.generations[0].logprob), logits[out.generations[0].token_id],
@@ -128,13 +129,10 @@ def test_unconstrained_rows_are_unchanged_and_logprobs_unmasked(runner) -> None:
     assert mixed[2] == alone[2] and mixed[4] == alone[4]
 
 
-def _prompt_inputs(runner: ModelRunner, r: RequestInput):  # type: ignore[no-untyped-def]
+def _prompt_inputs(runner: ModelRunner, r: RequestInput) -> ModelInputs:
     """Model inputs of ``r``'s whole prompt (its blocks are already written)."""
-    from shard.inputs import SeqChunk, build_inputs
-
-    inputs = build_inputs([SeqChunk(r.input_ids, 0, r.block_ids, write_from=len(r.input_ids))],
-                          BLOCK_SIZE, True, runner.device)
-    return inputs.input_ids, inputs.positions, inputs.metadata
+    return build_inputs([SeqChunk(r.input_ids, 0, r.block_ids, write_from=len(r.input_ids))],
+                        BLOCK_SIZE, True, runner.device)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
