@@ -44,6 +44,10 @@ from shard.pb.shard_pb2 import InfoResponse
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
+# Seconds before --graceful-timeout runs out at which the requests still unfinished are
+# failed, so that their clients get an error saying why before the connections are cut.
+SHUTDOWN_MARGIN_S = 1.0
+SHUTDOWN_MESSAGE = "the server shut down before the request finished (--graceful-timeout)"
 
 
 def package_version() -> str:
@@ -213,10 +217,11 @@ async def serve(config: ServerConfig) -> int:
             grpc_server, grpc_port = await start_grpc_server(state, config.host, config.grpc_port)
             logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
         grpc_drain = GrpcDrain(grpc_server, config.graceful_timeout_s)
+        deadline = ShutdownDeadline(state.engine, config.graceful_timeout_s)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, _request_exit, server, state.engine, grpc_drain,
-                                    signum)
+                                    deadline, signum)
         logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
         supervisor = Supervisor(executor, state.engine, config, warmup,
                                 on_give_up=lambda: setattr(server, "should_exit", True))
@@ -231,6 +236,7 @@ async def serve(config: ServerConfig) -> int:
                 watch.cancel()
             await asyncio.gather(*watches, return_exceptions=True)
             await grpc_drain.wait()  # started with the HTTP drain, as long at most
+            await deadline.cancel()
             await state.engine.stop()
             await state.engine.close_shards()  # the group's client now (after restarts)
             client = None
@@ -352,17 +358,65 @@ class GrpcDrain:
             await self._stopping
 
 
+class ShutdownDeadline:
+    """Fails the requests still unfinished ``SHUTDOWN_MARGIN_S`` seconds before the
+    graceful timeout ends (at once when it is shorter than that).
+
+    Past the graceful timeout uvicorn cancels the handlers still running: a
+    non-streaming client would get a plain-text 500, a stream would be cut without a
+    word, and each would log a traceback. Failed a little earlier, every request ends
+    the way a failed generation does: a JSON error, or an error event ending the stream
+    (gRPC: INTERNAL), each naming the shutdown.
+
+    Args:
+        engine: The engine whose requests are failed.
+        grace_s: ``--graceful-timeout``, seconds.
+    """
+
+    def __init__(self, engine: Engine, grace_s: float) -> None:
+        self.engine = engine
+        self.grace_s = grace_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Arm the deadline (no-op once armed)."""
+        if self._timer is None:
+            delay = max(0.0, self.grace_s - SHUTDOWN_MARGIN_S)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._task = asyncio.ensure_future(self._fail_unfinished())
+
+    async def _fail_unfinished(self) -> None:
+        status = self.engine.status()
+        if not status.running and not status.queue_size:
+            return
+        await self.engine.stop()  # the loop must not be inside a step that fail_all drops
+        self.engine.fail_all(SHUTDOWN_MESSAGE, include_waiting=True)
+
+    async def cancel(self) -> None:
+        """Disarm the deadline; wait for a failing that has begun."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 def _request_exit(
-    server: uvicorn.Server, engine: Engine, grpc_drain: GrpcDrain, signum: int
+    server: uvicorn.Server, engine: Engine, grpc_drain: GrpcDrain,
+    deadline: ShutdownDeadline, signum: int,
 ) -> None:
     """Stop admission: uvicorn closes its listening socket and the gRPC server refuses
     new calls (UNAVAILABLE); both wait up to ``--graceful-timeout`` for open requests
-    (streams included) to finish."""
+    (streams included) to finish, and requests still running shortly before it ends are
+    failed (see :class:`ShutdownDeadline`)."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
                 server.config.timeout_graceful_shutdown)
     engine.drain()
     server.should_exit = True
     grpc_drain.start()
+    deadline.start()
 
 
 def run(config: ServerConfig) -> int:

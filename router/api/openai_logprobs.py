@@ -59,7 +59,9 @@ def completion_logprobs(
 ) -> CompletionLogprobs:
     """Legacy completions logprobs of ``events`` (generated tokens), the first of which
     starts at character ``start`` of the choice's text; ``prompt`` = (echo, prompt token
-    ids, their logprobs from the second on) puts the prompt's tokens first."""
+    ids, their logprobs from the second on) puts the prompt's tokens first. Each
+    generated token's ``top_logprobs`` holds its alternatives and, as OpenAI's, the
+    sampled token itself (so up to ``logprobs + 1`` entries)."""
     result = CompletionLogprobs()
     if prompt is not None:
         echo, ids, logprobs = prompt
@@ -72,11 +74,13 @@ def completion_logprobs(
             result.text_offset.append(offset)
     offset = start
     for event in events:
-        result.tokens.append(token_text(tokenizer, event.id))
+        text = token_text(tokenizer, event.id)
+        result.tokens.append(text)
         result.token_logprobs.append(event.logprob)
-        result.top_logprobs.append(
-            {token_text(tokenizer, top.id): top.logprob for top in event.top_tokens}
-        )
+        tops = {token_text(tokenizer, top.id): top.logprob for top in event.top_tokens}
+        # OpenAI: the sampled token's logprob is always given (up to logprobs + 1 entries)
+        tops.setdefault(text, event.logprob)
+        result.top_logprobs.append(tops)
         result.text_offset.append(offset)
         offset += len(event.text)
     return result

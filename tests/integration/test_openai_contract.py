@@ -242,3 +242,21 @@ def test_429_carries_retry_after(busy_server: LiveServer) -> None:
         except openai.RateLimitError:
             assert time.monotonic() < deadline
             threading.Event().wait(0.1)
+
+
+def test_completion_top_logprobs_include_the_sampled_token(client: openai.OpenAI) -> None:
+    """OpenAI's legacy ``logprobs``: the logprob of the sampled token is always returned,
+    so ``top_logprobs`` holds up to ``logprobs + 1`` entries."""
+    completion = client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=16,
+                                           temperature=1.0, seed=3, logprobs=1,
+                                           extra_body={"ignore_eos": True})
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs and logprobs.tokens
+    assert logprobs.token_logprobs is not None
+    outside_top = 0
+    for token, logprob, tops in zip(logprobs.tokens, logprobs.token_logprobs,
+                                    logprobs.top_logprobs, strict=True):
+        assert tops is not None and 1 <= len(tops) <= 2
+        assert tops[token] == pytest.approx(logprob)
+        outside_top += len(tops) == 2
+    assert outside_top, "every sampled token was the most likely: sample more"

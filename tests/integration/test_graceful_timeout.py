@@ -1,0 +1,65 @@
+"""SIGTERM with requests that outlast ``--graceful-timeout``: before the HTTP server
+gives up on them, they are failed with a message that says so — a non-streaming client
+gets a JSON error, a streaming client an error event that ends its stream — rather than
+a plain-text 500 and a cut connection, with a traceback in the log for each.
+
+Real server (``shardserve launch`` on the tiny model, local executor), real HTTP client.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.integration.live_server import launch_tiny
+
+# Enough tokens to outlast a 1 s graceful timeout by far on any machine.
+LONG = {"max_new_tokens": 480, "ignore_eos": True}
+
+
+def test_requests_past_the_graceful_timeout_end_with_a_clear_error(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = launch_tiny(tiny_model_dir, tmp_path / "server.log",
+                         ["--graceful-timeout", "1"])
+    try:
+        answers: dict[str, httpx.Response] = {}
+
+        def post(path: str, body: dict[str, object]) -> None:
+            answers[path] = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+        blocking = [
+            threading.Thread(target=post, args=("/generate",
+                                                {"inputs": "a b", "parameters": LONG})),
+            threading.Thread(target=post, args=("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "a b"}],
+                "max_tokens": LONG["max_new_tokens"], "ignore_eos": True})),
+        ]
+        for thread in blocking:
+            thread.start()
+        events: list[dict[str, object]] = []
+        with httpx.stream("POST", f"{server.url}/generate_stream", timeout=120,
+                          json={"inputs": "a b", "parameters": LONG}) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(json.loads(line[5:]))
+                if len(events) == 2:
+                    server.process.send_signal(signal.SIGTERM)
+        for thread in blocking:
+            thread.join(timeout=120)
+
+        assert "error" in events[-1], events[-1]
+        assert "shut down" in str(events[-1]["error"])
+        assert len(events) < LONG["max_new_tokens"]
+        for path, answer in answers.items():
+            assert answer.headers["content-type"] == "application/json", (path, answer.text)
+            assert "shut down" in answer.text, (path, answer.text)
+        assert server.process.wait(timeout=60) == 0
+        assert "Exception in ASGI application" not in server.log()
+    finally:
+        server.stop()
