@@ -12,6 +12,7 @@ walks the parser, so a new flag needs no code for it. Sizes take units (``1GiB``
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import sys
@@ -31,6 +32,10 @@ _MODEL_SHARD_FLAGS = ("dtype", "device", "load_format")
 _SHARD_FLAGS = ("attention_backend", "cuda_graphs", "block_size", "kv_cache_bytes",
                 "gpu_memory_fraction")
 
+# Shard fields whose router flag has another name: TGI's --num-shard, and the router's
+# own log switch, which it hands to the shards.
+SHARD_FLAG_SPELLINGS = {"world_size": "--num-shard", "json_logs": "--json-output"}
+
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """Every ``launch`` flag. Each needs help text; the formatter adds its default,
@@ -47,7 +52,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     add_shard_flags(model, _MODEL_SHARD_FLAGS)
 
     shards = parser.add_argument_group("shards")
-    add_shard_flags(shards, {"world_size": "--num-shard"})  # TGI's name
+    add_shard_flags(shards, {"world_size": SHARD_FLAG_SPELLINGS["world_size"]})
     shards.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="start shards as Ray actors or local processes")
     shards.add_argument("--ray-address", default=None,
@@ -192,6 +197,43 @@ def apply_env_defaults(
                 break
 
 
+# Variables read outside the flags (router.config.cache_dir).
+_OTHER_ENV_NAMES = frozenset({ENV_PREFIX + "CACHE_DIR"})
+
+
+def _all_env_names(parser: argparse.ArgumentParser) -> set[str]:
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                names |= _all_env_names(subparser)
+        else:
+            names.update(env_names(action))
+    return names
+
+
+def unknown_env_names(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str]
+) -> list[tuple[str, str | None]]:
+    """``SHARDSERVE_*`` variables in ``environ`` that no flag reads, each with the
+    closest known name (or None): such a variable is ignored, and an operator who set
+    ``SHARDSERVE_WORLD_SIZE`` (a shard field's name) should learn that the router's flag
+    is ``--num-shard`` (``SHARDSERVE_NUM_SHARD``)."""
+    known = _all_env_names(parser) | _OTHER_ENV_NAMES
+    # shard fields whose router flag is spelled otherwise
+    aliases = {ENV_PREFIX + field.upper(): ENV_PREFIX + flag[2:].upper().replace("-", "_")
+               for field, flag in SHARD_FLAG_SPELLINGS.items()}
+    unknown = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        # compared without the common prefix, which would make every name look close
+        bare = {known_name[len(ENV_PREFIX):]: known_name for known_name in known}
+        close = difflib.get_close_matches(name[len(ENV_PREFIX):], sorted(bare), n=1)
+        unknown.append((name, aliases.get(name) or (bare[close[0]] if close else None)))
+    return unknown
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Each flag's help ends with its default, its choices and its variables."""
 
@@ -302,8 +344,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardserve`` command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(json_output=getattr(args, "json_output", False))
+    for name, close in unknown_env_names(parser, os.environ):
+        logger.warning("{} is not a shardserve setting and is ignored{}", name,
+                       f" (did you mean {close}?)" if close else "")
     if args.command == "prepare":
         files = prepare_default_model()
         logger.info("default model at {}", files.path)

@@ -176,3 +176,18 @@ def test_shard_flags_of_launch_are_the_shard_configs(default_model_dir: Path) ->
     rank = config.shard.for_rank(0, "127.0.0.1", 0)
     assert shard_config_from_args(shard_argv(rank, "127.0.0.1", 5000), environ={}) == (
         rank, "127.0.0.1", 5000)
+
+
+def test_unknown_shardserve_variables_are_named_with_the_setting_meant() -> None:
+    from router.cli import build_parser, unknown_env_names
+
+    environ = {"SHARDSERVE_WORLD_SIZE": "2", "SHARDSERVE_JSON_LOGS": "1",
+               "SHARDSERVE_MAX_BATCH_SIZ": "8", "SHARDSERVE_PORT": "8080",
+               "SHARDSERVE_CACHE_DIR": "/tmp", "SHARDSERVE_NOTHING_LIKE_IT": "x", "HOME": "/"}
+    unknown = dict(unknown_env_names(build_parser(environ={}), environ))
+    assert unknown == {
+        "SHARDSERVE_WORLD_SIZE": "SHARDSERVE_NUM_SHARD",  # the shard field's name
+        "SHARDSERVE_JSON_LOGS": "SHARDSERVE_JSON_OUTPUT",
+        "SHARDSERVE_MAX_BATCH_SIZ": "SHARDSERVE_MAX_BATCH_SIZE",  # a typo
+        "SHARDSERVE_NOTHING_LIKE_IT": None,
+    }
