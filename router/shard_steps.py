@@ -159,7 +159,6 @@ class ShardSteps:
     def _request(self, chunk: PrefillChunk) -> pb.Request:
         seq = chunk.seq
         sampling = seq.request.sampling
-        stopping = seq.request.stopping
         return pb.Request(
             id=seq.id,
             input_ids=seq.all_ids()[: chunk.end],
@@ -167,11 +166,6 @@ class ShardSteps:
             block_ids=seq.block_ids[: -(-chunk.end // self.block_size)],
             partial=chunk.partial,
             sampling=pb.SamplingParameters(**sampling.__dict__),
-            stopping=pb.StoppingParameters(
-                max_new_tokens=stopping.max_new_tokens,
-                stop_token_ids=stopping.stop_token_ids,
-                ignore_eos=stopping.ignore_eos,
-            ),
             top_n_tokens=seq.request.top_n_tokens,
             # Prompt logprobs are sent once, with the first token (not after a recompute).
             prompt_logprobs=seq.wants_prompt_logprobs,

@@ -86,24 +86,13 @@ class SamplingParameters(_message.Message):
     presence_penalty: float
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., min_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
-class StoppingParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
-    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    max_new_tokens: int
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ignore_eos: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
-
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "cache_len", "block_ids", "sampling", "stopping", "partial", "top_n_tokens", "prompt_logprobs", "num_generated", "grammar")
+    __slots__ = ("id", "input_ids", "cache_len", "block_ids", "sampling", "partial", "top_n_tokens", "prompt_logprobs", "num_generated", "grammar")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    STOPPING_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -114,13 +103,12 @@ class Request(_message.Message):
     cache_len: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParameters
-    stopping: StoppingParameters
     partial: bool
     top_n_tokens: int
     prompt_logprobs: bool
     num_generated: int
     grammar: str
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., partial: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., num_generated: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., partial: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., num_generated: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")
