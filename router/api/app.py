@@ -28,12 +28,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.api import openai as openai_api
 from router.api import tgi
 from router.api.auth import ApiKeyAuth
 from router.api.generation import ClientDisconnected, GenerationFailed
 from router.api.health import health_problem
 from router.api.limits import BodySizeLimit
-from router.api.openai import ModelNotFoundError, openai_routes
+from router.api.openai import ModelNotFoundError
 from router.api.schemas import ErrorResponse, Info
 from router.api.state import ServerState, State, server_state
 from router.chat_template import ChatTemplateError
@@ -253,6 +254,6 @@ def create_app(state: ServerState) -> FastAPI:
     if state.api_key:
         app.add_middleware(ApiKeyAuth, api_key=state.api_key)  # outermost: checked first
     app.include_router(tgi.router)
-    app.include_router(openai_routes(state))
+    app.include_router(openai_api.router)
     app.include_router(service)
     return app

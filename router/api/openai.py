@@ -54,6 +54,7 @@ from router.api.openai_schemas import (
 from router.api.openai_tools import (
     RESPONSE_SCHEMA_FIELD,
     StreamedChoice,
+    ToolPlan,
     call_deltas,
     chat_messages,
     response_grammar,
@@ -61,10 +62,15 @@ from router.api.openai_tools import (
     tool_plan,
 )
 from router.api.schemas import GenerateParameters
-from router.api.state import ServerState
+from router.api.state import ServerState, State
 from router.chat_template import encode_chat_prompt, render_chat
 from router.request import Finish, FinishReason, GenerationRequest, TokenEvent
-from router.validation import RequestValidationError, check_text, parameters_from
+from router.validation import (
+    RequestValidationError,
+    Validator,
+    check_text,
+    parameters_from,
+)
 
 # Chat requests without max_tokens generate at most this many tokens.
 DEFAULT_CHAT_MAX_TOKENS = 100
@@ -145,219 +151,272 @@ def _usage(prompt_tokens: int, completions: list[Completion]) -> Usage:
                  total_tokens=prompt_tokens + generated)
 
 
-def openai_routes(state: ServerState) -> APIRouter:
-    """Build the OpenAI routes over ``state``."""
-    router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+
+def _check_n(validator: Validator, body: SamplingFields, best_of: int | None) -> int:
+    """The number of sequences to generate per prompt (best_of, else n)."""
+    validator.check_n(body.n, "n")
+    if best_of is not None:
+        validator.check_n(best_of, "best_of")
+        if best_of < body.n:
+            raise RequestValidationError("best_of", "must be >= n")
+        if body.stream and best_of != body.n:
+            raise RequestValidationError("best_of", "must equal n when streaming")
+    return best_of or body.n
+
+
+def _top_n(validator: Validator, value: int, field: str) -> int:
+    if value > validator.limits.max_top_n_tokens:
+        raise RequestValidationError(
+            field, f"must be <= {validator.limits.max_top_n_tokens} (--max-top-n-tokens)"
+        )
+    return value
+
+
+@router.get("/models", response_model=ModelList)
+async def models(state: State) -> ModelList:
+    """The model, once per served name (OpenAI ``GET /v1/models``)."""
+    max_len = state.engine.config.max_total_tokens
+    return ModelList(data=[ModelCard(id=name, created=0, max_model_len=max_len)
+                           for name in state.model_names])
+
+
+@router.post("/completions", response_model=CompletionResponse)
+async def completions(body: CompletionRequest, http_request: Request, state: State) -> Any:
+    """Text completion (OpenAI ``POST /v1/completions``)."""
+    _check_request(body, state)
+    with openai_field_names(COMPLETION_NAMES):
+        # Tokenizing runs off the event loop: a long prompt must not stop the streams.
+        prompts, requests, width = await state.offload.run(
+            _completion_requests, state.validator, body
+        )
     tokenizer = state.engine.tokenizer
-    validator = state.validator
+    echoes: list[EchoedPrompt | None] = [
+        echoed_prompt(tokenizer, p, len(r.input_ids)) if body.echo else None
+        for p, r in zip(prompts, requests[::width], strict=True)
+    ]
+    answer = _CompletionAnswer(state, body, requests, echoes, width)
+    if body.stream:
+        return await _sse(state, requests, [], answer.on_event, answer.usage_chunk, body,
+                          http_request)
+    done = await run_all(state.engine, requests, http_request.is_disconnected)
+    return answer.whole(done)
 
-    def _check_n(body: SamplingFields, best_of: int | None) -> int:
-        validator.check_n(body.n, "n")
-        if best_of is not None:
-            validator.check_n(best_of, "best_of")
-            if best_of < body.n:
-                raise RequestValidationError("best_of", "must be >= n")
-            if body.stream and best_of != body.n:
-                raise RequestValidationError("best_of", "must equal n when streaming")
-        return best_of or body.n
 
-    def _top_n(value: int, field: str) -> int:
-        if value > validator.limits.max_top_n_tokens:
-            raise RequestValidationError(
-                field, f"must be <= {validator.limits.max_top_n_tokens} (--max-top-n-tokens)"
-            )
-        return value
+class _CompletionAnswer:
+    """A ``/v1/completions`` answer: whole, or as stream chunks (see :func:`_sse`).
 
-    @router.get("/models", response_model=ModelList)
-    async def models() -> ModelList:
-        """The model, once per served name (OpenAI ``GET /v1/models``)."""
-        max_len = state.engine.config.max_total_tokens
-        return ModelList(data=[ModelCard(id=name, created=0, max_model_len=max_len)
-                               for name in state.model_names])
+    ``width`` sequences are generated per prompt (best_of, else n); ``echoes`` holds
+    each prompt's echoed text and tokens when ``echo`` is set.
+    """
 
-    @router.post("/completions", response_model=CompletionResponse)
-    async def completions(body: CompletionRequest, http_request: Request) -> Any:
-        """Text completion (OpenAI ``POST /v1/completions``)."""
-        _check_request(body, state)
-        with openai_field_names(COMPLETION_NAMES):
-            # Tokenizing runs off the event loop: a long prompt must not stop the streams.
-            prompts, requests, width = await state.offload.run(_completion_requests, body)
-        echoes: list[EchoedPrompt | None] = [
-            echoed_prompt(tokenizer, p, len(r.input_ids)) if body.echo else None
-            for p, r in zip(prompts, requests[::width], strict=True)
-        ]
-        prompt_tokens = sum(len(r.input_ids) for r in requests[::width])
-        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    def __init__(self, state: ServerState, body: CompletionRequest,
+                 requests: list[GenerationRequest], echoes: list[EchoedPrompt | None],
+                 width: int) -> None:
+        self.state, self.body, self.echoes, self.width = state, body, echoes, width
+        self.tokenizer = state.engine.tokenizer
+        self.prompt_tokens = sum(len(r.input_ids) for r in requests[::width])
+        self.ident, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.streamed = [Completion(r) for r in requests]
+        self.offsets = [len(e.text) if e is not None else 0 for e in echoes
+                        for _ in range(width)]
 
-        def choice(index: int, completion: Completion, events: list[TokenEvent], start: int,
-                   text: str) -> CompletionChoice:
-            """Choice ``index`` with ``events``, the first starting at character ``start``
-            of the choice's text; the echoed prompt's tokens lead its logprobs when
-            ``events`` are the choice's first."""
-            echo = echoes[index // body.n]  # streaming needs best_of == n
-            logprobs = None
-            if body.logprobs is not None:
-                prompt = None
-                if echo is not None and events and events[0] is completion.tokens[0]:
-                    prompt = (echo, completion.request.input_ids, completion.prompt_logprobs)
-                logprobs = completion_logprobs(tokenizer, events, start, prompt)
-            finish = events[-1].finish if events else completion.finish
-            return CompletionChoice(index=index, text=text, finish_reason=finish_reason(finish),
-                                    logprobs=logprobs)
+    def choice(self, index: int, completion: Completion, events: list[TokenEvent], start: int,
+               text: str) -> CompletionChoice:
+        """Choice ``index`` with ``events``, the first starting at character ``start``
+        of the choice's text; the echoed prompt's tokens lead its logprobs when
+        ``events`` are the choice's first."""
+        echo = self.echoes[index // self.body.n]  # streaming needs best_of == n
+        logprobs = None
+        if self.body.logprobs is not None:
+            prompt = None
+            if echo is not None and events and events[0] is completion.tokens[0]:
+                prompt = (echo, completion.request.input_ids, completion.prompt_logprobs)
+            logprobs = completion_logprobs(self.tokenizer, events, start, prompt)
+        finish = events[-1].finish if events else completion.finish
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason(finish),
+                                logprobs=logprobs)
 
-        if body.stream:
-            streamed = [Completion(r) for r in requests]
-            offsets = [len(e.text) if e is not None else 0 for e in echoes for _ in range(width)]
+    def on_event(self, index: int, event: TokenEvent) -> list[str]:
+        """The stream chunk of one token of sequence ``index``."""
+        completion = self.streamed[index]
+        completion.tokens.append(event)
+        echo = self.echoes[index // self.width]
+        text = text_without_stop(event.text, event.finish)
+        if len(completion.tokens) == 1 and echo is not None:
+            text = echo.text + text
+        start = self.offsets[index]
+        self.offsets[index] += len(event.text)
+        return [CompletionChunk(
+            id=self.ident, created=self.created, model=self.state.model_id,
+            choices=[self.choice(index, completion, [event], start, text)],
+        ).model_dump_json(exclude_none=True)]
 
-            def on_event(index: int, event: TokenEvent) -> list[str]:
-                completion = streamed[index]
-                completion.tokens.append(event)
-                echo = echoes[index // width]
-                first = len(completion.tokens) == 1
-                text = text_without_stop(event.text, event.finish)
-                if first and echo is not None:
-                    text = echo.text + text
-                start = offsets[index]
-                offsets[index] += len(event.text)
-                return [CompletionChunk(
-                    id=ident, created=created, model=state.model_id,
-                    choices=[choice(index, completion, [event], start, text)],
-                ).model_dump_json(exclude_none=True)]
+    def usage_chunk(self, done: list[Completion]) -> str:
+        return CompletionChunk(
+            id=self.ident, created=self.created, model=self.state.model_id, choices=[],
+            usage=_usage(self.prompt_tokens, done),
+        ).model_dump_json()
 
-            def usage_chunk(done: list[Completion]) -> str:
-                return CompletionChunk(
-                    id=ident, created=created, model=state.model_id, choices=[],
-                    usage=_usage(prompt_tokens, done),
-                ).model_dump_json()
-
-            return await _sse(state, requests, [], on_event, usage_chunk, body, http_request)
-
-        done = await run_all(state.engine, requests, http_request.is_disconnected)
+    def whole(self, done: list[Completion]) -> CompletionResponse:
+        """The answer sent whole: per prompt, the ``n`` best of its ``width`` sequences."""
+        body, width = self.body, self.width
         result = []
-        for p, echo in enumerate(echoes):
+        for p, echo in enumerate(self.echoes):
             group = done[p * width : (p + 1) * width]
             if width > body.n:
                 group = sorted(group, key=lambda c: c.logprob_sum, reverse=True)[: body.n]
             for j, c in enumerate(group):
                 prefix = echo.text if echo is not None else ""
                 out = prefix + text_without_stop(c.text, c.finish)
-                result.append(choice(p * body.n + j, c, c.tokens, len(prefix), out))
-        return CompletionResponse(id=ident, created=created, model=state.model_id,
-                                  choices=result, usage=_usage(prompt_tokens, done))
+                result.append(self.choice(p * body.n + j, c, c.tokens, len(prefix), out))
+        return CompletionResponse(id=self.ident, created=self.created,
+                                  model=self.state.model_id, choices=result,
+                                  usage=_usage(self.prompt_tokens, done))
 
-    def _completion_requests(
-        body: CompletionRequest,
-    ) -> tuple[list[str | list[int]], list[GenerationRequest], int]:
-        """(prompts, requests: ``width`` per prompt, width = best_of or n)."""
-        width = _check_n(body, body.best_of)
-        top_n = _top_n(body.logprobs or 0, "logprobs")
-        echo_logprobs = body.echo and body.logprobs is not None
-        params = _parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs,
-                             grammar=response_grammar(body.response_format))
-        prompts: list[Any]
-        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
-            prompts = [body.prompt]
-        else:
-            prompts = list(body.prompt)
-        if not prompts:
-            raise RequestValidationError("prompt", "must not be empty")
-        if len(prompts) * width > validator.limits.max_best_of * 4:
-            raise RequestValidationError("prompt", "too many prompts x choices in one request")
-        requests: list[GenerationRequest] = []
-        for prompt in prompts:
-            request = validator.validate(prompt, params, field="prompt")
-            requests += validator.fan_out(request, width)
-        return prompts, requests, width
 
-    @router.post("/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
-        """Chat completion with the model's chat template (``POST /v1/chat/completions``)."""
-        _check_request(body, state)
-        names = {"max_new_tokens": "max_completion_tokens"
-                 if body.max_completion_tokens is not None else "max_tokens",
-                 "top_n_tokens": "top_logprobs", "inputs": "messages"}
-        with openai_field_names(names):
-            if body.top_logprobs and not body.logprobs:
-                raise RequestValidationError("top_logprobs", "needs logprobs: true")
-            _check_n(body, None)
-            top_n = _top_n(body.top_logprobs or 0, "top_logprobs")
-            max_tokens = (body.max_completion_tokens or body.max_tokens
-                          or DEFAULT_CHAT_MAX_TOKENS)
-            plan = tool_plan(body, tokenizer)
-            names["grammar.value"] = "tools" if plan.grammar else RESPONSE_SCHEMA_FIELD
-            params = _parameters(body, max_tokens, top_n,
-                                 grammar=plan.grammar or response_grammar(body.response_format))
-            messages, tools = chat_messages(body.messages, plan, tokenizer)
+def _completion_requests(
+    validator: Validator, body: CompletionRequest,
+) -> tuple[list[str | list[int]], list[GenerationRequest], int]:
+    """(prompts, requests: ``width`` per prompt, width = best_of or n)."""
+    width = _check_n(validator, body, body.best_of)
+    top_n = _top_n(validator, body.logprobs or 0, "logprobs")
+    echo_logprobs = body.echo and body.logprobs is not None
+    params = _parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs,
+                         grammar=response_grammar(body.response_format))
+    prompts: list[Any]
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+        prompts = [body.prompt]
+    else:
+        prompts = list(body.prompt)
+    if not prompts:
+        raise RequestValidationError("prompt", "must not be empty")
+    if len(prompts) * width > validator.limits.max_best_of * 4:
+        raise RequestValidationError("prompt", "too many prompts x choices in one request")
+    requests: list[GenerationRequest] = []
+    for prompt in prompts:
+        request = validator.validate(prompt, params, field="prompt")
+        requests += validator.fan_out(request, width)
+    return prompts, requests, width
 
-            def prepare() -> GenerationRequest:
-                prompt = render_chat(tokenizer, messages, tools=tools)
-                check_text("messages", prompt)
-                validator.check_chars(prompt, "messages", params.truncate)
-                prompt_ids = encode_chat_prompt(tokenizer, prompt)
-                return validator.validate(prompt_ids, params, field="messages")
 
-            # Rendering and tokenizing run off the event loop: a long prompt must not
-            # stop the streams.
-            request = await state.offload.run(prepare)
-            requests = validator.fan_out(request, body.n)
-        prompt_tokens = len(request.input_ids)
-        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+@router.post("/chat/completions", response_model=ChatCompletionResponse)
+async def chat_completions(
+    body: ChatCompletionRequest, http_request: Request, state: State
+) -> Any:
+    """Chat completion with the model's chat template (``POST /v1/chat/completions``)."""
+    _check_request(body, state)
+    request, plan = await _chat_request(state, body)
+    requests = state.validator.fan_out(request, body.n)
+    answer = _ChatAnswer(state, body, plan, len(request.input_ids))
+    if body.stream:
+        opening = [answer.chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant",
+                                                                      content=""))])
+                   for i in range(body.n)]
+        return await _sse(state, requests, opening, answer.on_event, answer.usage_chunk, body,
+                          http_request)
+    done = await run_all(state.engine, requests, http_request.is_disconnected)
+    return answer.whole(done)
 
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return ChatCompletionChunk(
-                id=ident, created=created, model=state.model_id, choices=choices, usage=usage,
-            ).model_dump_json(exclude_none=usage is None)
 
-        if body.stream:
-            opening = [chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-                       for i in range(body.n)]
-            streamed = [StreamedChoice(plan) for _ in range(body.n)]
+async def _chat_request(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[GenerationRequest, ToolPlan]:
+    """The validated request of a chat body (its messages rendered with the chat template
+    and tokenized off the event loop) and its tool-call plan."""
+    tokenizer, validator = state.engine.tokenizer, state.validator
+    names = {"max_new_tokens": "max_completion_tokens"
+             if body.max_completion_tokens is not None else "max_tokens",
+             "top_n_tokens": "top_logprobs", "inputs": "messages"}
+    with openai_field_names(names):
+        if body.top_logprobs and not body.logprobs:
+            raise RequestValidationError("top_logprobs", "needs logprobs: true")
+        _check_n(validator, body, None)
+        top_n = _top_n(validator, body.top_logprobs or 0, "top_logprobs")
+        max_tokens = (body.max_completion_tokens or body.max_tokens
+                      or DEFAULT_CHAT_MAX_TOKENS)
+        plan = tool_plan(body, tokenizer)
+        names["grammar.value"] = "tools" if plan.grammar else RESPONSE_SCHEMA_FIELD
+        params = _parameters(body, max_tokens, top_n,
+                             grammar=plan.grammar or response_grammar(body.response_format))
+        messages, tools = chat_messages(body.messages, plan, tokenizer)
 
-            def on_event(index: int, event: TokenEvent) -> list[str]:
-                logprobs = chat_logprobs(tokenizer, [event]) if body.logprobs else None
-                content = streamed[index].feed(text_without_stop(event.text, event.finish))
-                if event.finish is None:
-                    if not content and logprobs is None and plan.mode != "none":
-                        return []  # held back: it may be a tool call
-                    return [chunk([ChatChunkChoice(index=index, delta=Delta(content=content),
-                                                   logprobs=logprobs)])]
-                tail, calls = streamed[index].finish()
-                reason = "tool_calls" if calls else finish_reason(event.finish)
-                lines = []
-                if calls:
-                    if content + tail:
-                        lines.append(chunk([ChatChunkChoice(
-                            index=index, delta=Delta(content=content + tail), logprobs=logprobs)]))
-                        logprobs = None
-                    lines.append(chunk([ChatChunkChoice(
-                        index=index, delta=Delta(tool_calls=call_deltas(calls)),
-                        logprobs=logprobs)]))
-                    lines.append(chunk([ChatChunkChoice(index=index, delta=Delta(),
-                                                        finish_reason=reason)]))
-                    return lines
-                return [chunk([ChatChunkChoice(index=index, delta=Delta(content=content + tail),
-                                               logprobs=logprobs, finish_reason=reason)])]
+        def prepare() -> GenerationRequest:
+            prompt = render_chat(tokenizer, messages, tools=tools)
+            check_text("messages", prompt)
+            validator.check_chars(prompt, "messages", params.truncate)
+            prompt_ids = encode_chat_prompt(tokenizer, prompt)
+            return validator.validate(prompt_ids, params, field="messages")
 
-            def usage_chunk(done: list[Completion]) -> str:
-                return chunk([], usage=_usage(prompt_tokens, done))
+        # Rendering and tokenizing run off the event loop: a long prompt must not
+        # stop the streams.
+        return await state.offload.run(prepare), plan
 
-            return await _sse(state, requests, opening, on_event, usage_chunk, body,
-                              http_request)
 
-        done = await run_all(state.engine, requests, http_request.is_disconnected)
+class _ChatAnswer:
+    """A ``/v1/chat/completions`` answer: whole, or as stream chunks (see :func:`_sse`);
+    tool calls parsed from the output by ``plan``."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, plan: ToolPlan,
+                 prompt_tokens: int) -> None:
+        self.state, self.body, self.plan = state, body, plan
+        self.tokenizer = state.engine.tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.ident, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.streamed = [StreamedChoice(plan) for _ in range(body.n)]
+
+    def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return ChatCompletionChunk(
+            id=self.ident, created=self.created, model=self.state.model_id, choices=choices,
+            usage=usage,
+        ).model_dump_json(exclude_none=usage is None)
+
+    def on_event(self, index: int, event: TokenEvent) -> list[str]:
+        """The stream chunks of one token of choice ``index`` (none while held back:
+        it may begin a tool call)."""
+        chunk, plan = self.chunk, self.plan
+        logprobs = chat_logprobs(self.tokenizer, [event]) if self.body.logprobs else None
+        content = self.streamed[index].feed(text_without_stop(event.text, event.finish))
+        if event.finish is None:
+            if not content and logprobs is None and plan.mode != "none":
+                return []  # held back: it may be a tool call
+            return [chunk([ChatChunkChoice(index=index, delta=Delta(content=content),
+                                           logprobs=logprobs)])]
+        tail, calls = self.streamed[index].finish()
+        reason = "tool_calls" if calls else finish_reason(event.finish)
+        if not calls:
+            return [chunk([ChatChunkChoice(index=index, delta=Delta(content=content + tail),
+                                           logprobs=logprobs, finish_reason=reason)])]
+        lines = []
+        if content + tail:
+            lines.append(chunk([ChatChunkChoice(
+                index=index, delta=Delta(content=content + tail), logprobs=logprobs)]))
+            logprobs = None
+        lines.append(chunk([ChatChunkChoice(
+            index=index, delta=Delta(tool_calls=call_deltas(calls)), logprobs=logprobs)]))
+        lines.append(chunk([ChatChunkChoice(index=index, delta=Delta(),
+                                            finish_reason=reason)]))
+        return lines
+
+    def usage_chunk(self, done: list[Completion]) -> str:
+        return self.chunk([], usage=_usage(self.prompt_tokens, done))
+
+    def whole(self, done: list[Completion]) -> ChatCompletionResponse:
+        """The answer sent whole: one choice per sequence, tool calls parsed."""
         choices = []
         for i, c in enumerate(done):
-            content, calls = tool_calls_of(text_without_stop(c.text, c.finish), plan)
+            content, calls = tool_calls_of(text_without_stop(c.text, c.finish), self.plan)
             choices.append(ChatChoice(
                 index=i,
                 message=AssistantMessage(content=content, tool_calls=calls or None),
-                logprobs=chat_logprobs(tokenizer, c.tokens) if body.logprobs else None,
+                logprobs=chat_logprobs(self.tokenizer, c.tokens) if self.body.logprobs
+                else None,
                 finish_reason="tool_calls" if calls else finish_reason(c.finish),
             ))
-        return ChatCompletionResponse(id=ident, created=created, model=state.model_id,
-                                      choices=choices, usage=_usage(prompt_tokens, done))
-
-    return router
+        return ChatCompletionResponse(id=self.ident, created=self.created,
+                                      model=self.state.model_id, choices=choices,
+                                      usage=_usage(self.prompt_tokens, done))
 
 
 async def _sse(
