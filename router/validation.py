@@ -20,9 +20,9 @@ from typing import Any
 from pydantic import ValidationError
 from tokenizers import Encoding
 
-from router.api.schemas import MAX_SEED, GenerateParameters, GrammarParameters
 from router.config import SchedulerConfig, ValidationLimits
 from router.grammar import GrammarChecker, GrammarError, json_schema_grammar, regex_grammar
+from router.parameters import MAX_SEED, GenerateParameters, GrammarParameters
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.scheduler import Scheduler
 from router.tokenizer import Tokenizer

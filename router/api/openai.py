@@ -61,9 +61,9 @@ from router.api.openai_tools import (
     tool_calls_of,
     tool_plan,
 )
-from router.api.schemas import GenerateParameters
 from router.api.state import ServerState, State
 from router.chat_template import encode_chat_prompt, render_chat
+from router.parameters import GenerateParameters
 from router.request import Finish, FinishReason, GenerationRequest, TokenEvent
 from router.validation import (
     RequestValidationError,

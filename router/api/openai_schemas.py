@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.api.schemas import MAX_PENALTY, MAX_SEED, MIN_PENALTY
+from router.parameters import MAX_PENALTY, MAX_SEED, MIN_PENALTY
 
 # NOTE: the one list of OpenAI request fields this server does not implement: field →
 # why. Delete an entry when its feature lands. A field is only refused when set to
