@@ -39,7 +39,7 @@ from shard.config import ShardConfig
 from shard.distributed import destroy_distributed
 from shard.model_runner import ModelRunner
 from shard.records import PrefillBatch, RequestInput
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,

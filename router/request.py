@@ -8,7 +8,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams, TopToken
 
 
 class FinishReason(enum.StrEnum):
@@ -54,14 +54,6 @@ class GenerationRequest:
     # False: the caller needs only the whole answer, so the engine hands over the
     # token events together when the request ends (one wake-up instead of one per token).
     stream: bool = True
-
-
-@dataclass(frozen=True)
-class TopToken:
-    """One alternative token with its log-probability."""
-
-    id: int
-    logprob: float
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
 from shard.grammar import GrammarMatcher
 from shard.sampling import is_plain_greedy
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 
 @dataclass

@@ -16,7 +16,7 @@ from shard.records import (
     ShardInfo,
     StepOutput,
 )
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 
 def _one_if_zero(value: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams, TopToken
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,6 @@ class PrefillBatch:
 
     batch_id: int
     requests: tuple[RequestInput, ...]
-
-
-@dataclass(frozen=True)
-class TopToken:
-    """One alternative token: id and logprob under the model's distribution."""
-
-    token_id: int
-    logprob: float
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 
 from shard.host_copy import to_device
 from shard.penalties import apply_frequency_presence_penalties, apply_repetition_penalty
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
 from shard.sampling import SamplingRow
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 # Phases shown while warming up (log lines, and a bar on rank 0's terminal).
 WARMUP_PHASES = 3  # plus one for the decode CUDA graphs when there are any

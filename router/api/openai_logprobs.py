@@ -77,7 +77,7 @@ def completion_logprobs(
         text = token_text(tokenizer, event.id)
         result.tokens.append(text)
         result.token_logprobs.append(event.logprob)
-        tops = {token_text(tokenizer, top.id): top.logprob for top in event.top_tokens}
+        tops = {token_text(tokenizer, top.token_id): top.logprob for top in event.top_tokens}
         # OpenAI: the sampled token's logprob is always given (up to logprobs + 1 entries)
         tops.setdefault(text, event.logprob)
         result.top_logprobs.append(tops)
@@ -93,7 +93,7 @@ def chat_logprobs(tokenizer: Tokenizer, events: Sequence[TokenEvent]) -> ChoiceL
     for event in events:
         text = token_text(tokenizer, event.id)
         tops = [
-            TopLogprob(token=(t := token_text(tokenizer, top.id)), logprob=top.logprob,
+            TopLogprob(token=(t := token_text(tokenizer, top.token_id)), logprob=top.logprob,
                        bytes=list(t.encode()))
             for top in event.top_tokens
         ]

@@ -68,8 +68,8 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
 def top_tokens(tokenizer: Tokenizer, event: TokenEvent) -> list[Token]:
     """The alternatives of one generated token, most likely first."""
     return [
-        Token(id=top.id, text=token_text(tokenizer, top.id), logprob=top.logprob,
-              special=tokenizer.is_special(top.id))
+        Token(id=top.token_id, text=token_text(tokenizer, top.token_id), logprob=top.logprob,
+              special=tokenizer.is_special(top.token_id))
         for top in event.top_tokens
     ]
 

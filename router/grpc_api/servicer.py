@@ -82,8 +82,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                         special=event.special)
 
     def _tops(self, event: TokenEvent) -> list[pb.Token]:
-        return [pb.Token(id=t.id, text=token_text(self.tokenizer, t.id), logprob=t.logprob,
-                         special=self.tokenizer.is_special(t.id)) for t in event.top_tokens]
+        return [pb.Token(id=t.token_id, text=token_text(self.tokenizer, t.token_id),
+                         logprob=t.logprob, special=self.tokenizer.is_special(t.token_id))
+                for t in event.top_tokens]
 
     def _prefill(self, completion: Completion) -> list[pb.Token]:
         if not completion.request.prompt_logprobs:

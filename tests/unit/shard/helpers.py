@@ -26,7 +26,7 @@ from transformers import (
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
 from shard.records import PrefillBatch, RequestInput
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 # NOTE: the shard tests run on CPU; SHARD_TEST_DEVICE=cuda runs the model tests on a GPU
 # (used by hand on the GPU machine; CI is CPU-only).

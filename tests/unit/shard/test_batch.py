@@ -8,7 +8,7 @@ import torch
 from shard.batch import BatchStore, CachedBatch, RequestState
 from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 
 
 def state(rid: int) -> RequestState:

@@ -8,7 +8,7 @@ import torch
 
 from shard.errors import KVCacheTooSmallError, NotWarmedUpError
 from shard.records import PrefillBatch
-from shard.sampling_params import SamplingParams
+from shard.sampling_types import SamplingParams
 from tests.unit.shard.helpers import (
     PROMPTS,
     BlockPool,

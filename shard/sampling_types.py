@@ -1,6 +1,7 @@
-"""The sampling parameters of one request: the one type the router (validation, the
-scheduler's requests) and the shard (records, the sampler) both use. Torch-free, so the
-router can import it (see tests/unit/router/test_contract.py)."""
+"""What the sampler takes and gives, in the one form the router (validation, requests,
+token events) and the shard (records, the sampler) both use: a request's sampling
+parameters and an alternative token. Torch-free, so the router can import it (see
+tests/unit/router/test_contract.py)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass(frozen=True)
+class TopToken:
+    """One alternative token: id and logprob (natural log) under the model's
+    distribution (before penalties, temperature and truncation)."""
+
+    token_id: int
+    logprob: float
