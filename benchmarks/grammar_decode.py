@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--constrained", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--constrained", type=int, nargs="+", default=[0, 1, 4],
+                        help="0 runs the control against itself: the noise floor")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

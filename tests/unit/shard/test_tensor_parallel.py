@@ -49,6 +49,31 @@ def test_tiny_llama_tp_matches_tp1(
     _assert_same(tiny_tp1, run_tp(tiny, world_size, PROMPTS, 12, tmp_path))
 
 
+def test_grammar_constrained_tokens_agree_across_ranks_and_with_tp1(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every rank masks with its own matchers; all ranks (and TP=1) pick the same
+    tokens, greedy and sampled, and the outputs follow the grammars."""
+    import json
+    import re
+
+    from tokenizers import Tokenizer
+
+    from router.grammar import json_schema_grammar, regex_grammar
+
+    schema = {"type": "object", "required": ["k", "n"], "additionalProperties": False,
+              "properties": {"k": {"enum": ["a", "b"]},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    grammars = [regex_grammar("[a-c]{2,5}-[0-9]"), json_schema_grammar(schema)]
+    tp1 = run_tp(tiny_model_dir, 1, [], 24, tmp_path, grammars=grammars)
+    tp2 = run_tp(tiny_model_dir, 2, [], 24, tmp_path, grammars=grammars)
+    assert tp2[0] == tp2[1] == tp1[0]
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    texts = [tok.decode(t[: t.index(2)] if 2 in t else t) for t in tp1[0]]
+    assert re.fullmatch("[a-c]{2,5}-[0-9]", texts[0]) and re.fullmatch("[a-c]{2,5}-[0-9]", texts[2])
+    assert json.loads(texts[1])["k"] in ("a", "b") and json.loads(texts[3])["k"] in ("a", "b")
+
+
 def test_different_weights_are_detected(tiny_tp1: dict[str, Any], tmp_path: Path) -> None:
     """The comparison fails for another model (a guard that the check can fail)."""
     other = tmp_path / "other"

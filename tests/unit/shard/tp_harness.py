@@ -65,6 +65,27 @@ def greedy_scenario(
     }
 
 
+def grammar_scenario(runner: ModelRunner, grammars: list[str], new_tokens: int) -> list[list[int]]:
+    """One batch of a greedy request per grammar, the same grammars sampled, and one
+    unconstrained request; the tokens of each (rank-local masks and matchers)."""
+    from shard.sampling import SamplingParams
+
+    pool = BlockPool(POOL_BLOCKS, seed=3)
+    prompt = [1, 504, 3458, 314, 253, 1345, 28]
+    specs = [*((g, SamplingParams()) for g in grammars),
+             *((g, SamplingParams(do_sample=True, seed=9)) for g in grammars),
+             ("", SamplingParams())]
+    reqs = [request(i, prompt, pool.for_tokens(len(prompt) + new_tokens), sampling=sampling,
+                    grammar=grammar) for i, (grammar, sampling) in enumerate(specs)]
+    tokens = {rid: [tok] for rid, tok in prefill(runner, 1, *reqs).items()}
+    driver = DecodeDriver(runner, pool)
+    for _ in range(new_tokens - 1):
+        for rid, tok in driver.step([1]).items():
+            tokens[rid].append(tok)
+    runner.clear_cache()
+    return [tokens[i] for i in range(len(specs))]
+
+
 def make_config(model_dir: Path, rank: int, world_size: int, port: int) -> ShardConfig:
     return ShardConfig(
         model_path=str(model_dir), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
@@ -74,19 +95,23 @@ def make_config(model_dir: Path, rank: int, world_size: int, port: int) -> Shard
 
 
 def _worker(model_dir: str, rank: int, world_size: int, port: int, prompts: list[list[int]],
-            new_tokens: int, out: str) -> None:
+            new_tokens: int, out: str, grammars: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     runner = ModelRunner(make_config(Path(model_dir), rank, world_size, port))
     runner.warmup(max_batch_prefill_tokens=64, max_total_tokens=128)
-    result = greedy_scenario(runner, prompts, new_tokens)
-    if rank == 0:
-        torch.save(result, out)
+    if grammars is not None:  # every rank reports: their tokens must agree
+        torch.save(grammar_scenario(runner, grammars, new_tokens), f"{out}.rank{rank}")
+    else:
+        result = greedy_scenario(runner, prompts, new_tokens)
+        if rank == 0:
+            torch.save(result, out)
     destroy_distributed()
 
 
 def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_tokens: int,
-           tmp: Path, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Run :func:`greedy_scenario` on ``world_size`` ranks; rank 0's results.
+           tmp: Path, timeout_s: float = 300.0, grammars: list[str] | None = None) -> Any:
+    """Run :func:`greedy_scenario` on ``world_size`` ranks; rank 0's results. With
+    ``grammars``, :func:`grammar_scenario` instead; every rank's tokens, by rank.
 
     Raises:
         AssertionError: a rank exited with an error or did not finish in ``timeout_s``.
@@ -96,7 +121,8 @@ def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_token
     out = tmp / f"tp{world_size}.pt"
     procs = [
         ctx.Process(target=_worker,
-                    args=(str(model_dir), r, world_size, port, prompts, new_tokens, str(out)))
+                    args=(str(model_dir), r, world_size, port, prompts, new_tokens, str(out),
+                          grammars))
         for r in range(world_size)
     ]
     for p in procs:
@@ -110,5 +136,7 @@ def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_token
             if p.is_alive():
                 p.kill()
                 p.join()
+    if grammars is not None:
+        return [torch.load(f"{out}.rank{r}") for r in range(world_size)]
     result: dict[str, Any] = torch.load(out)
     return result
