@@ -33,7 +33,7 @@ from router.model_files import prepare_default_model
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
 from shard.records import PrefillBatch, RequestInput
-from shard.sampling import SamplingParams
+from shard.sampling_types import SamplingParams
 
 # Long-running JSON: an array of records, so constrained requests stay constrained for
 # the whole measurement instead of finishing early.

@@ -17,7 +17,7 @@ from router.grammar import json_schema_grammar, regex_grammar
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.model_runner import ModelRunner
 from shard.records import PrefillBatch, RequestInput
-from shard.sampling import SamplingParams
+from shard.sampling_types import SamplingParams
 from tests.unit.shard.helpers import BLOCK_SIZE, BlockPool, DecodeDriver, make_runner, request
 
 EOS = 2

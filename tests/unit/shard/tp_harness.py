@@ -68,7 +68,7 @@ def greedy_scenario(
 def grammar_scenario(runner: ModelRunner, grammars: list[str], new_tokens: int) -> list[list[int]]:
     """One batch of a greedy request per grammar, the same grammars sampled, and one
     unconstrained request; the tokens of each (rank-local masks and matchers)."""
-    from shard.sampling import SamplingParams
+    from shard.sampling_types import SamplingParams
 
     pool = BlockPool(POOL_BLOCKS, seed=3)
     prompt = [1, 504, 3458, 314, 253, 1345, 28]
