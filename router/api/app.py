@@ -17,7 +17,7 @@ unexpected is logged and answered 500 with a JSON body, and the server keeps ser
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -74,18 +74,31 @@ def _error(
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
+def _field_path(loc: Sequence[Any]) -> str:
+    """A pydantic error location as a field path: ``tools[0].function.name``. The body
+    prefix and union-branch tags (``literal['none','auto']``, ``NamedToolChoice``,
+    ``function-after[...]``) are dropped: they name schema internals, not fields."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and part.isidentifier() and not part[:1].isupper():
+            path += f".{part}" if path else part
+    return path or "body"
+
+
 def _describe_schema_errors(errors: list[Any]) -> tuple[str, str | None]:
-    """Message naming each offending field, and the first field."""
-    parts: list[str] = []
-    fields: list[str] = []
+    """Message naming each offending field (the errors of one field's union branches
+    joined), and the first field."""
+    by_field: dict[str, list[str]] = {}
     for error in errors:
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-        field = ".".join(loc) if loc else "body"
-        if error.get("type") == "json_invalid":
-            field = "body"
-        fields.append(field)
-        parts.append(f"{field}: {error.get('msg', 'invalid')}")
-    return "; ".join(parts), (fields[0] if fields else None)
+        field = "body" if error.get("type") == "json_invalid" else _field_path(
+            error.get("loc", ()))
+        message = error.get("msg", "invalid")
+        if message not in by_field.setdefault(field, []):
+            by_field[field].append(message)
+    parts = [f"{field}: {'; or: '.join(messages)}" for field, messages in by_field.items()]
+    return "; ".join(parts), next(iter(by_field), None)
 
 
 class CancelledAsError:

@@ -192,8 +192,9 @@ def bad(call) -> openai.BadRequestError:  # type: ignore[no-untyped-def]
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -207,6 +208,8 @@ def test_bad_structured_requests_are_400_naming_the_field(
         model="tiny", messages=MESSAGES, max_tokens=2, extra_body=kwargs))
     body = error.body
     assert isinstance(body, dict) and body.get("param") == field, body
+    # schema internals (union branch tags) never reach the client
+    assert "literal[" not in body["message"] and "NamedToolChoice" not in body["message"], body
 
 
 @pytest.mark.parametrize(("grammar", "field"), [
