@@ -150,8 +150,9 @@ def main() -> None:
             rows.append(f"| {batch} | {k} | {control:.2f} | {mixed:.2f} | "
                         f"{mixed - control:+.2f} ({(mixed / control - 1) * 100:+.1f}%) | "
                         f"{mask_ms:.3f} |")
+    cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
-        f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        f"CPU ({cpu}, torch threads: {torch.get_num_threads()})"
     lines = [
         "# Decode step with grammar-constrained requests",
         "",
