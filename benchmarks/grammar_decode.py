@@ -4,9 +4,11 @@ For each batch size B and number k of constrained requests, decodes two batches 
 requests with the model runner (forward + mask + sampling, host work included, no
 gRPC), one step of each in turn: one where all B are unconstrained (the control) and one
 where k of the B follow a JSON schema. The difference is what the grammar costs the
-step; the mask-fill column is the host time llguidance spends filling the k bitmasks per
-step (measured apart). On CPU the forward is synchronous, so the fill adds to the step;
-on a GPU it runs while the device computes the step's forward.
+step; the mask column is the host time spent building the k rows' token mask per step
+(llguidance filling the bitmasks, then copying and unpacking them to the device). On
+CPU the forward is synchronous, so this adds to the step; on a GPU the fill runs while
+the device computes the step's forward. Rows with k = 0 run the control against itself:
+the noise floor of the machine.
 
 Prints a markdown table (device, versions, date) and writes it to ``--out``.
 
@@ -78,23 +80,24 @@ def run(
     from other processes hits both alike).
 
     Returns:
-        (control step, constrained-batch step, mask fill per step), milliseconds,
+        (control step, constrained-batch step, mask build per step), milliseconds,
         medians: on CPU the steps' process CPU time, on a GPU their wall time.
     """
     blocks_each = -(-(PROMPT_LEN + steps + 8) // BLOCK_SIZE)
     runner.prefill(PrefillBatch(1, tuple(_batch(batch, 0, 0, blocks_each))))
     runner.prefill(PrefillBatch(2, tuple(_batch(batch, constrained, batch * blocks_each,
                                                  blocks_each))))
-    fills: list[float] = []
-    fill = runner.grammars.fill_bitmask
+    masks: list[float] = []
+    token_mask = runner._token_mask
 
-    def timed_fill(matchers):  # type: ignore[no-untyped-def]
+    def timed_mask(matchers, device):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        out = fill(matchers)
-        fills.append(time.perf_counter() - t0)
+        out = token_mask(matchers, device)
+        if out is not None:
+            masks.append(time.perf_counter() - t0)
         return out
 
-    runner.grammars.fill_bitmask = timed_fill  # type: ignore[method-assign]
+    runner._token_mask = timed_mask  # type: ignore[method-assign]
     times: dict[int, list[float]] = {1: [], 2: []}
     cpu: dict[int, list[float]] = {1: [], 2: []}
     try:
@@ -107,15 +110,16 @@ def run(
                 times[batch_id].append(time.perf_counter() - t0)
                 cpu[batch_id].append(time.process_time() - c0)
     finally:
-        runner.grammars.fill_bitmask = fill  # type: ignore[method-assign]
+        runner._token_mask = token_mask  # type: ignore[method-assign]
         runner.clear_cache()
     if runner.device.type == "cpu":
-        # NOTE: CPU time of the process (all its threads) is what a step costs; it
-        # barely moves when other processes compete for the cores, unlike wall time.
+        # NOTE: CPU time of the process (all its threads) is what a step costs; with one
+        # torch thread (no idle threads spinning) it barely moves when other processes
+        # compete for the cores, unlike wall time.
         times = cpu
     control = statistics.median(times[1][3:]) * 1e3
     mixed = statistics.median(times[2][3:]) * 1e3
-    return control, mixed, statistics.median(fills[3:]) * 1e3
+    return control, mixed, statistics.median(masks[3:]) * 1e3 if masks else 0.0
 
 
 def main() -> None:
@@ -128,7 +132,11 @@ def main() -> None:
                         help="0 runs the control against itself: the noise floor")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: no spinning threads inflate CPU time)")
     args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     model = args.model or prepare_default_model().path
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     runner = make_runner(model, args.device, dtype)
@@ -138,12 +146,13 @@ def main() -> None:
         for k in args.constrained:
             if k > batch:
                 continue
-            control, mixed, fill_ms = run(runner, batch, k, args.steps)
+            control, mixed, mask_ms = run(runner, batch, k, args.steps)
             rows.append(f"| {batch} | {k} | {control:.2f} | {mixed:.2f} | "
                         f"{mixed - control:+.2f} ({(mixed / control - 1) * 100:+.1f}%) | "
-                        f"{fill_ms:.3f} |")
+                        f"{mask_ms:.3f} |")
+    cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
-        f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        f"CPU ({cpu}, torch threads: {torch.get_num_threads()})"
     lines = [
         "# Decode step with grammar-constrained requests",
         "",
@@ -156,7 +165,7 @@ def main() -> None:
         "constrained requests follow a JSON schema (array of records)",
         "",
         "| batch | constrained | all unconstrained (ms) | k constrained (ms) | "
-        "difference | mask fill (ms/step) |",
+        "difference | mask build (ms/step) |",
         "|---|---|---|---|---|---|",
         *rows,
     ]
