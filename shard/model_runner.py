@@ -9,10 +9,8 @@ Entry points: :meth:`ModelRunner.info`, :meth:`~ModelRunner.warmup`,
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from loguru import logger
@@ -31,6 +29,7 @@ from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
+from shard.pending_decode import PendingDecode, StepTimer
 from shard.progress import PhaseProgress
 from shard.records import (
     CachedBatchInfo,
@@ -59,55 +58,6 @@ from shard.warmup import (
     dummy_chunks,
     dummy_sampling_rows,
 )
-
-
-@dataclass
-class PendingDecode:
-    """A decode step launched on the device whose results are not read yet.
-
-    Attributes:
-        batch_id: the batch it stepped.
-        requests: the batch's requests at launch, in order.
-        host: the sampled ids, logprobs and top tokens, on their way to the host.
-        timer: the step's device time.
-        previous: the step launched before it (finished first, so that the tokens of
-            a request are recorded in order).
-        finished: set once :meth:`ModelRunner.finish_decode` has recorded the tokens.
-    """
-
-    batch_id: int
-    requests: list[RequestState]
-    host: HostCopy
-    timer: StepTimer
-    previous: PendingDecode | None = None
-    finished: threading.Event = field(default_factory=threading.Event)
-
-
-class StepTimer:
-    """Device time of a step: CUDA events around its kernels (the time the device spent
-    on it, not the host's), or the host clock elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._start_ns = time.perf_counter_ns()
-        self._end_ns = self._start_ns
-        if device.type == "cuda":
-            self._events = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self._events[0].record()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        self._end_ns = time.perf_counter_ns()
-
-    def elapsed_ns(self) -> int:
-        """Nanoseconds; on CUDA call once the step's results are read."""
-        if self._events is not None:
-            return int(self._events[0].elapsed_time(self._events[1]) * 1e6)
-        return self._end_ns - self._start_ns
 
 
 class ModelRunner:

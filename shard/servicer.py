@@ -18,9 +18,10 @@ from loguru import logger
 
 from shard import pb_convert
 from shard.errors import NotWarmedUpError, UnknownBatchError
-from shard.model_runner import ModelRunner, PendingDecode
+from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
+from shard.pending_decode import PendingDecode
 
 T = TypeVar("T")
 

@@ -139,7 +139,7 @@ def _batch(batch_id, *requests):
 def test_next_step_launched_before_the_previous_is_read(llama, expected_greedy) -> None:
     """launch_decode of step N+1 before finish_decode of step N (what the servicer does
     when the router has sent N+1 already) gives the same tokens as one step at a time."""
-    from shard.model_runner import PendingDecode
+    from shard.pending_decode import PendingDecode
 
     runner = make_runner(llama[0])
     pool = BlockPool(runner.num_blocks, seed=3)
