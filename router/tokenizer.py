@@ -7,36 +7,13 @@ The router must not import torch, and ``transformers`` does; so the router reads
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    with path.open() as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
-
-
-def _ids(value: Any) -> set[int]:
-    if value is None:
-        return set()
-    if isinstance(value, int):
-        return {value}
-    return {int(v) for v in value}
-
-
-def _token_text(value: Any) -> str | None:
-    """Special tokens in tokenizer_config.json are strings or ``{"content": ...}``."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+from shard.tokenizer_files import eos_token_ids, read_json, token_text
 
 
 @dataclass
@@ -69,14 +46,9 @@ class Tokenizer:
         if not tokenizer_file.exists():
             raise FileNotFoundError(f"{tokenizer_file} not found (a fast tokenizer is required)")
         backend = HFTokenizer.from_file(str(tokenizer_file))
-        tok_config = _read_json(folder / "tokenizer_config.json")
-        gen_config = _read_json(folder / "generation_config.json")
-        model_config = _read_json(folder / "config.json")
-
-        eos_token = _token_text(tok_config.get("eos_token"))
-        eos_ids = _ids(gen_config.get("eos_token_id")) | _ids(model_config.get("eos_token_id"))
-        if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
-            eos_ids.add(eos_id)
+        tok_config = read_json(folder / "tokenizer_config.json")
+        eos_token = token_text(tok_config.get("eos_token"))
+        eos_ids = eos_token_ids(folder, backend.token_to_id)
 
         template_file = folder / "chat_template.jinja"
         chat_template = (
@@ -84,8 +56,8 @@ class Tokenizer:
         )
         return cls(
             backend=backend,
-            eos_token_ids=frozenset(eos_ids),
-            bos_token=_token_text(tok_config.get("bos_token")),
+            eos_token_ids=eos_ids,
+            bos_token=token_text(tok_config.get("bos_token")),
             eos_token=eos_token,
             chat_template=chat_template if isinstance(chat_template, str) else None,
         )

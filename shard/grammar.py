@@ -20,51 +20,29 @@ build nothing and are never touched by the mask.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 from loguru import logger
 from tokenizers import Tokenizer
 
+from shard import tokenizer_files
+
 # Compiled grammars kept per shard, by grammar text (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else {}
-
-
-def _ids(value: Any) -> set[int]:
-    if value is None:
-        return set()
-    if isinstance(value, int):
-        return {value}
-    return {int(v) for v in value}
-
-
 def eos_token_ids(model_path: str | Path) -> list[int]:
-    """Every token id that ends generation, as the router counts them: the
-    ``eos_token_id`` of generation_config.json and config.json, and the id of the
-    tokenizer's ``eos_token`` (sorted)."""
+    """Every token id that ends generation, as the router counts them (see
+    :func:`shard.tokenizer_files.eos_token_ids`), sorted."""
     folder = Path(model_path)
-    ids = _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
-    ids |= _ids(_read_json(folder / "config.json").get("eos_token_id"))
-    eos = _read_json(folder / "tokenizer_config.json").get("eos_token")
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    if isinstance(eos, str) and (folder / "tokenizer.json").exists():
-        eos_id = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
-        if eos_id is not None:
-            ids.add(int(eos_id))
-    return sorted(ids)
+    tokenizer_file = folder / "tokenizer.json"
+    token_to_id = (Tokenizer.from_file(str(tokenizer_file)).token_to_id
+                   if tokenizer_file.exists() else (lambda _token: None))
+    return sorted(tokenizer_files.eos_token_ids(folder, token_to_id))
 
 
 def parser_limits() -> LLParserLimits:
