@@ -5,6 +5,8 @@
 #   .device/fa-whl/     the flash-attn wheel built for that machine
 #   .device/peers/      nano-vllm and its runner nano_vllm_bench.py
 #   .device/tokenizer/  tokenizer files (and config.json, for the BOS/EOS ids) of the default model
+#   .device/whl/ also gets the project's dependencies that image lacks (llguidance, jsonschema)
+#   .device/tools/      py-spy (benchmarks/gpu_profile.sh) and pytest, to run tests/kernels there
 # Usage, from anywhere: bash benchmarks/gpu_prepare.sh [SHARED_DIR]
 # SHARED_DIR (default: ../shared beside the checkout) holds gpu/server-wheels.sh,
 # gpu/wheels/flash_attn-*.whl and peers/.
@@ -16,10 +18,16 @@ model="${SHARDSERVE_CACHE_DIR:-$HOME/.cache/shardserve}/models/SmolLM2-135M-Inst
 limit_mib=64
 
 git check-ignore -q .device/whl/x.whl || { echo "error: .device/ is not ignored by git" >&2; exit 1; }
-rm -rf .device/whl .device/fa-whl .device/peers .device/tokenizer
-mkdir -p .device/whl .device/fa-whl .device/tokenizer
+rm -rf .device/whl .device/fa-whl .device/peers .device/tokenizer .device/tools
+mkdir -p .device/whl .device/fa-whl .device/tokenizer .device/tools
 
 bash "$shared/gpu/server-wheels.sh" .device/whl >/dev/null
+# Python 3.12 on x86_64 there (GPU.md); llguidance's wheels need glibc 2.31 or newer.
+for_gpu=(--only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64
+         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
+python3 -m pip download -q "${for_gpu[@]}" -d .device/whl "llguidance>=1.9,<2" jsonschema
+python3 -m pip download -q "${for_gpu[@]}" -d .device/tools py-spy pytest pytest-asyncio \
+  pytest-timeout
 ls "$shared"/gpu/wheels/flash_attn-*.whl >/dev/null
 cp "$shared"/gpu/wheels/flash_attn-*.whl .device/fa-whl/
 cp -r "$shared/peers" .device/peers
@@ -36,6 +44,6 @@ if [ "$mib" -ge "$limit_mib" ]; then echo "error: .device is over ${limit_mib} M
 
 site="python3 -m pip install -q --no-index --no-deps --no-compile --target"
 cat <<CMD
-== run on the GPU machine with carry [".device"]:
+== run on the GPU machine with carry [".device"] (benchmarks/gpu_profile.sh profiles instead):
 $site /tmp/site .device/whl/*.whl && $site /tmp/fa .device/fa-whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD && python3 benchmarks/gpu_serving.py --tokenizer .device/tokenizer --nano-vllm .device/peers/nano-vllm --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --checkpoint-dir /tmp/ckpt-gpu-serving --log-dir \$OUT/logs --out \$OUT/gpu-serving.md
 CMD
