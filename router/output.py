@@ -68,9 +68,7 @@ class OutputProcessor:
         stopping = seq.request.stopping
         reason: FinishReason | None = None
         stop_text: str | None = None
-        # a constrained request ends at EOS even with ignore_eos: its grammar allows
-        # EOS only once the output is complete
-        if token_id in self._eos and (not stopping.ignore_eos or seq.request.grammar):
+        if token_id in self._eos and not stopping.ignore_eos:
             reason = FinishReason.EOS_TOKEN
         elif stopping.stop_token_ids and token_id in stopping.stop_token_ids:
             reason = FinishReason.STOP_SEQUENCE

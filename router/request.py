@@ -48,8 +48,8 @@ class GenerationRequest:
     top_n_tokens: int = 0
     prompt_logprobs: bool = False
     # llguidance grammar (JSON text) the output must follow, checked by router.grammar;
-    # "" = unconstrained. EOS ends a constrained request even with ignore_eos (it is the
-    # only token a complete grammar allows).
+    # "" = unconstrained. Validation turns ignore_eos off for a constrained request: EOS
+    # is the only token a complete grammar allows.
     grammar: str = ""
     # False: the caller needs only the whole answer, so the engine hands over the
     # token events together when the request ends (one wake-up instead of one per token).

@@ -181,7 +181,9 @@ class Validator:
                 max_new_tokens=params.max_new_tokens,
                 stop_sequences=tuple(params.stop),
                 stop_token_ids=tuple(params.stop_token_ids),
-                ignore_eos=params.ignore_eos,
+                # A constrained request ends at EOS: its grammar allows EOS only once
+                # the output is complete, so ignore_eos cannot apply to it.
+                ignore_eos=params.ignore_eos and not grammar,
             ),
             top_n_tokens=params.top_n_tokens or 0,
             prompt_logprobs=params.decoder_input_details,

@@ -23,7 +23,7 @@ from shard.decode_state import DecodeRows
 from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
 from shard.grammar import GrammarCompiler, GrammarMatcher, unpack_bitmask
-from shard.host_copy import HostCopy
+from shard.host_copy import HostCopy, to_device
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
@@ -355,7 +355,7 @@ class ModelRunner:
             return None
         bitmask = self.grammars.fill_bitmask([m for m in matchers if m is not None])
         allowed = unpack_bitmask(bitmask, self.model_config.vocab_size, device)
-        index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        index = to_device(rows, torch.int64, device)
         return TokenMask(index, allowed)
 
     def _prompt_logprobs(
