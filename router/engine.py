@@ -123,7 +123,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.shards = ShardSteps(client, block_size)
-        self.output = OutputProcessor(tokenizer, config.max_total_tokens)
+        self.output = OutputProcessor(tokenizer, self.scheduler)
         self.metrics = Metrics(self._metrics_state)
         self._failed_at: float | None = None
         self._draining = False
@@ -288,7 +288,6 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler.config = config
         self.scheduler.block_manager = self.block_manager
-        self.output.max_total_tokens = config.max_total_tokens
         self._drop_inflight()
         self._failed_at = None
 

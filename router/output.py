@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from router.detokenizer import IncrementalDetokenizer
 from router.request import Finish, FinishReason, Sequence, TokenEvent
+from router.scheduler import Scheduler
 from router.shard_steps import TokenExtras
 from router.stop import StopSequenceChecker
 from router.tokenizer import Tokenizer
@@ -29,12 +30,13 @@ class OutputProcessor:
 
     Args:
         tokenizer: The model's tokenizer (detokenization, EOS and special ids).
-        max_total_tokens: Prompt plus generated tokens at which a request ends.
+        scheduler: The engine's scheduler, whose budgets (``max_total_tokens``: prompt
+            plus generated tokens at which a request ends) follow each restart.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_total_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
         self.tokenizer = tokenizer
-        self.max_total_tokens = max_total_tokens
+        self._scheduler = scheduler
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._special = tokenizer.special_ids
         self._text: dict[int, _TextState] = {}
@@ -81,7 +83,8 @@ class OutputProcessor:
         generated = len(seq.output_ids)
         if match is None and reason is None and (
             generated >= stopping.max_new_tokens
-            or generated + len(seq.request.input_ids) >= self.max_total_tokens
+            or generated + len(seq.request.input_ids)
+            >= self._scheduler.config.max_total_tokens
         ):
             reason = FinishReason.LENGTH
         if match is None and reason is not None:
