@@ -6,6 +6,7 @@
 # waiting). Everything lands in $OUT: kernels.log, bench.log, serving.md, router.txt,
 # shard.txt.
 #   WORKLOAD=decode_heavy SERVER_ARGS="--steps-in-flight 2" bash benchmarks/gpu_profile.sh
+# KERNELS=0 skips the kernel tests (e.g. for a second workload in the same session).
 set -uo pipefail
 workload=${WORKLOAD:-decode_heavy}
 wait_running=${WAIT_RUNNING:-200}
@@ -14,8 +15,10 @@ port=${PORT:-8777}
 site="python3 -m pip install -q --no-index --no-deps --no-compile --target"
 $site /tmp/site .device/whl/*.whl && $site /tmp/tools .device/tools/*.whl || exit 1
 export PYTHONPATH=/tmp/site:/tmp/tools:$PWD
-python3 -m pytest -p no:cacheprovider -q tests/kernels > "$OUT/kernels.log" 2>&1
-tail -3 "$OUT/kernels.log"
+if [ "${KERNELS:-1}" != 0 ]; then
+  python3 -m pytest -p no:cacheprovider -q tests/kernels > "$OUT/kernels.log" 2>&1
+  tail -3 "$OUT/kernels.log"
+fi
 python3 benchmarks/gpu_serving.py --tokenizer .device/tokenizer --skip-hf \
   --workloads "$workload" --block-size 16 --max-batch-size 512 --port "$port" \
   --server-args "${SERVER_ARGS:-}" --checkpoint-dir /tmp/ckpt --log-dir "$OUT/logs" \

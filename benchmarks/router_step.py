@@ -148,8 +148,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] ==
 async def run_http(tokenizer: Tokenizer, requests: int, new_tokens: int, stream: bool) -> float:
     """CPU seconds of the serving process per decode step, over HTTP."""
     engine = make_engine(tokenizer, requests, new_tokens)
-    validator = Validator(tokenizer, engine.config, ValidationLimits(),
-                          kv_capacity_tokens=engine.block_manager.num_blocks * 16)
+    validator = Validator(tokenizer, engine.scheduler, ValidationLimits())
     state = ServerState(engine=engine, validator=validator, model_id="m", dtype="bfloat16",
                         device_type="cuda", num_shard=1, attention_backend="triton",
                         version="bench")

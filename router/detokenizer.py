@@ -54,8 +54,29 @@ class IncrementalDetokenizer:
         token limit is dropped rather than sent as U+FFFD, the text before it is kept)."""
         if not self._held:
             return ""
-        decode = self._tokenizer.decode
-        before = decode(self._emitted, self._skip_special_tokens)
-        full = decode(self._emitted + self._held, self._skip_special_tokens).rstrip(_REPLACEMENT)
-        self._held = []
-        return full[len(before):] if len(full) > len(before) else ""
+        held, self._held = self._held, []
+        return text_after(self._tokenizer, self._emitted, held, self._skip_special_tokens)
+
+
+def text_after(tokenizer: Tokenizer, context: list[int], token_ids: list[int],
+               skip_special_tokens: bool = True) -> str:
+    """The text ``token_ids`` add after ``context`` (one decode of each), without a
+    trailing incomplete character; what the deltas of :class:`IncrementalDetokenizer`
+    and its :meth:`~IncrementalDetokenizer.flush` add up to, at one decode's cost.
+
+    Args:
+        context: Tokens before (a prompt's last few), so that the first keeps its space.
+        token_ids: The tokens whose text is wanted.
+    """
+    decode = tokenizer.decode
+    before = decode(context, skip_special_tokens)
+    full = decode(context + token_ids, skip_special_tokens).rstrip(_REPLACEMENT)
+    return full[len(before):] if len(full) > len(before) else ""
+
+
+def generated_text(tokenizer: Tokenizer, prompt_ids: list[int] | tuple[int, ...],
+                   output_ids: list[int]) -> str:
+    """The whole text of ``output_ids`` generated after ``prompt_ids``, decoded at once
+    (special tokens skipped), equal to the concatenated deltas of an
+    :class:`IncrementalDetokenizer` given the same prompt."""
+    return text_after(tokenizer, list(prompt_ids[-_CONTEXT_TOKENS:]), output_ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.detokenizer import IncrementalDetokenizer
+from router.detokenizer import IncrementalDetokenizer, generated_text
 from router.request import Finish, FinishReason, Sequence, TokenEvent
 from router.scheduler import Scheduler
 from router.shard_steps import TokenExtras
@@ -21,7 +21,8 @@ from router.tokenizer import Tokenizer
 
 @dataclass
 class _TextState:
-    detokenizer: IncrementalDetokenizer
+    # None: the text is decoded once, at the end (GenerationRequest.token_texts)
+    detokenizer: IncrementalDetokenizer | None
     stop: StopSequenceChecker
 
 
@@ -47,9 +48,12 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         """Start tracking ``seq`` (its prompt gives the detokenizer its context)."""
+        request = seq.request
+        per_token = request.token_texts or bool(request.stopping.stop_sequences)
         self._text[seq.id] = _TextState(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, list(seq.request.input_ids)),
-            stop=StopSequenceChecker(list(seq.request.stopping.stop_sequences)),
+            detokenizer=(IncrementalDetokenizer(self.tokenizer, list(request.input_ids))
+                         if per_token else None),
+            stop=StopSequenceChecker(list(request.stopping.stop_sequences)),
         )
 
     def remove(self, seq_id: int) -> None:
@@ -75,11 +79,13 @@ class OutputProcessor:
         elif stopping.stop_token_ids and token_id in stopping.stop_token_ids:
             reason = FinishReason.STOP_SEQUENCE
             stop_text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        delta = state.detokenizer.add(token_id)
-        if stopping.stop_sequences:
-            text, match = state.stop.feed(delta)
+        detokenizer = state.detokenizer
+        if detokenizer is None:
+            text, match = "", None
+        elif stopping.stop_sequences:
+            text, match = state.stop.feed(detokenizer.add(token_id))
         else:
-            text, match = delta, None
+            text, match = detokenizer.add(token_id), None
         generated = len(seq.output_ids)
         if match is None and reason is None and (
             generated >= stopping.max_new_tokens
@@ -87,8 +93,11 @@ class OutputProcessor:
             >= self._scheduler.config.max_total_tokens
         ):
             reason = FinishReason.LENGTH
-        if match is None and reason is not None:
-            more, match = state.stop.feed(state.detokenizer.flush())
+        if detokenizer is None:
+            if reason is not None:
+                text = generated_text(self.tokenizer, seq.request.input_ids, seq.output_ids)
+        elif match is None and reason is not None:
+            more, match = state.stop.feed(detokenizer.flush())
             text += more if match is not None else more + state.stop.flush()
         if match is not None:
             reason, stop_text = FinishReason.STOP_SEQUENCE, match.stop

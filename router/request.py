@@ -54,6 +54,10 @@ class GenerationRequest:
     # False: the caller needs only the whole answer, so the engine hands over the
     # token events together when the request ends (one wake-up instead of one per token).
     stream: bool = True
+    # False: the caller reads only the whole text, not each token's: a request without
+    # stop strings then has its text decoded once, at the end, and carried by its last
+    # event (the others have ''), instead of being detokenized token by token.
+    token_texts: bool = True
 
 
 @dataclass(frozen=True)

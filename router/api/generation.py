@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from sse_starlette.event import ServerSentEvent
+from starlette.requests import Request
 
 from router.engine import Engine
 from router.request import ErrorEvent, Event, Finish, FinishReason, GenerationRequest, TokenEvent
@@ -82,30 +83,54 @@ class ClientDisconnected(RuntimeError):
     """The client went away before its (non-streaming) answer was ready."""
 
 
-# How often a non-streaming request checks that its client is still connected, seconds.
+# Pause between two reads of the ASGI channel when a read returns something other than
+# the disconnect (a server whose receive does not block once the body is read), seconds.
 DISCONNECT_POLL_S = 0.25
+
+# Returns once the client has gone (see :func:`client_gone`).
+ClientGone = Callable[[], Awaitable[None]]
+
+
+def client_gone(request: Request) -> ClientGone:
+    """A waiter on ``request``'s ASGI channel that returns at its ``http.disconnect``.
+
+    Once the body has been read, the server's ``receive`` (ASGI HTTP spec) blocks until
+    the client disconnects or the response is complete, so one waiting task per request
+    watches the client at no cost per step (polling ``Request.is_disconnected`` for
+    every request costs the event loop ~0.1 ms a call).
+    """
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    return wait
 
 
 async def run_all(
     engine: Engine,
     requests: Sequence[GenerationRequest],
-    disconnected: Callable[[], Awaitable[bool]] | None = None,
+    gone: ClientGone | None = None,
+    token_texts: bool = True,
 ) -> list[Completion]:
     """Run ``requests`` concurrently to completion; results in the same order.
 
     Args:
-        disconnected: Polled every ``DISCONNECT_POLL_S``; when it returns True the
-            requests are cancelled (freeing their KV blocks) and ClientDisconnected
-            is raised.
+        gone: Returns once the client has left (:func:`client_gone`); the requests are
+            then cancelled (freeing their KV blocks) and ClientDisconnected is raised.
+        token_texts: The caller reads each token's text (TGI ``details``, completions
+            ``logprobs``). When False and a request has no stop strings, its text is
+            decoded once at the end and carried by its last event (the others have '').
 
     Raises:
         QueueFullError: the engine refused one (the others are cancelled).
         GenerationFailed: one failed after acceptance.
-        ClientDisconnected: see ``disconnected``.
+        ClientDisconnected: see ``gone``.
     """
     completions = [Completion(request) for request in requests]
     # the answer is sent whole: the engine may hand the events over at the end
-    requests = [dataclasses.replace(request, stream=False) for request in requests]
+    requests = [dataclasses.replace(request, stream=False, token_texts=token_texts)
+                for request in requests]
 
     async def collect() -> None:
         async with MergedStream(engine, requests) as stream:
@@ -114,46 +139,44 @@ async def run_all(
                 if event.finish is not None:
                     completions[index].finish = event.finish
 
-    await _unless_gone(collect(), disconnected)
+    await _unless_gone(collect(), gone)
     return completions
 
 
-async def first_event(
-    events: AsyncIterator[T], disconnected: Callable[[], Awaitable[bool]] | None
-) -> T:
+async def first_event(events: AsyncIterator[T], gone: ClientGone | None) -> T:
     """The first item of ``events`` (a stream's first token), watching the client.
 
     A streaming request waits in the queue, then for its prefill, before the response
     starts; a client that leaves meanwhile must neither keep its place nor be
-    prefilled. ``disconnected`` is polled every ``DISCONNECT_POLL_S``; when it returns
-    True the wait is cancelled (the caller then closes the stream, which cancels the
-    requests) and ClientDisconnected is raised.
+    prefilled. Once ``gone`` returns, the wait is cancelled (the caller then closes the
+    stream, which cancels the requests) and ClientDisconnected is raised.
 
     Raises:
         ClientDisconnected: see above.
         StopAsyncIteration: ``events`` ended without an item.
         Exception: whatever ``events`` raises (QueueFullError, GenerationFailed).
     """
-    return await _unless_gone(anext(events), disconnected)
+    return await _unless_gone(anext(events), gone)
 
 
-async def _unless_gone(
-    work: Awaitable[T], disconnected: Callable[[], Awaitable[bool]] | None
-) -> T:
-    """Await ``work``, cancelling it and raising ClientDisconnected once
-    ``disconnected()`` (polled every ``DISCONNECT_POLL_S``) is True."""
+async def _unless_gone(work: Awaitable[T], gone: ClientGone | None) -> T:
+    """Await ``work``, cancelling it and raising ClientDisconnected once ``gone()``
+    returns (or fails: the client's channel is then unusable)."""
     task = asyncio.ensure_future(work)
+    watch = None if gone is None else asyncio.ensure_future(gone())
+    waiting = {task} if watch is None else {task, watch}
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if disconnected is not None and await disconnected():
-                raise ClientDisconnected("the client disconnected")
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected("the client disconnected")
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        pending = [t for t in waiting if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if watch is not None and watch.done() and not watch.cancelled():
+            watch.exception()  # retrieved: a failed channel is a disconnect, not an error
 
 
 @dataclass
@@ -181,8 +204,7 @@ class StartedStream:
 
 
 async def start_stream(
-    engine: Engine, requests: Sequence[GenerationRequest],
-    disconnected: Callable[[], Awaitable[bool]] | None,
+    engine: Engine, requests: Sequence[GenerationRequest], gone: ClientGone | None,
 ) -> StartedStream:
     """Submit ``requests`` as one stream and wait for its first event, so that a 429 or
     a queue wait comes before the response starts; a client that leaves meanwhile
@@ -197,7 +219,7 @@ async def start_stream(
     await stream.__aenter__()
     events = aiter(stream)
     try:
-        first = await first_event(events, disconnected)
+        first = await first_event(events, gone)
     except BaseException:
         await stream.aclose()
         raise

@@ -22,6 +22,7 @@ from sse_starlette.sse import EventSourceResponse
 from router.api.generation import (
     Completion,
     GenerationFailed,
+    client_gone,
     run_all,
     sse_events,
     start_stream,
@@ -200,7 +201,9 @@ async def completions(body: CompletionRequest, http_request: Request, state: Sta
     if body.stream:
         return await _sse(state, requests, [], answer.on_event, answer.usage_chunk, body,
                           http_request)
-    done = await run_all(state.engine, requests, http_request.is_disconnected)
+    # each token's text is read only for logprobs' text offsets
+    done = await run_all(state.engine, requests, client_gone(http_request),
+                         token_texts=body.logprobs is not None)
     return answer.whole(done)
 
 
@@ -316,7 +319,8 @@ async def chat_completions(
                    for i in range(body.n)]
         return await _sse(state, requests, opening, answer.on_event, answer.usage_chunk, body,
                           http_request)
-    done = await run_all(state.engine, requests, http_request.is_disconnected)
+    # chat logprobs name each token by its id's own text, not by its share of the text
+    done = await run_all(state.engine, requests, client_gone(http_request), token_texts=False)
     return answer.whole(done)
 
 
@@ -427,7 +431,7 @@ async def _sse(
 ) -> EventSourceResponse:
     """Stream ``requests`` as OpenAI chunks; ``[DONE]`` last. The first token (or a 429)
     comes before the response starts; a client that leaves before it cancels them."""
-    started = await start_stream(state.engine, requests, http_request.is_disconnected)
+    started = await start_stream(state.engine, requests, client_gone(http_request))
     done = [Completion(r) for r in requests]
 
     async def lines() -> AsyncIterator[str | bytes]:

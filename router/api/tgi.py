@@ -20,6 +20,7 @@ from router.api.generation import (
     Completion,
     GenerationFailed,
     StartedStream,
+    client_gone,
     run_all,
     sse_events,
     start_stream,
@@ -119,8 +120,9 @@ async def generate(body: GenerateRequest, http_request: Request, state: State) -
     """Generate text (TGI ``POST /generate``)."""
     request = await _validate(state, body)
     best_of = body.parameters.best_of or 1
+    details = body.parameters.details or body.parameters.decoder_input_details
     completions = await run_all(state.engine, state.validator.fan_out(request, best_of),
-                                http_request.is_disconnected)
+                                client_gone(http_request), token_texts=details)
     # best_of: the sequence with the highest total logprob, as TGI does.
     completions.sort(key=lambda c: c.logprob_sum, reverse=True)
     return _response(state.engine.tokenizer, body, completions, best_of)
@@ -157,7 +159,7 @@ async def generate_stream(
     request = await _validate(state, body)
     # The first token (or a 429) before the response starts; a client that leaves
     # while its request is queued cancels it.
-    started = await start_stream(state.engine, [request], http_request.is_disconnected)
+    started = await start_stream(state.engine, [request], client_gone(http_request))
     return EventSourceResponse(_stream(state.engine.tokenizer, body, request, started))
 
 

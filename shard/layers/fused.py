@@ -15,8 +15,14 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+from loguru import logger
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
+
+# Each function is compiled once per dtype, rank and 1-vs-many tokens (Dynamo specialises
+# on those); a process that serves several models, or a test session, needs more entries
+# than Dynamo's default limit of 8 per function.
+_RECOMPILE_LIMIT = 64
 
 
 class _CudaCompiled:
@@ -25,15 +31,26 @@ class _CudaCompiled:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.eager = fn
         self._compiled: Callable[..., Any] | None = None
+        self._failed = False
         self.__doc__ = fn.__doc__
         self.__name__ = fn.__name__
 
     def __call__(self, *args: Any) -> Any:
-        if not args[0].is_cuda:
+        if not args[0].is_cuda or self._failed:
             return self.eager(*args)
         if self._compiled is None:
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, _RECOMPILE_LIMIT)
             self._compiled = torch.compile(self.eager, dynamic=True, fullgraph=True)
-        return self._compiled(*args)
+        try:
+            return self._compiled(*args)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+            # a compile that fails (e.g. past the recompile limit) costs speed, never a
+            # request: this function runs eagerly from now on
+            logger.warning("{} runs eagerly from now on: compiling it failed ({})",
+                           self.__name__, str(exc).splitlines()[0])
+            self._failed = True
+            return self.eager(*args)
 
 
 def cuda_compiled(fn: F_) -> F_:

@@ -4,11 +4,12 @@ so the stream handlers' work overlaps the shards' compute instead of delaying it
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from router.config import SchedulerConfig
 from router.engine import Engine
-from router.request import GenerationRequest, SamplingParams, StoppingParams
+from router.request import GenerationRequest, SamplingParams, StoppingParams, TokenEvent
 from router.tokenizer import Tokenizer
 from tests.unit.api.scripted import ScriptedShardClient
 
@@ -50,3 +51,40 @@ async def test_tokens_reach_the_stream_after_the_next_call_is_sent(tokenizer: To
         "prefill sent", "decode sent", "decode sent", "got 100", "decode sent", "got 101",
         "decode sent", "got 102", "got 103", "got 104",
     ]
+
+
+async def _texts(engine: Engine, request: GenerationRequest) -> list[str]:
+    texts = []
+    async for event in engine.generate(request):
+        assert isinstance(event, TokenEvent), event
+        texts.append(event.text)
+    return texts
+
+
+async def test_whole_answers_decode_their_text_once_at_the_end(tokenizer: Tokenizer) -> None:
+    said = tokenizer.encode(" café 🤗 and so on, stop here and more", add_special_tokens=False)
+    shard = ScriptedShardClient(lambda _prompt: said)
+    config = SchedulerConfig(max_input_tokens=64, max_total_tokens=256,
+                             max_batch_prefill_tokens=256)
+    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                    shard.block_size)
+    engine.start()
+    try:
+        for cut in (len(said), len(said) - 5):
+            stopping = StoppingParams(max_new_tokens=cut, ignore_eos=True)
+            request = GenerationRequest((5, 6, 7), SamplingParams(), stopping, stream=False)
+            per_token = await _texts(engine, request)
+            once = await _texts(engine, replace(request, token_texts=False))
+            # the same text, carried whole by the last event
+            assert len(once) == len(per_token) == cut
+            assert once[:-1] == [""] * (cut - 1) and once[-1] == "".join(per_token)
+            assert sum(map(bool, per_token)) > 1
+        # stop strings are matched token by token whatever the caller reads
+        stopping = StoppingParams(max_new_tokens=len(said), stop_sequences=(" stop",),
+                                  ignore_eos=True)
+        request = GenerationRequest((5, 6, 7), SamplingParams(), stopping, stream=False,
+                                    token_texts=False)
+        texts = await _texts(engine, request)
+        assert "".join(texts) == " café 🤗 and so on, stop" and sum(map(bool, texts)) > 1
+    finally:
+        await engine.stop()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from router.detokenizer import IncrementalDetokenizer
+from router.detokenizer import IncrementalDetokenizer, generated_text
 from router.tokenizer import Tokenizer
 
 TEXTS = [
@@ -49,3 +51,27 @@ def test_character_cut_by_the_token_limit_is_dropped(tokenizer: Tokenizer) -> No
     pieces = [detokenizer.add(token_id) for token_id in ids[:-1]]  # the emoji's last byte
     pieces.append(detokenizer.flush())
     assert "".join(pieces) == " ok " and all("\ufffd" not in p for p in pieces)
+
+
+def _streamed(tokenizer: Tokenizer, prompt: list[int], ids: list[int]) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    return "".join([detokenizer.add(token_id) for token_id in ids] + [detokenizer.flush()])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_decoded_once_equals_the_streamed_text(tokenizer: Tokenizer, text: str) -> None:
+    prompt = tokenizer.encode("Say:")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    eos = next(iter(tokenizer.eos_token_ids))
+    for cut in (ids, ids[:-1], [*ids, eos]):  # whole, a character cut, ended by EOS
+        assert generated_text(tokenizer, prompt, cut) == _streamed(tokenizer, prompt, cut)
+
+
+def test_text_decoded_once_equals_the_streamed_text_on_random_ids(tokenizer: Tokenizer) -> None:
+    # What a model with random weights emits: byte fragments, specials, anything.
+    rng = random.Random(0)
+    vocab = tokenizer.vocab_size
+    for _ in range(50):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        assert generated_text(tokenizer, prompt, ids) == _streamed(tokenizer, prompt, ids)
