@@ -79,6 +79,47 @@ class AttentionBackend(abc.ABC):
         only, no host reads of them.
         """
 
+    # Whether :meth:`rope_write` and :meth:`attend` are implemented: the layer then
+    # hands them the QKV projection's output (one kernel for q/k norms, rotary and the
+    # cache write) instead of calling :meth:`forward`.
+    fuses_rope_write: ClassVar[bool] = False
+
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        norm_weights: tuple[torch.Tensor, torch.Tensor] | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """Rotate q and k of ``qkv`` (per-head RMSNorm first when ``norm_weights`` =
+        (q weight, k weight) are given) and write k and v at ``metadata.slot_mapping``.
+
+        Args:
+            qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim].
+            cos, sin: [num_tokens, 1, head_dim] rotary cos/sin of the tokens' positions.
+
+        Returns:
+            q: [num_tokens, num_heads, head_dim], for :meth:`attend`.
+
+        Raises:
+            NotImplementedError: unless :attr:`fuses_rope_write`.
+        """
+        raise NotImplementedError(f"{self.name} does not fuse rotary with the cache write")
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """:meth:`forward` without the cache write (done by :meth:`rope_write`).
+
+        Raises:
+            NotImplementedError: unless :attr:`fuses_rope_write`.
+        """
+        raise NotImplementedError(f"{self.name} does not fuse rotary with the cache write")
+
     @abc.abstractmethod
     def forward(
         self,

@@ -9,6 +9,8 @@ from torch import nn
 from shard.attention.base import AttentionBackend
 from shard.attention.metadata import AttentionMetadata
 from shard.kv_cache import KVCacheLayer
+from shard.layers.fused import apply_rotary
+from shard.layers.norm import RMSNorm
 
 
 class Attention(nn.Module):
@@ -50,3 +52,48 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated: call Warmup first")
         return self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """Attention from the QKV projection's output: per-head RMSNorm of q and k
+        (``q_norm``/``k_norm``, both or neither), rotary, the cache write, attention.
+        A backend that fuses the first three (:attr:`AttentionBackend.fuses_rope_write`)
+        runs them as one kernel.
+
+        Args:
+            qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim].
+            cos, sin: [num_tokens, 1, head_dim] of the tokens' positions.
+
+        Returns:
+            [num_tokens, num_heads, head_dim].
+
+        Raises:
+            RuntimeError: when no KV cache is bound (warmup has not run).
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not allocated: call Warmup first")
+        if self.backend.fuses_rope_write:
+            norms = None
+            if q_norm is not None and k_norm is not None:
+                norms = (q_norm.weight, k_norm.weight)
+            eps = q_norm.eps if q_norm is not None else 0.0
+            q = self.backend.rope_write(qkv, self.num_heads, cos, sin, self.kv_cache,
+                                        metadata, norms, eps)
+            return self.backend.attend(q, self.kv_cache, metadata, self.scale)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)  # over head_dim, each head alone
+        q, k = apply_rotary(q, k, cos, sin)
+        return self(q, k, v, metadata)

@@ -37,6 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     block_size_multiple: ClassVar[int] = 1
     cuda_graph_safe: ClassVar[bool] = True
+    fuses_rope_write: ClassVar[bool] = True
 
     def __init__(self) -> None:
         # NOTE: imported here, not at module import, so the registry imports without
@@ -69,9 +70,32 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        self._kernels.write_kv_cache(k, v, kv_cache.key, kv_cache.value, metadata.slot_mapping)
+        return self.attend(q, kv_cache, metadata, scale)
+
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        norm_weights: tuple[torch.Tensor, torch.Tensor] | None,
+        eps: float,
+    ) -> torch.Tensor:
+        q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
+        q: torch.Tensor = self._kernels.rope_write(
+            qkv, num_heads, kv_cache.key.shape[2], cos, sin, kv_cache.key, kv_cache.value,
+            metadata.slot_mapping, q_weight, k_weight, eps,
+        )
+        return q
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         kern = self._kernels
         q = q if q.stride(-1) == 1 else q.contiguous()
-        kern.write_kv_cache(k, v, kv_cache.key, kv_cache.value, metadata.slot_mapping)
         if metadata.is_prefill:
             out: torch.Tensor = kern.prefill_attention(
                 q,

@@ -31,7 +31,7 @@ from shard.layers.linear import (
     VocabParallelEmbedding,
 )
 from shard.layers.norm import RMSNorm
-from shard.layers.rotary import RotaryEmbedding, apply_rotary
+from shard.layers.rotary import RotaryEmbedding
 from shard.models.config import ModelConfig
 
 # (cos, sin) of the tokens' rotary angles, each [num_tokens, 1, head_dim]
@@ -80,17 +80,9 @@ class LlamaAttention(nn.Module):
         """rope: (cos, sin) of the tokens' positions (see :class:`RotaryEmbedding`);
         hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
         qkv = self.qkv_proj(hidden)
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head alone
-        q, k = apply_rotary(q, k, *rope)
-        out = self.attn(q, k, v, metadata)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(-1, q_size))
+        # q/k norms, rotary, the KV cache write, attention: [num_tokens, num_heads, head_dim]
+        out = self.attn.forward_qkv(qkv, *rope, metadata, self.q_norm, self.k_norm)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):

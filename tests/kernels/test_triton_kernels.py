@@ -9,14 +9,20 @@ import torch
 
 pytest.importorskip("triton")
 
+from shard.attention.layer import Attention
+from shard.attention.torch_backend import TorchAttentionBackend
 from shard.attention.triton_backend import TritonAttentionBackend
 from shard.attention.triton_kernels import (
     DecodeConfig,
     PrefillConfig,
     decode_attention,
     prefill_attention,
+    rope_write,
     write_kv_cache,
 )
+from shard.layers.norm import RMSNorm
+from shard.layers.rotary import RotaryEmbedding
+from shard.models.config import RopeConfig
 from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,3 +124,57 @@ def test_cache_write_strided_input_and_dtype_cast() -> None:
     one_ulp = {"atol": 0.0, "rtol": 2.0**-7}
     torch.testing.assert_close(key.view(8, 2, 8)[slots].float(), k, **one_ulp)
     torch.testing.assert_close(value.view(8, 2, 8)[slots].float(), v, **one_ulp)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize(("seq_lens", "q_lens"), [(DECODE_SEQS, [1] * 4),
+                                                  (PREFILL_SEQS, PREFILL_QS)])
+def test_fused_rope_write_matches_the_unfused_layer(
+    qk_norm: bool, seq_lens: list[int], q_lens: list[int]
+) -> None:
+    # The layer from the QKV output: Triton fuses q/k norms, rotary and the cache write
+    # into one kernel; the torch backend runs them one by one (the reference).
+    heads, head_dim = 4 * KV_HEADS, 64
+    case = make_case(seq_lens, q_lens, heads, KV_HEADS, head_dim, device=DEVICE, seed=5)
+    gen = torch.Generator().manual_seed(1)
+    t = case.metadata.num_tokens
+    qkv = torch.randn(t, (heads + 2 * KV_HEADS) * head_dim, generator=gen).to(DEVICE)
+    positions = case.metadata.seq_lens.repeat_interleave(
+        torch.tensor(q_lens, device=DEVICE)) - 1  # any distinct angles will do
+    cos, sin = RotaryEmbedding(head_dim, RopeConfig()).to(DEVICE)(positions, torch.float32)
+    norms = [None, None]
+    if qk_norm:
+        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE) for _ in range(2)]
+        for norm in norms:
+            norm.weight.data = torch.rand(head_dim, generator=gen).to(DEVICE) + 0.5
+    outs, caches = [], []
+    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        layer = Attention(backend, heads, KV_HEADS, head_dim, case.scale)
+        layer.kv_cache = case.fresh_cache()
+        backend.prepare(case.metadata)
+        with torch.inference_mode():
+            outs.append(layer.forward_qkv(qkv, cos, sin, case.metadata, *norms))
+        caches.append(layer.kv_cache)
+    _check(outs[0], outs[1])
+    assert rel_error(caches[0].key, caches[1].key) < TOL
+    assert torch.equal(caches[0].value, caches[1].value)
+
+
+def test_fused_rope_write_skips_negative_slots_and_casts() -> None:
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim).to(DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, RopeConfig()).to(DEVICE)(
+        torch.tensor([0, 5, 9], device=DEVICE), torch.float32)
+    key = torch.zeros(2, 4, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    value = torch.zeros_like(key)
+    slots = torch.tensor([6, -1, 1], device=DEVICE)
+    q = rope_write(qkv, heads, kv_heads, cos, sin, key, value, slots)
+    assert q.shape == (3, heads, head_dim) and q.dtype == torch.float32
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(3, kv_heads, head_dim)
+    flat = value.view(-1, kv_heads, head_dim)
+    # bfloat16 rounding (the interpreter truncates where the GPU rounds to nearest)
+    for slot, row in ((6, 0), (1, 2)):
+        torch.testing.assert_close(flat[slot].float(), v[row], rtol=1e-2, atol=1e-2)
+    written = {1, 6}
+    assert all(not flat[s].any() and not key.view(-1, kv_heads, head_dim)[s].any()
+               for s in range(8) if s not in written)

@@ -1,0 +1,161 @@
+"""From the QKV projection's output to attention's inputs in one kernel: per-head q/k
+RMSNorm (Qwen3's ``qk_norm``; skipped when no weights are given), rotary embeddings
+(RoFormer, Su et al. 2021, ``rotate_half`` convention) on q and k, and the paged KV cache
+write of k and v by slot mapping (PagedAttention, Kwon et al. 2023).
+
+Eagerly these are four to six kernels per layer (two norms, rotary, the cache write);
+in a batch-1 decode step of a 32-layer model each costs a launch-sized slice of GPU time
+whatever its size, so one kernel instead saves ~100 launches a step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_write_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_qkv_t,
+    stride_q_out_t,
+    stride_rope_t,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    # One program per (token, head) with heads numbered q, then k, then v.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half = HALF
+    d = tl.arange(0, HALF_PAD)
+    in_half = d < half
+    src = qkv_ptr + t * stride_qkv_t + h * HEAD_DIM
+    dtype = q_out_ptr.dtype.element_ty
+    slot = tl.load(slot_mapping_ptr + t)
+    # NOTE: a broadcast slot, not the scalar: the interpreter rejects a scalar mask.
+    write = in_half & ((d * 0 + slot) >= 0)
+    cache_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + d
+    if h >= NUM_HEADS + NUM_KV_HEADS:  # v: copied to the cache as it is
+        dst = cache_offset + (h - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        cache_ty = value_cache_ptr.dtype.element_ty
+        v1 = tl.load(src + d, mask=in_half)
+        v2 = tl.load(src + half + d, mask=in_half)
+        tl.store(value_cache_ptr + dst, v1.to(cache_ty), mask=write)
+        tl.store(value_cache_ptr + dst + half, v2.to(cache_ty), mask=write)
+    else:
+        x1 = tl.load(src + d, mask=in_half, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + d, mask=in_half, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # Hugging Face's numerics: normalise in float32, round to the activations'
+            # dtype, multiply by the weight in that dtype
+            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+            is_q = (d * 0 + h) < NUM_HEADS
+            w1 = tl.where(is_q, tl.load(q_weight_ptr + d, mask=in_half, other=0.0),
+                          tl.load(k_weight_ptr + d, mask=in_half, other=0.0))
+            w2 = tl.where(is_q, tl.load(q_weight_ptr + half + d, mask=in_half, other=0.0),
+                          tl.load(k_weight_ptr + half + d, mask=in_half, other=0.0))
+            x1 = (w1 * (x1 * r).to(dtype)).to(dtype).to(tl.float32)
+            x2 = (w2 * (x2 * r).to(dtype)).to(dtype).to(tl.float32)
+        rope = t * stride_rope_t
+        cos1 = tl.load(cos_ptr + rope + d, mask=in_half, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + rope + half + d, mask=in_half, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + rope + d, mask=in_half, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + rope + half + d, mask=in_half, other=0.0).to(tl.float32)
+        out1 = x1 * cos1 - x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
+        if h < NUM_HEADS:
+            dst_q = q_out_ptr + t * stride_q_out_t + h * HEAD_DIM + d
+            tl.store(dst_q, out1.to(dtype), mask=in_half)
+            tl.store(dst_q + half, out2.to(dtype), mask=in_half)
+        else:
+            dst = cache_offset + (h - NUM_HEADS) * HEAD_DIM
+            cache_ty = key_cache_ptr.dtype.element_ty
+            tl.store(key_cache_ptr + dst, out1.to(cache_ty), mask=write)
+            tl.store(key_cache_ptr + dst + half, out2.to(cache_ty), mask=write)
+
+
+def rope_write(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Rotate (after RMS-normalising each head when weights are given) the queries and
+    keys of ``qkv``; write keys and values into the paged cache; return the queries.
+
+    Same result as ``rms_norm`` per head (:func:`shard.layers.fused.rms_norm`),
+    :func:`shard.layers.fused.apply_rotary` and :func:`.cache_write.write_kv_cache`
+    one after the other, up to rounding: the rotation runs in float32 and is rounded once.
+    Never synchronises with the host, so it can be captured in a CUDA graph.
+
+    Args:
+        qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the projection's
+            output (q heads, then k heads, then v heads); last dim contiguous.
+        cos, sin: [num_tokens, 1 or absent, head_dim] rotary cos/sin of each token's
+            position (:class:`shard.layers.rotary.RotaryEmbedding`), last dim contiguous.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim],
+            contiguous; written in their own dtype.
+        slot_mapping: [num_tokens] int64 cache slot of each token; < 0: not written.
+        q_weight, k_weight: [head_dim] per-head RMSNorm weights (both or neither).
+        eps: RMSNorm epsilon.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] rotated queries, qkv's dtype.
+    """
+    num_tokens = qkv.shape[0]
+    head_dim = key_cache.shape[-1]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width"
+    assert head_dim % 2 == 0, "rotary needs an even head_dim"
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "cache must be contiguous"
+    assert key_cache.shape[2] == num_kv_heads, "cache heads"
+    assert (q_weight is None) == (k_weight is None), "q and k norm weights go together"
+    q = torch.empty(num_tokens, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    if num_tokens == 0:
+        return q
+    cos = cos.reshape(num_tokens, head_dim)
+    sin = sin.reshape(num_tokens, head_dim)
+    has_norm = q_weight is not None
+    _rope_write_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+        qkv,
+        q,
+        cos,
+        sin,
+        q_weight if has_norm else q,
+        k_weight if has_norm else q,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        qkv.stride(0),
+        q.stride(0),
+        cos.stride(0),
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        HAS_NORM=has_norm,
+    )
+    return q
