@@ -122,6 +122,11 @@ def _row(name: str, row: Row, notes: list[str]) -> str:
                                                  if row.latency else 0)
         if hits:
             notes.append(f"{name}: {hits:.0f} prompt tokens came from the prefix cache")
+        prefills = row.ours.metrics.get("prefill_step_duration_seconds_count", 0.0)
+        if prefills:
+            forward = row.ours.metrics.get("prefill_step_duration_seconds_sum", 0.0)
+            notes.append(f"{name}: {prefills:.0f} prefill steps took {forward:.2f} s of shard "
+                         f"forward in the non-streaming pass")
     nano = float(row.nano["output_tok_per_s"]) if row.nano else None
     nano_cell = _f(nano, ",.0f")
     if row.nano and (row.nano["requests"], row.nano["output_tokens"]) != (

@@ -58,12 +58,12 @@ def tail(path: Path, chars: int = 3000) -> str:
 
 # ---- Prometheus metrics of the server ------------------------------------------------------
 
-_WANTED = re.compile(r"^shardserve_(decode_step_\w+_seconds_(?:sum|count)|"
+_WANTED = re.compile(r"^shardserve_((?:decode|prefill)_step_\w+_seconds_(?:sum|count)|"
                      r"prefix_cache_hit_tokens(?:_total)?) (\S+)$")
 
 
 def scrape(text: str) -> dict[str, float]:
-    """``_sum``/``_count`` of the decode-step histograms and the prefix-cache counter from
+    """``_sum``/``_count`` of the step histograms and the prefix-cache counter from
     a Prometheus text exposition, keyed without the ``shardserve_`` prefix."""
     return {m[1]: float(m[2]) for line in text.splitlines() if (m := _WANTED.match(line))}
 

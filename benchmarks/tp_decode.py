@@ -54,13 +54,14 @@ BLOCK = 16
 
 
 class Blocks:
-    """Consecutive block ids handed out in order (the router's job, simplified)."""
+    """Consecutive block ids of ``size`` tokens handed out in order (the router's job,
+    simplified)."""
 
-    def __init__(self) -> None:
-        self.next = 0
+    def __init__(self, size: int = BLOCK) -> None:
+        self.size, self.next = size, 0
 
     def take(self, tokens: int) -> tuple[int, ...]:
-        n = -(-tokens // BLOCK)
+        n = -(-tokens // self.size)
         self.next += n
         return tuple(range(self.next - n, self.next))
 

@@ -1,0 +1,160 @@
+"""Where a decode step's GPU time goes: the kernels of ``ModelRunner.decode`` (CUDA graph
+replay, sampling, copies) under ``torch.profiler``, per step, at each batch size; with
+``--prefill SEQS LEN``, those of one prefill as well.
+
+A Qwen3-architecture config with Llama-3-8B dimensions (hidden 4096, 32 layers, 32/8
+heads, head dim 128, intermediate 14336, vocabulary 49152) and dummy bf16 weights; every
+request has a ``--prompt-len``-token random prompt. Prints, per batch size, the median
+step (wall, host included) and the kernels sorted by GPU time per step, as markdown.
+
+    python benchmarks/decode_profile.py --batch 1 256 --top 20 --prefill 16 1024
+    python benchmarks/decode_profile.py --device cpu --small --batch 1 4   # logic check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
+from shard.config import ShardConfig
+from shard.model_runner import ModelRunner
+from shard.records import PrefillBatch, RequestInput
+from shard.sampling_types import SamplingParams
+
+QWEN3_8B_SHAPE = {**LLAMA3_8B, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                  "attention_bias": False}
+
+
+def _prefill(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
+             per: int = 0) -> list[int]:
+    rng = random.Random(0)
+    blocks = Blocks(runner.block_size)
+    vocab = runner.model_config.vocab_size
+    reqs = [RequestInput(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)), 0,
+                         blocks.take(prompt_len + steps + 8), SamplingParams())
+            for i in range(batch)]
+    per = per or max(1, 8192 // prompt_len)
+    ids = []
+    for start in range(0, batch, per):
+        runner.prefill(PrefillBatch(10 + start, tuple(reqs[start:start + per])))
+        ids.append(10 + start)
+    return ids
+
+
+def _kernel_table(prof: torch.profiler.profile, steps: int, top: int,
+                  title: str) -> list[str]:
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name]
+            entry[0] += event.device_time_total  # µs
+            entry[1] += 1
+    total = sum(us for us, _ in per_kernel.values()) / steps or float("nan")
+    lines = [f"### {title}, {total / 1e3:.3f} ms of kernels per step", "",
+             "| kernel | per step | µs per step | share |", "|---|---:|---:|---:|"]
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    for name, (us, count) in ranked[:top]:
+        lines.append(f"| `{name[:90]}` | {count / steps:.0f} | {us / steps:.1f} "
+                     f"| {us / steps / total:.1%} |")
+    return lines
+
+
+_ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
+                  top: int) -> str:
+    """Markdown: median wall step and the top kernels by GPU time per decode step."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    ids = _prefill(runner, batch, prompt_len, steps * 2 + 6)
+    runner.decode(ids)  # merges the prefill batches into one
+    for _ in range(3):
+        runner.decode(ids[:1])
+    walls = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        runner.decode(ids[:1])
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    with torch.profiler.profile(activities=_ACTIVITIES) as prof:
+        for _ in range(steps):
+            runner.decode(ids[:1])
+        sync()
+    runner.clear_cache()
+    title = f"decode, batch {batch}: step {statistics.median(walls):.3f} ms wall"
+    return "\n".join(_kernel_table(prof, steps, top, title)) + "\n"
+
+
+def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -> str:
+    """Markdown: one prefill of ``seqs`` prompts of ``prompt_len`` tokens (best wall of
+    3, then profiled once) and its top kernels."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    walls = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        _prefill(runner, seqs, prompt_len, 8, per=seqs)
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        runner.clear_cache()
+    with torch.profiler.profile(activities=_ACTIVITIES) as prof:
+        _prefill(runner, seqs, prompt_len, 8, per=seqs)
+        sync()
+    runner.clear_cache()
+    tokens = seqs * prompt_len
+    title = (f"prefill, {seqs} × {prompt_len} tokens: {min(walls):.1f} ms wall, "
+             f"{tokens / min(walls):.0f} tokens/ms")
+    return "\n".join(_kernel_table(prof, 1, top, title)) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 256])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--prefill", type=int, nargs=2, default=None, metavar=("SEQS", "LEN"),
+                   help="also profile one prefill of SEQS prompts of LEN tokens")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graphs", default="auto")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="a small config instead of 8B")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        shape = {**QWEN3_8B_SHAPE, **SMALL, "architectures": ["Qwen3ForCausalLM"],
+                 "model_type": "qwen3"} if args.small else QWEN3_8B_SHAPE
+        Path(folder, "config.json").write_text(json.dumps(shape))
+        runner = ModelRunner(ShardConfig(
+            model_path=folder, device=args.device, block_size=BLOCK,
+            dtype="bfloat16" if args.device == "cuda" else "float32",
+            gpu_memory_fraction=0.85, load_format="dummy",
+            attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+        ))
+        prefill_tokens = args.prefill[0] * args.prefill[1] if args.prefill else 0
+        runner.warmup(max(8192, prefill_tokens), 8192, max(args.batch))
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        print(f"# decode step kernels, {device}, torch "
+              f"{torch.__version__}, backend {runner.backend.name}, "
+              f"{time.strftime('%Y-%m-%d')}\n")
+        for batch in args.batch:
+            print(profile_batch(runner, batch, args.prompt_len, args.steps, args.top))
+        if args.prefill:
+            print(profile_prefill(runner, *args.prefill, args.top))
+
+
+if __name__ == "__main__":
+    main()
