@@ -179,6 +179,11 @@ async def build_state(
         limits=config.limits,
         max_request_bytes=config.max_request_bytes,
     )
+    # What start-up built (modules, tokenizer, app) lives as long as the process: moved
+    # out of the collector's generations, it is not scanned by every full collection
+    # while requests are served.
+    gc.collect()
+    gc.freeze()
     return ServerState(
         engine=engine,
         validator=validator,

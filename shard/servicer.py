@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -134,6 +135,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             ),
         )
         await self._restart_steps()
+        # The model, the graphs and the modules live as long as the process: kept out of
+        # the collector's generations, a full collection no longer scans them (a pause
+        # between two launches of the decode loop).
+        gc.collect()
+        gc.freeze()
         return pb.WarmupResponse(num_blocks=num_blocks, block_size=self.runner.block_size)
 
     async def Prefill(

@@ -20,8 +20,11 @@ from shard.attention.triton_kernels import (
     rope_write,
     write_kv_cache,
 )
+from shard.layers import fused
+from shard.layers.gemv_kernel import GemvConfig, gemv
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
+from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.models.config import RopeConfig
 from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
@@ -178,3 +181,25 @@ def test_fused_rope_write_skips_negative_slots_and_casts() -> None:
     written = {1, 6}
     assert all(not flat[s].any() and not key.view(-1, kv_heads, head_dim)[s].any()
                for s in range(8) if s not in written)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("d", [64, 1000, 2304])
+def test_silu_and_mul_kernel_matches_eager(num_tokens: int, d: int) -> None:
+    x = torch.randn(num_tokens, 2 * d, generator=torch.Generator().manual_seed(d)).to(DEVICE)
+    got = silu_and_mul(x)
+    want = fused.silu_and_mul.eager(x)  # type: ignore[attr-defined]
+    assert got.shape == want.shape == (num_tokens, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (33, 300)])
+def test_gemv_kernel_matches_linear(bias: bool, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(DEVICE)
+    weight = torch.randn(n, k, generator=gen).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(DEVICE) if bias else None
+    got = gemv(x, weight, b, GemvConfig(block_n=16, block_k=64))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
+                               rtol=1e-4, atol=1e-4)

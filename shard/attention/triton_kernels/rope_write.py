@@ -16,6 +16,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotate(x1, x2, cos_ptr, sin_ptr, w1, w2, d, in_half, eps, HEAD_DIM: tl.constexpr,
+            HALF: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+    # x1, x2: [heads, HALF_PAD] float32 halves of each head; returns them rotated.
+    if HAS_NORM:
+        # Hugging Face's numerics: normalise in float32, round to the activations'
+        # dtype, multiply by the weight in that dtype
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        x1 = (w1[None, :] * (x1 * r).to(dtype)).to(dtype).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * r).to(dtype)).to(dtype).to(tl.float32)
+    cos1 = tl.load(cos_ptr + d, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + HALF + d, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + d, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + HALF + d, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
 def _rope_write_kernel(
     qkv_ptr,
     q_out_ptr,
@@ -32,60 +49,59 @@ def _rope_write_kernel(
     eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    # One program per (token, head) with heads numbered q, then k, then v.
+    # One program per (token, part): part 0 = the q heads, 1 = the k heads, 2 = the v
+    # heads, each a [heads, head_dim / 2] tile per half of head_dim.
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    half = HALF
+    part = tl.program_id(1)
     d = tl.arange(0, HALF_PAD)
-    in_half = d < half
-    src = qkv_ptr + t * stride_qkv_t + h * HEAD_DIM
+    in_half = d < HALF
     dtype = q_out_ptr.dtype.element_ty
-    slot = tl.load(slot_mapping_ptr + t)
-    # NOTE: a broadcast slot, not the scalar: the interpreter rejects a scalar mask.
-    write = in_half & ((d * 0 + slot) >= 0)
-    cache_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + d
-    if h >= NUM_HEADS + NUM_KV_HEADS:  # v: copied to the cache as it is
-        dst = cache_offset + (h - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
-        cache_ty = value_cache_ptr.dtype.element_ty
-        v1 = tl.load(src + d, mask=in_half)
-        v2 = tl.load(src + half + d, mask=in_half)
-        tl.store(value_cache_ptr + dst, v1.to(cache_ty), mask=write)
-        tl.store(value_cache_ptr + dst + half, v2.to(cache_ty), mask=write)
+    row = qkv_ptr + t * stride_qkv_t
+    rope = t * stride_rope_t
+    if part == 0:
+        h = tl.arange(0, HEADS_PAD)
+        mask = (h < NUM_HEADS)[:, None] & in_half[None, :]
+        src = row + h[:, None] * HEAD_DIM + d[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(q_weight_ptr + d, mask=in_half, other=0.0)
+        w2 = tl.load(q_weight_ptr + HALF + d, mask=in_half, other=0.0)
+        out1, out2 = _rotate(x1, x2, cos_ptr + rope, sin_ptr + rope, w1, w2, d, in_half, eps,
+                             HEAD_DIM, HALF, HAS_NORM, dtype)
+        dst = q_out_ptr + t * stride_q_out_t + h[:, None] * HEAD_DIM + d[None, :]
+        tl.store(dst, out1.to(dtype), mask=mask)
+        tl.store(dst + HALF, out2.to(dtype), mask=mask)
     else:
-        x1 = tl.load(src + d, mask=in_half, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half + d, mask=in_half, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            # Hugging Face's numerics: normalise in float32, round to the activations'
-            # dtype, multiply by the weight in that dtype
-            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
-            is_q = (d * 0 + h) < NUM_HEADS
-            w1 = tl.where(is_q, tl.load(q_weight_ptr + d, mask=in_half, other=0.0),
-                          tl.load(k_weight_ptr + d, mask=in_half, other=0.0))
-            w2 = tl.where(is_q, tl.load(q_weight_ptr + half + d, mask=in_half, other=0.0),
-                          tl.load(k_weight_ptr + half + d, mask=in_half, other=0.0))
-            x1 = (w1 * (x1 * r).to(dtype)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * r).to(dtype)).to(dtype).to(tl.float32)
-        rope = t * stride_rope_t
-        cos1 = tl.load(cos_ptr + rope + d, mask=in_half, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + rope + half + d, mask=in_half, other=0.0).to(tl.float32)
-        sin1 = tl.load(sin_ptr + rope + d, mask=in_half, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + rope + half + d, mask=in_half, other=0.0).to(tl.float32)
-        out1 = x1 * cos1 - x2 * sin1
-        out2 = x2 * cos2 + x1 * sin2
-        if h < NUM_HEADS:
-            dst_q = q_out_ptr + t * stride_q_out_t + h * HEAD_DIM + d
-            tl.store(dst_q, out1.to(dtype), mask=in_half)
-            tl.store(dst_q + half, out2.to(dtype), mask=in_half)
-        else:
-            dst = cache_offset + (h - NUM_HEADS) * HEAD_DIM
+        h = tl.arange(0, KV_HEADS_PAD)
+        slot = tl.load(slot_mapping_ptr + t)
+        # NOTE: a broadcast slot, not the scalar: the interpreter rejects a scalar mask.
+        mask = ((h < NUM_KV_HEADS) & ((h * 0 + slot) >= 0))[:, None] & in_half[None, :]
+        first = (NUM_HEADS + (part - 1) * NUM_KV_HEADS) * HEAD_DIM  # k, then v
+        src = row + first + h[:, None] * HEAD_DIM + d[None, :]
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+        if part == 1:
+            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            w1 = tl.load(k_weight_ptr + d, mask=in_half, other=0.0)
+            w2 = tl.load(k_weight_ptr + HALF + d, mask=in_half, other=0.0)
+            out1, out2 = _rotate(x1, x2, cos_ptr + rope, sin_ptr + rope, w1, w2, d, in_half,
+                                 eps, HEAD_DIM, HALF, HAS_NORM, dtype)
             cache_ty = key_cache_ptr.dtype.element_ty
-            tl.store(key_cache_ptr + dst, out1.to(cache_ty), mask=write)
-            tl.store(key_cache_ptr + dst + half, out2.to(cache_ty), mask=write)
+            tl.store(key_cache_ptr + dst, out1.to(cache_ty), mask=mask)
+            tl.store(key_cache_ptr + dst + HALF, out2.to(cache_ty), mask=mask)
+        else:  # v: copied to the cache as it is
+            cache_ty = value_cache_ptr.dtype.element_ty
+            v1 = tl.load(src, mask=mask)
+            v2 = tl.load(src + HALF, mask=mask)
+            tl.store(value_cache_ptr + dst, v1.to(cache_ty), mask=mask)
+            tl.store(value_cache_ptr + dst + HALF, v2.to(cache_ty), mask=mask)
 
 
 def rope_write(
@@ -137,7 +153,7 @@ def rope_write(
     cos = cos.reshape(num_tokens, head_dim)
     sin = sin.reshape(num_tokens, head_dim)
     has_norm = q_weight is not None
-    _rope_write_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+    _rope_write_kernel[(num_tokens, 3)](
         qkv,
         q,
         cos,
@@ -153,6 +169,8 @@ def rope_write(
         eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
