@@ -21,7 +21,6 @@ from shard.attention.triton_kernels import (
     write_kv_cache,
 )
 from shard.layers import fused
-from shard.layers.gemv_kernel import GemvConfig, gemv
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
 from shard.layers.silu_mul_kernel import silu_and_mul
@@ -192,14 +191,3 @@ def test_silu_and_mul_kernel_matches_eager(num_tokens: int, d: int) -> None:
     assert got.shape == want.shape == (num_tokens, d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (33, 300)])
-def test_gemv_kernel_matches_linear(bias: bool, n: int, k: int) -> None:
-    gen = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, k, generator=gen).to(DEVICE)
-    weight = torch.randn(n, k, generator=gen).to(DEVICE)
-    b = torch.randn(n, generator=gen).to(DEVICE) if bias else None
-    got = gemv(x, weight, b, GemvConfig(block_n=16, block_k=64))
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
-                               rtol=1e-4, atol=1e-4)

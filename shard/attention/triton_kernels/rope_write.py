@@ -65,43 +65,47 @@ def _rope_write_kernel(
     dtype = q_out_ptr.dtype.element_ty
     row = qkv_ptr + t * stride_qkv_t
     rope = t * stride_rope_t
+    # NOTE: each branch uses names of its own: Triton merges the names that both sides
+    # of a runtime branch assign, which needs equal types (and never a dtype object).
     if part == 0:
-        h = tl.arange(0, HEADS_PAD)
-        mask = (h < NUM_HEADS)[:, None] & in_half[None, :]
-        src = row + h[:, None] * HEAD_DIM + d[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        w1 = tl.load(q_weight_ptr + d, mask=in_half, other=0.0)
-        w2 = tl.load(q_weight_ptr + HALF + d, mask=in_half, other=0.0)
-        out1, out2 = _rotate(x1, x2, cos_ptr + rope, sin_ptr + rope, w1, w2, d, in_half, eps,
-                             HEAD_DIM, HALF, HAS_NORM, dtype)
-        dst = q_out_ptr + t * stride_q_out_t + h[:, None] * HEAD_DIM + d[None, :]
-        tl.store(dst, out1.to(dtype), mask=mask)
-        tl.store(dst + HALF, out2.to(dtype), mask=mask)
+        qh = tl.arange(0, HEADS_PAD)
+        q_mask = (qh < NUM_HEADS)[:, None] & in_half[None, :]
+        q_src = row + qh[:, None] * HEAD_DIM + d[None, :]
+        q1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_src + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        qw1 = tl.load(q_weight_ptr + d, mask=in_half, other=0.0)
+        qw2 = tl.load(q_weight_ptr + HALF + d, mask=in_half, other=0.0)
+        q_out1, q_out2 = _rotate(q1, q2, cos_ptr + rope, sin_ptr + rope, qw1, qw2, d, in_half,
+                                 eps, HEAD_DIM, HALF, HAS_NORM, dtype)
+        q_dst = q_out_ptr + t * stride_q_out_t + qh[:, None] * HEAD_DIM + d[None, :]
+        tl.store(q_dst, q_out1.to(dtype), mask=q_mask)
+        tl.store(q_dst + HALF, q_out2.to(dtype), mask=q_mask)
     else:
-        h = tl.arange(0, KV_HEADS_PAD)
+        kvh = tl.arange(0, KV_HEADS_PAD)
         slot = tl.load(slot_mapping_ptr + t)
         # NOTE: a broadcast slot, not the scalar: the interpreter rejects a scalar mask.
-        mask = ((h < NUM_KV_HEADS) & ((h * 0 + slot) >= 0))[:, None] & in_half[None, :]
+        kv_mask = ((kvh < NUM_KV_HEADS) & ((kvh * 0 + slot) >= 0))[:, None] & in_half[None, :]
         first = (NUM_HEADS + (part - 1) * NUM_KV_HEADS) * HEAD_DIM  # k, then v
-        src = row + first + h[:, None] * HEAD_DIM + d[None, :]
-        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+        kv_src = row + first + kvh[:, None] * HEAD_DIM + d[None, :]
+        kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh[:, None] * HEAD_DIM + d[None, :]
         if part == 1:
-            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-            w1 = tl.load(k_weight_ptr + d, mask=in_half, other=0.0)
-            w2 = tl.load(k_weight_ptr + HALF + d, mask=in_half, other=0.0)
-            out1, out2 = _rotate(x1, x2, cos_ptr + rope, sin_ptr + rope, w1, w2, d, in_half,
-                                 eps, HEAD_DIM, HALF, HAS_NORM, dtype)
-            cache_ty = key_cache_ptr.dtype.element_ty
-            tl.store(key_cache_ptr + dst, out1.to(cache_ty), mask=mask)
-            tl.store(key_cache_ptr + dst + HALF, out2.to(cache_ty), mask=mask)
+            k1 = tl.load(kv_src, mask=kv_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(kv_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+            kw1 = tl.load(k_weight_ptr + d, mask=in_half, other=0.0)
+            kw2 = tl.load(k_weight_ptr + HALF + d, mask=in_half, other=0.0)
+            k_out1, k_out2 = _rotate(k1, k2, cos_ptr + rope, sin_ptr + rope, kw1, kw2, d,
+                                     in_half, eps, HEAD_DIM, HALF, HAS_NORM, dtype)
+            tl.store(key_cache_ptr + kv_dst, k_out1.to(key_cache_ptr.dtype.element_ty),
+                     mask=kv_mask)
+            tl.store(key_cache_ptr + kv_dst + HALF, k_out2.to(key_cache_ptr.dtype.element_ty),
+                     mask=kv_mask)
         else:  # v: copied to the cache as it is
-            cache_ty = value_cache_ptr.dtype.element_ty
-            v1 = tl.load(src, mask=mask)
-            v2 = tl.load(src + HALF, mask=mask)
-            tl.store(value_cache_ptr + dst, v1.to(cache_ty), mask=mask)
-            tl.store(value_cache_ptr + dst + HALF, v2.to(cache_ty), mask=mask)
+            v1 = tl.load(kv_src, mask=kv_mask)
+            v2 = tl.load(kv_src + HALF, mask=kv_mask)
+            tl.store(value_cache_ptr + kv_dst, v1.to(value_cache_ptr.dtype.element_ty),
+                     mask=kv_mask)
+            tl.store(value_cache_ptr + kv_dst + HALF, v2.to(value_cache_ptr.dtype.element_ty),
+                     mask=kv_mask)
 
 
 def rope_write(
