@@ -14,6 +14,15 @@ from router.tokenizer import Tokenizer
 from tests.unit.api.scripted import ScriptedShardClient
 
 
+def _started_engine(shard: ScriptedShardClient, tokenizer: Tokenizer) -> Engine:
+    config = SchedulerConfig(max_input_tokens=64, max_total_tokens=256,
+                             max_batch_prefill_tokens=256)
+    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                    shard.block_size)
+    engine.start()
+    return engine
+
+
 async def test_tokens_reach_the_stream_after_the_next_call_is_sent(tokenizer: Tokenizer) -> None:
     log: list[str] = []
     shard = ScriptedShardClient(lambda _prompt: [100, 101, 102, 103, 104])
@@ -29,11 +38,7 @@ async def test_tokens_reach_the_stream_after_the_next_call_is_sent(tokenizer: To
         return await decode(*args, **kwargs)
 
     shard.prefill, shard.decode = logged_prefill, logged_decode  # type: ignore[method-assign]
-    config = SchedulerConfig(max_input_tokens=64, max_total_tokens=256,
-                             max_batch_prefill_tokens=256)
-    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
-                    shard.block_size)
-    engine.start()
+    engine = _started_engine(shard, tokenizer)
     try:
         request = GenerationRequest(
             (5, 6, 7), SamplingParams(), StoppingParams(max_new_tokens=5, ignore_eos=True)
@@ -64,11 +69,7 @@ async def _texts(engine: Engine, request: GenerationRequest) -> list[str]:
 async def test_whole_answers_decode_their_text_once_at_the_end(tokenizer: Tokenizer) -> None:
     said = tokenizer.encode(" café 🤗 and so on, stop here and more", add_special_tokens=False)
     shard = ScriptedShardClient(lambda _prompt: said)
-    config = SchedulerConfig(max_input_tokens=64, max_total_tokens=256,
-                             max_batch_prefill_tokens=256)
-    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
-                    shard.block_size)
-    engine.start()
+    engine = _started_engine(shard, tokenizer)
     try:
         for cut in (len(said), len(said) - 5):
             stopping = StoppingParams(max_new_tokens=cut, ignore_eos=True)
