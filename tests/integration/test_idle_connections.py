@@ -16,12 +16,19 @@ import pytest
 from tests.integration.live_server import LiveServer, launch_tiny
 
 HEADER_TIMEOUT_S = 1.0
+# Tokens of the long streams: enough that even a fast machine streams them for several
+# header timeouts (a 2-core machine makes about 500 tokens/s of the tiny model).
+LONG_STREAM_TOKENS = 3000
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def server(
+    tiny_long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
     log_path = tmp_path_factory.mktemp("idle") / "server.log"
-    live = launch_tiny(tiny_model_dir, log_path, ["--header-timeout", str(HEADER_TIMEOUT_S)])
+    live = launch_tiny(tiny_long_model_dir, log_path, ["--header-timeout", str(HEADER_TIMEOUT_S)],
+                       budgets=["--executor", "local", "--max-batch-prefill-tokens", "256",
+                                "--max-total-tokens", "4096", "--kv-cache-bytes", "8MiB"])
     yield live
     live.stop()
 
@@ -107,7 +114,7 @@ def test_requests_in_time_and_long_streams_are_served(server: LiveServer) -> Non
 
 
 def test_pipelined_long_request_is_not_cut(server: LiveServer) -> None:
-    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 400,
+    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": LONG_STREAM_TOKENS,
                                                       "ignore_eos": True}}).encode()
     stream = (b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -117,8 +124,8 @@ def test_pipelined_long_request_is_not_cut(server: LiveServer) -> None:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + stream)
         received, started = b"", time.monotonic()
         sock.settimeout(30)
-        while b'"generated_tokens":400' not in received:
-            chunk = sock.recv(65536)
+        while f'"generated_tokens":{LONG_STREAM_TOKENS}'.encode() not in received:
+            chunk = sock.recv(4096)
             assert chunk, f"closed after {time.monotonic() - started:.1f} s"
             received += chunk
             time.sleep(0.01)  # a slow reader keeps the stream longer than the timeout
