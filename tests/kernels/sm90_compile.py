@@ -1,0 +1,128 @@
+"""Compile every Triton kernel of the shard for the H100/H200 (sm_90) on a machine
+without a GPU, from the launches our wrappers make on small bf16 problems.
+
+Triton's interpreter (``TRITON_INTERPRET=1``, how the CPU tests run the kernels) runs the
+kernels' Python directly and accepts code the GPU compiler rejects; this runs the real
+front end and back end (TTIR → TTGIR → LLVM → PTX → cubin) instead. Run it without
+``TRITON_INTERPRET``: ``python -m tests.kernels.sm90_compile``. Prints one line per
+distinct launch, ``compiled <kernel> <constexprs>`` or ``FAILED <kernel>: <error>``, and
+exits 1 if any failed.
+
+The signature is built from the launch's arguments the way Triton's binder types them
+(tensors as pointers of their dtype, ints as i32 or i64, floats as fp32), without its
+value specialisations (divisibility by 16, ints equal to 1), which change only hints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                 torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8",
+                 torch.uint8: "*u8", torch.bool: "*i1"}
+OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+Launch = tuple[JITFunction, dict[str, Any]]
+
+
+def _arg_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_launch(kernel: JITFunction, bound: dict[str, Any]) -> None:
+    """Compile one captured launch for sm_90; raises what Triton's compiler raises."""
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        else:
+            signature[param.name] = _arg_type(value)
+    options = {k: bound[k] for k in OPTIONS if k in bound}
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                   target=TARGET, options=options)
+
+
+def capture_launches(run_wrappers: Any) -> list[Launch]:
+    """Call ``run_wrappers()`` with kernel launches recorded instead of run."""
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        bound = {p.name: p.default for p in self.params}
+        bound.update(zip((p.name for p in self.params), args, strict=False))
+        bound.update(kwargs)
+        launches.append((self, bound))
+
+    JITFunction.run = record  # type: ignore[method-assign]
+    try:
+        run_wrappers()
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+    return launches
+
+
+def _run_wrappers() -> None:
+    from shard.attention.triton_backend import TritonAttentionBackend
+    from shard.attention.triton_kernels import DecodeConfig, decode_attention, rope_write
+    from shard.layers.silu_mul_kernel import silu_and_mul
+    from tests.kernels.paged_cases import make_case, run_backend
+
+    bf16 = torch.bfloat16
+    for seq_lens, q_lens in (([40, 7], [1, 1]), ([40, 7], [30, 7])):  # decode, prefill
+        case = make_case(seq_lens, q_lens, 32, 8, 128, dtype=bf16)
+        run_backend(TritonAttentionBackend(), case, case.fresh_cache())
+    case = make_case([300], [1], 32, 8, 128, dtype=bf16)  # split KV and the combine
+    decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
+                     case.metadata.seq_lens, 300, case.scale,
+                     config=DecodeConfig(block_n=64, target_programs=10**4))
+    qkv = torch.randn(2, 48 * 128, dtype=bf16)
+    cos = sin = torch.randn(2, 128, dtype=bf16)
+    weight = torch.ones(128, dtype=bf16)
+    for norms in ((), (weight, weight)):
+        rope_write(qkv, 32, 8, cos, sin, case.cache.key, case.cache.value,
+                   torch.tensor([0, 1]), *norms)
+    silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf16))
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("run without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    failed, seen = 0, set()
+    for kernel, bound in capture_launches(_run_wrappers):
+        constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
+        key = (kernel.__name__, repr(sorted(constexprs.items())),
+               tuple(_arg_type(bound[p.name]) for p in kernel.params if not p.is_constexpr))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            compile_launch(kernel, bound)
+        except Exception as error:  # noqa: BLE001 - every failure is reported
+            failed += 1
+            print(f"FAILED {kernel.__name__}: {type(error).__name__}: {error}")
+        else:
+            print(f"compiled {kernel.__name__} {constexprs}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
