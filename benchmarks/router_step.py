@@ -10,7 +10,14 @@ real app (``POST /v1/completions``, streamed as server-sent events or answered w
 with the server's HTTP stack, to clients in a separate process. The cost is the CPU time
 of the router's process per decode step.
 
+With ``--device-ms F`` the shard group becomes a virtual device instead: steps run one
+after another, each for F ms of wall time from the later of its arrival and the previous
+step's end (as a GPU runs the launched steps in order), and each row also gives the
+router's step period (wall time per decode step) against F: with overlapped scheduling
+the period stays at F until the router's own work per step no longer fits beside it.
+
     python benchmarks/router_step.py --requests 1 64 256
+    python benchmarks/router_step.py --requests 256 --device-ms 10 --steps-in-flight 1 2
 """
 
 from __future__ import annotations
@@ -84,22 +91,78 @@ class InstantShards:
         return None
 
 
-def make_engine(tokenizer: Tokenizer, requests: int, new_tokens: int) -> Engine:
+@dataclass
+class TimedShards(InstantShards):
+    """A virtual device: each Prefill and Decode takes ``step_s`` seconds of wall time,
+    in the order they arrive, each from the later of its arrival and the previous call's
+    end."""
+
+    step_s: float = 0.0
+    busy_until: float = 0.0
+
+    async def _occupy(self) -> None:
+        now = time.perf_counter()
+        self.busy_until = max(now, self.busy_until) + self.step_s
+        await asyncio.sleep(self.busy_until - now)
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        response = await super().prefill(batch)
+        await self._occupy()
+        return response
+
+    async def decode(self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]],
+                     remove_request_ids: Seq[int] = ()) -> pb.DecodeResponse:
+        response = await super().decode(batches, block_appends, remove_request_ids)
+        await self._occupy()
+        return response
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every row shares: the virtual device's step (0: answer at once) and the
+    router's steps in flight."""
+
+    device_s: float = 0.0
+    steps_in_flight: int = 1
+
+
+def make_engine(tokenizer: Tokenizer, requests: int, new_tokens: int, setup: Setup) -> Engine:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    shards = InstantShards(ids, num_blocks=requests * (new_tokens // 16 + 4))
+    num_blocks = requests * (new_tokens // 16 + 4)
+    shards = (TimedShards(ids, num_blocks, step_s=setup.device_s) if setup.device_s
+              else InstantShards(ids, num_blocks))
     config = SchedulerConfig(max_input_tokens=64, max_total_tokens=new_tokens + 64,
                              max_batch_prefill_tokens=max(requests * 64, 4096),
-                             max_batch_size=requests, max_concurrent_requests=requests)
+                             max_batch_size=requests, max_concurrent_requests=requests,
+                             steps_in_flight=setup.steps_in_flight)
     return Engine(shards, tokenizer, config, shards.num_blocks,  # type: ignore[arg-type]
                   shards.block_size)
 
 
-async def run_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
-                     stream: bool) -> float:
-    """CPU seconds of this process per decode step (the run's CPU time / ``new_tokens``;
-    CPU time rather than wall time, so that other processes on the machine count less).
-    """
-    engine = make_engine(tokenizer, requests, new_tokens)
+@dataclass(frozen=True)
+class StepCost:
+    """Per decode step of one run: the process's CPU seconds (CPU rather than wall time,
+    so that other processes on the machine count less) and the step period the router
+    sees (its mean time between two decode results, as in the server's
+    ``decode_step_wall_seconds``)."""
+
+    cpu_s: float
+    period_s: float
+
+
+def step_cost(engine: Engine, cpu_s: float, new_tokens: int) -> StepCost:
+    """The run's cost per step from its CPU seconds and the engine's step metric."""
+    samples = {s.name: s.value for metric in engine.metrics.decode_step_wall.collect()
+               for s in metric.samples}
+    period = samples["shardserve_decode_step_wall_seconds_sum"] / max(
+        samples["shardserve_decode_step_wall_seconds_count"], 1)
+    return StepCost(cpu_s / new_tokens, period)
+
+
+async def run_engine(tokenizer: Tokenizer, requests: int, new_tokens: int, stream: bool,
+                     setup: Setup) -> StepCost:
+    """One run of the engine alone; the cost per step is the run's over ``new_tokens``."""
+    engine = make_engine(tokenizer, requests, new_tokens, setup)
     engine.start()
     prompt = tuple(tokenizer.encode("Hello there, how are you today?"))
 
@@ -112,10 +175,10 @@ async def run_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
 
     started = time.process_time()
     counts = await asyncio.gather(*(one() for _ in range(requests)))
-    elapsed = time.process_time() - started
+    cost = step_cost(engine, time.process_time() - started, new_tokens)
     await engine.stop()
     assert counts == [new_tokens] * requests, counts
-    return elapsed / new_tokens
+    return cost
 
 
 CLIENT = """
@@ -145,9 +208,10 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] ==
 """
 
 
-async def run_http(tokenizer: Tokenizer, requests: int, new_tokens: int, stream: bool) -> float:
-    """CPU seconds of the serving process per decode step, over HTTP."""
-    engine = make_engine(tokenizer, requests, new_tokens)
+async def run_http(tokenizer: Tokenizer, requests: int, new_tokens: int, stream: bool,
+                   setup: Setup) -> StepCost:
+    """One run of the serving process over HTTP; cost per step as :func:`run_engine`."""
+    engine = make_engine(tokenizer, requests, new_tokens, setup)
     validator = Validator(tokenizer, engine.scheduler, ValidationLimits())
     state = ServerState(engine=engine, validator=validator, model_id="m", dtype="bfloat16",
                         device_type="cuda", num_shard=1, attention_backend="triton",
@@ -165,14 +229,14 @@ async def run_http(tokenizer: Tokenizer, requests: int, new_tokens: int, stream:
         sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1/completions",
         str(requests), str(new_tokens), "1" if stream else "0", stdout=subprocess.PIPE)
     out, _ = await client.communicate()
-    elapsed = time.process_time() - started
+    cost = step_cost(engine, time.process_time() - started, new_tokens)
     server.should_exit = True
     await serving
     await engine.stop()
     counts = json.loads(out)
     # streamed: one chunk per token (the last also carries the finish)
     assert counts == [new_tokens] * requests, counts
-    return elapsed / new_tokens
+    return cost
 
 
 def main() -> None:
@@ -183,6 +247,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     parser.add_argument("--modes", nargs="+", choices=("engine", "http"),
                         default=["engine", "http"])
+    parser.add_argument("--streaming", nargs="+", choices=("yes", "no"), default=["yes", "no"])
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="a virtual device taking this long per step (0: none)")
+    parser.add_argument("--steps-in-flight", type=int, nargs="+", default=[1])
     args = parser.parse_args()
     from loguru import logger
 
@@ -190,18 +258,25 @@ def main() -> None:
     tokenizer = Tokenizer.from_folder(args.tokenizer)
     print(f"router step cost, {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
-    print("| mode | requests | streaming | CPU ms per step | CPU µs per token |")
-    print("|---|---:|---|---:|---:|")
+    if args.device_ms:
+        print(f"virtual device: {args.device_ms:g} ms per step")
+    print("| mode | requests | streaming | steps in flight | CPU ms per step | "
+          "CPU µs per token | step period, ms |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     runners = {"engine": run_engine, "http": run_http}
     for mode in args.modes:
         for requests in args.requests:
-            for stream in (True, False):
-                step_s = min(
-                    asyncio.run(runners[mode](tokenizer, requests, args.new_tokens, stream))
-                    for _ in range(args.repeats)
-                )
-                print(f"| {mode} | {requests} | {'yes' if stream else 'no'} | "
-                      f"{step_s * 1e3:.2f} | {step_s / requests * 1e6:.1f} |", flush=True)
+            for streaming in args.streaming:
+                for in_flight in args.steps_in_flight:
+                    setup = Setup(args.device_ms / 1e3, in_flight)
+                    runs = [asyncio.run(runners[mode](tokenizer, requests, args.new_tokens,
+                                                      streaming == "yes", setup))
+                            for _ in range(args.repeats)]
+                    cpu_s = min(run.cpu_s for run in runs)
+                    period_s = min(run.period_s for run in runs)
+                    print(f"| {mode} | {requests} | {streaming} | {in_flight} | "
+                          f"{cpu_s * 1e3:.2f} | {cpu_s / requests * 1e6:.1f} | "
+                          f"{period_s * 1e3:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ class Engine:
         # shard calls sent and not yet read, one list per loop iteration, oldest first
         self._inflight: collections.deque[list[_InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result
+        self._prefill_since_decode = False  # a prefill result came after it
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -414,13 +415,18 @@ class Engine:
         if call.kind == "prefill":
             results = ShardSteps.prefill_results(response)
             self.metrics.prefill_step.observe(results.forward_s)
+            self._prefill_since_decode = True
         else:
             results = ShardSteps.decode_results(response)
-            # with calls overlapped, a step's wall time runs from the later of its send
-            # and the previous step's result (the time the shards could work on it)
-            self.metrics.decode_step_wall.observe(now - max(call.sent_at, self._decode_done))
+            # With calls overlapped, a step's wall time runs from the later of its send
+            # and the previous step's result (the time the shards could work on it). A
+            # prefill between the two is the prefill's time, counted by prefill_step.
+            if not self._prefill_since_decode:
+                self.metrics.decode_step_wall.observe(
+                    now - max(call.sent_at, self._decode_done))
             self.metrics.decode_step.observe(results.forward_s)
             self._decode_done = now
+            self._prefill_since_decode = False
         assert len(results.token_ids) == len(call.sampled), (
             f"{call.kind} returned {len(results.token_ids)} tokens for "
             f"{len(call.sampled)} requests"

@@ -40,7 +40,9 @@ METRIC_NAMES = {
     f"{PREFIX}_generation_tokens_total": "Generated tokens",
     f"{PREFIX}_prefill_step_duration_seconds": "Shard forward time of a prefill step",
     f"{PREFIX}_decode_step_duration_seconds": "Shard forward time of a decode step",
-    f"{PREFIX}_decode_step_wall_seconds": "Decode step time seen by the router (all ranks)",
+    f"{PREFIX}_decode_step_wall_seconds": (
+        "Decode step period seen by the router: time between two decode results with no "
+        "prefill between them (all ranks)"),
     f"{PREFIX}_kv_blocks_total": "KV cache blocks",
     f"{PREFIX}_kv_blocks_used": "KV cache blocks owned by requests",
     f"{PREFIX}_prefix_cache_hit_tokens_total": "Prompt tokens served from the prefix cache",

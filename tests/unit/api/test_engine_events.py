@@ -89,3 +89,40 @@ async def test_whole_answers_decode_their_text_once_at_the_end(tokenizer: Tokeni
         assert "".join(texts) == " café 🤗 and so on, stop" and sum(map(bool, texts)) > 1
     finally:
         await engine.stop()
+
+
+async def test_the_decode_period_leaves_out_periods_with_a_prefill(tokenizer: Tokenizer) -> None:
+    shard = ScriptedShardClient(lambda _prompt: [100, 101, 102])
+    engine = _started_engine(shard, tokenizer)
+    log: list[str] = []
+    metrics = engine.metrics
+    for name in ("prefill_step", "decode_step", "decode_step_wall"):
+        histogram = getattr(metrics, name)
+        histogram.observe = lambda _value, name=name: log.append(name)  # type: ignore[method-assign]
+    decode = shard.decode
+
+    async def slow_decode(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.005)  # the shards computing: the second prompt arrives
+        return await decode(*args, **kwargs)
+
+    shard.decode = slow_decode  # type: ignore[method-assign]
+
+    async def one(prompt: tuple[int, ...], delay: float) -> None:
+        await asyncio.sleep(delay)
+        stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
+        async for _ in engine.generate(GenerationRequest(prompt, SamplingParams(), stopping)):
+            pass
+
+    try:
+        await asyncio.gather(one((5, 6, 7), 0.0), one((8, 9), 0.03))
+    finally:
+        await engine.stop()
+    steps = [name for name in log if name != "decode_step_wall"]
+    assert steps.count("prefill_step") == 2 and steps.count("decode_step") >= 12
+    # each decode result counts its period unless a prefill result came since the last
+    for index, name in enumerate(log):
+        if name != "decode_step":
+            continue
+        before = [n for n in log[:index] if n != "decode_step_wall"]
+        after_prefill = not before or before[-1] == "prefill_step"
+        assert (log[index - 1] == "decode_step_wall") != after_prefill, (index, log)
