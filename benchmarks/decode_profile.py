@@ -38,8 +38,11 @@ QWEN3_8B_SHAPE = {**LLAMA3_8B, "architectures": ["Qwen3ForCausalLM"], "model_typ
                   "attention_bias": False}
 
 
-def _prefill(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
-             per: int = 0) -> list[int]:
+def prefill_requests(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
+                     per: int = 0) -> list[int]:
+    """Prefill ``batch`` greedy requests of ``prompt_len`` random tokens with blocks for
+    ``steps`` more tokens, ``per`` prompts per Prefill (default: ~8192 tokens each);
+    returns the cached batch ids (decode them together to merge them)."""
     rng = random.Random(0)
     blocks = Blocks(runner.block_size)
     vocab = runner.model_config.vocab_size
@@ -79,7 +82,7 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
                   top: int) -> str:
     """Markdown: median wall step and the top kernels by GPU time per decode step."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    ids = _prefill(runner, batch, prompt_len, steps * 2 + 6)
+    ids = prefill_requests(runner, batch, prompt_len, steps * 2 + 6)
     runner.decode(ids)  # merges the prefill batches into one
     for _ in range(3):
         runner.decode(ids[:1])
@@ -107,12 +110,12 @@ def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -
     for _ in range(3):
         sync()
         t0 = time.perf_counter()
-        _prefill(runner, seqs, prompt_len, 8, per=seqs)
+        prefill_requests(runner, seqs, prompt_len, 8, per=seqs)
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
         runner.clear_cache()
     with torch.profiler.profile(activities=_ACTIVITIES) as prof:
-        _prefill(runner, seqs, prompt_len, 8, per=seqs)
+        prefill_requests(runner, seqs, prompt_len, 8, per=seqs)
         sync()
     runner.clear_cache()
     tokens = seqs * prompt_len

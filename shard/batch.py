@@ -6,12 +6,12 @@ kept in the same order by every operation here."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shard.decode_state import DecodeRows
 from shard.errors import UnknownBatchError
 from shard.grammar import GrammarMatcher
-from shard.sampling import is_plain_greedy
+from shard.sampling import has_penalty, is_plain_greedy
 from shard.sampling_types import SamplingParams
 
 
@@ -72,6 +72,30 @@ class RequestState:
             self.grammar.accept(token_id)
 
 
+@dataclass(frozen=True)
+class BatchKind:
+    """What a decode step must do beyond the argmax, over a whole batch.
+
+    Attributes:
+        plain_greedy: every request is :attr:`RequestState.plain_greedy` (the sampler's
+            fast path).
+        has_grammar: some request is constrained by a grammar.
+        has_penalty: some request has a repetition, frequency or presence penalty.
+    """
+
+    plain_greedy: bool
+    has_grammar: bool
+    has_penalty: bool
+
+    @staticmethod
+    def of(requests: Sequence[RequestState]) -> BatchKind:
+        return BatchKind(
+            plain_greedy=all(r.plain_greedy for r in requests),
+            has_grammar=any(r.grammar is not None for r in requests),
+            has_penalty=any(has_penalty(r.sampling) for r in requests),
+        )
+
+
 @dataclass
 class CachedBatch:
     """The shard's state of a cached batch (the router's ``pb.CachedBatch`` names it by
@@ -86,10 +110,24 @@ class CachedBatch:
     batch_id: int
     requests: list[RequestState]
     rows: DecodeRows
+    _kind: BatchKind | None = field(default=None, repr=False, compare=False)
 
     @property
     def request_ids(self) -> tuple[int, ...]:
         return tuple(r.request_id for r in self.requests)
+
+    @property
+    def kind(self) -> BatchKind:
+        """The requests' :class:`BatchKind`, computed once per membership (each step
+        reads it; concatenating and filtering change it)."""
+        if self._kind is None:
+            self._kind = BatchKind.of(self.requests)
+        return self._kind
+
+    def set_requests(self, requests: list[RequestState]) -> None:
+        """Replace the membership (the rows are the caller's to keep in step)."""
+        self.requests = requests
+        self._kind = None
 
 
 class BatchStore:
@@ -128,6 +166,9 @@ class BatchStore:
         """
         if not batch_ids:
             raise ValueError("batches must not be empty")
+        if len(batch_ids) == 1:  # every decode step of a settled batch: nothing to merge
+            self.get(batch_ids[0])
+            return
         if len(set(batch_ids)) != len(batch_ids):
             raise ValueError(f"batch ids repeat: {list(batch_ids)}")
         seen: set[int] = set()
@@ -144,11 +185,14 @@ class BatchStore:
         """
         self.check_concatenate(batch_ids)
         first = self._batches[batch_ids[0]]
-        rows = [first.rows]
+        if len(batch_ids) == 1:
+            return first
+        requests, rows = list(first.requests), [first.rows]
         for batch_id in batch_ids[1:]:
             other = self._batches.pop(batch_id)
-            first.requests.extend(other.requests)
+            requests.extend(other.requests)
             rows.append(other.rows)
+        first.set_requests(requests)
         first.rows = DecodeRows.concatenate(rows)
         return first
 
@@ -166,7 +210,7 @@ class BatchStore:
         if unknown:
             raise ValueError(f"request ids {sorted(unknown)} are not in batch {batch_id}")
         kept = [i for i, r in enumerate(batch.requests) if r.request_id in keep_set]
-        batch.requests = [batch.requests[i] for i in kept]
+        batch.set_requests([batch.requests[i] for i in kept])
         if batch.requests:
             batch.rows = batch.rows.select(kept)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import repeat
 
 import torch
 from loguru import logger
@@ -45,7 +46,6 @@ from shard.sampling import (
     SamplingRow,
     TokenMask,
     TokenSuffix,
-    has_penalty,
     sample,
     sample_greedy,
 )
@@ -415,7 +415,10 @@ class ModelRunner:
             NotWarmedUpError: before Warmup.
         """
         self.batches.check_concatenate(batch_ids)
-        requests = [r for bid in batch_ids for r in self.batches.get(bid).requests]
+        if len(batch_ids) == 1:
+            requests = self.batches.get(batch_ids[0]).requests
+        else:
+            requests = [r for bid in batch_ids for r in self.batches.get(bid).requests]
         if remove_request_ids:
             remove = set(remove_request_ids)
             unknown = remove - {r.request_id for r in requests}
@@ -447,17 +450,18 @@ class ModelRunner:
         max_seqlen_k = max(r.seq_len for r in batch.requests) + 1
         logits = self._decode_logits(batch.rows, max_seqlen_k)
         requests = list(batch.requests)
+        kind = batch.kind
         mask = None
-        if any(r.grammar is not None for r in requests):
+        if kind.has_grammar:
             # NOTE: the forward is already queued on the device; the grammar states need
             # the previous step's tokens, so the host waits for them here and fills the
             # masks while the device computes this step's logits.
             self._wait_previous_finish()
             mask = self._token_mask([r.grammar for r in requests], logits.device)
-        if all(r.plain_greedy for r in requests):
+        if kind.plain_greedy:
             out = sample_greedy(logits, mask)
         else:
-            if any(has_penalty(r.sampling) for r in requests):
+            if kind.has_penalty:
                 self._wait_previous_finish()  # penalties read the host's token history
             out = sample(logits, [_decode_sampling_row(r) for r in requests], mask)
         batch.rows.advance(out.token_ids)
@@ -586,10 +590,12 @@ def _generations(
     logprobs = out.logprobs.tolist()
     top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
     top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    if top_ids is None or top_lps is None:  # no request asked for alternatives
+        return list(map(Generation, request_ids, tokens, logprobs, repeat(()), prompt_lps))
     result = []
     for i, rid in enumerate(request_ids):
         top: tuple[TopToken, ...] = ()
-        if top_ids is not None and top_lps is not None and top_ns[i] > 0:
+        if top_ns[i] > 0:
             top = tuple(
                 TopToken(t, lp)
                 for t, lp in zip(top_ids[i][: top_ns[i]], top_lps[i][: top_ns[i]], strict=True)

@@ -4,6 +4,7 @@ model runner (the servicer converts them to and from protobuf)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shard.sampling_types import SamplingParams, TopToken
 
@@ -53,9 +54,10 @@ class PrefillBatch:
     requests: tuple[RequestInput, ...]
 
 
-@dataclass(frozen=True)
-class Generation:
-    """The token generated for one request in one step.
+class Generation(NamedTuple):
+    """The token generated for one request in one step (a named tuple: a decode step
+    makes one per request, and a tuple is built several times faster than a frozen
+    dataclass).
 
     Attributes:
         request_id: the request.

@@ -1,0 +1,85 @@
+"""The shard's host work per decode step: :meth:`ModelRunner.launch_decode` then
+:meth:`ModelRunner.finish_decode`, with the forward replaced by a fixed logits tensor,
+so that what is timed is the Python around the forward (batch checks, sampling choice,
+block appends, token bookkeeping, the results), not the model.
+
+On a GPU this work overlaps the previous step's compute only while it is shorter than
+the step; with the router's work and gRPC both ways it is the chain that must fit in one
+device step (see ``benchmarks/router_step.py --device-ms``). Greedy requests of
+``--prompt-len`` random tokens, a tiny Qwen3 config, the CPU; best of ``--repeats``
+runs of ``--steps`` steps.
+
+    python benchmarks/shard_step.py --batch 1 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode_profile import QWEN3_8B_SHAPE, prefill_requests
+from benchmarks.tp_decode import BLOCK
+from shard.config import ShardConfig
+from shard.model_runner import ModelRunner
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+
+
+def host_step_s(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
+                repeats: int) -> float:
+    """Best mean seconds per launch + finish over ``repeats`` runs of ``steps`` steps."""
+    ids = prefill_requests(runner, batch, prompt_len, steps * repeats + 8)
+    runner.decode(ids)  # merges the prefill batches into one
+    logits = torch.randn(batch, runner.model_config.vocab_size)
+    runner._decode_logits = lambda rows, max_seqlen_k: logits  # type: ignore[method-assign]
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(steps):
+                runner.finish_decode(runner.launch_decode(ids[:1]))
+            best = min(best, (time.perf_counter() - started) / steps)
+    finally:
+        del runner._decode_logits
+        runner.clear_cache()
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    from loguru import logger
+
+    logger.remove()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "config.json").write_text(json.dumps({**QWEN3_8B_SHAPE, **TINY}))
+        runner = ModelRunner(ShardConfig(model_path=folder, device="cpu", block_size=BLOCK,
+                                         dtype="float32", load_format="dummy"))
+        runner.warmup(8192, 8192, max(args.batch))
+        print(f"shard host work per decode step, {platform.machine()}, Python "
+              f"{platform.python_version()}, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d')}")
+        print("| batch | µs per step | µs per request |")
+        print("|---:|---:|---:|")
+        for batch in args.batch:
+            s = host_step_s(runner, batch, args.prompt_len, args.steps, args.repeats)
+            print(f"| {batch} | {s * 1e6:.0f} | {s * 1e6 / batch:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
