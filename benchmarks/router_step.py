@@ -93,27 +93,30 @@ class InstantShards:
 
 @dataclass
 class TimedShards(InstantShards):
-    """A virtual device: each Prefill and Decode takes ``step_s`` seconds of wall time,
-    in the order they arrive, each from the later of its arrival and the previous call's
-    end."""
+    """A virtual device: calls run one after another in the order they arrive, each
+    from the later of its arrival and the previous call's end; a Decode takes
+    ``step_s`` seconds of wall time, a Prefill ``step_s`` plus ``prefill_token_s`` per
+    prompt token it computes."""
 
     step_s: float = 0.0
+    prefill_token_s: float = 0.0
     busy_until: float = 0.0
 
-    async def _occupy(self) -> None:
+    async def _occupy(self, seconds: float) -> None:
         now = time.perf_counter()
-        self.busy_until = max(now, self.busy_until) + self.step_s
+        self.busy_until = max(now, self.busy_until) + seconds
         await asyncio.sleep(self.busy_until - now)
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
         response = await super().prefill(batch)
-        await self._occupy()
+        tokens = sum(len(r.input_ids) - r.cache_len for r in batch.requests)
+        await self._occupy(self.step_s + tokens * self.prefill_token_s)
         return response
 
     async def decode(self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]],
                      remove_request_ids: Seq[int] = ()) -> pb.DecodeResponse:
         response = await super().decode(batches, block_appends, remove_request_ids)
-        await self._occupy()
+        await self._occupy(self.step_s)
         return response
 
 
