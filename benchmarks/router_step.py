@@ -15,31 +15,41 @@ after another, each for F ms of wall time from the later of its arrival and the 
 step's end (as a GPU runs the launched steps in order), and each row also gives the
 router's step period (wall time per decode step) against F: with overlapped scheduling
 the period stays at F until the router's own work per step no longer fits beside it.
+``--shards grpc`` puts that device in a shard process of its own behind the real gRPC
+server and client (:mod:`benchmarks.virtual_shard`), so the period also pays for the
+protocol: serialization and transport both ways, the servicer's step ordering and
+worker threads.
 
     python benchmarks/router_step.py --requests 1 64 256
-    python benchmarks/router_step.py --requests 256 --device-ms 10 --steps-in-flight 1 2
+    python benchmarks/router_step.py --requests 256 --device-ms 10 --steps-in-flight 1 2 \
+        --shards local grpc
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import platform
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from benchmarks.harness import free_port
 from router.api.app import create_app
 from router.api.http_server import make_http_server
 from router.api.state import ServerState
 from router.config import SchedulerConfig, ValidationLimits
 from router.engine import Engine
 from router.request import GenerationRequest, SamplingParams, StoppingParams
+from router.shard_client import ShardClient
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 from shard.pb import shard_pb2 as pb
@@ -122,24 +132,48 @@ class TimedShards(InstantShards):
 
 @dataclass(frozen=True)
 class Setup:
-    """What every row shares: the virtual device's step (0: answer at once) and the
-    router's steps in flight."""
+    """What every row shares: the virtual device's step (0: answer at once), whether it
+    sits behind gRPC in a shard process of its own (:mod:`benchmarks.virtual_shard`)
+    and the router's steps in flight."""
 
     device_s: float = 0.0
+    grpc: bool = False
     steps_in_flight: int = 1
 
 
-def make_engine(tokenizer: Tokenizer, requests: int, new_tokens: int, setup: Setup) -> Engine:
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+@contextlib.asynccontextmanager
+async def open_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
+                      setup: Setup) -> AsyncIterator[Engine]:
+    """A started engine over the shards ``setup`` asks for; stopped (and the shard
+    process ended) on exit."""
     num_blocks = requests * (new_tokens // 16 + 4)
-    shards = (TimedShards(ids, num_blocks, step_s=setup.device_s) if setup.device_s
-              else InstantShards(ids, num_blocks))
     config = SchedulerConfig(max_input_tokens=64, max_total_tokens=new_tokens + 64,
                              max_batch_prefill_tokens=max(requests * 64, 4096),
                              max_batch_size=requests, max_concurrent_requests=requests,
                              steps_in_flight=setup.steps_in_flight)
-    return Engine(shards, tokenizer, config, shards.num_blocks,  # type: ignore[arg-type]
-                  shards.block_size)
+    process = None
+    if setup.grpc:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.virtual_shard", "--port", str(port),
+             "--step-ms", str(setup.device_s * 1e3)], cwd=Path(__file__).resolve().parents[1])
+        client = ShardClient([f"127.0.0.1:{port}"])
+        await client.wait_ready(60.0)
+        await client.warmup(config.max_batch_prefill_tokens, config.max_total_tokens)
+        shards: Any = client
+    else:
+        ids = tokenizer.encode(TEXT, add_special_tokens=False)
+        shards = (TimedShards(ids, num_blocks, step_s=setup.device_s) if setup.device_s
+                  else InstantShards(ids, num_blocks))
+    engine = Engine(shards, tokenizer, config, num_blocks, 16)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+        if process is not None:
+            process.terminate()
+            process.wait()
 
 
 @dataclass(frozen=True)
@@ -165,8 +199,12 @@ def step_cost(engine: Engine, cpu_s: float, new_tokens: int) -> StepCost:
 async def run_engine(tokenizer: Tokenizer, requests: int, new_tokens: int, stream: bool,
                      setup: Setup) -> StepCost:
     """One run of the engine alone; the cost per step is the run's over ``new_tokens``."""
-    engine = make_engine(tokenizer, requests, new_tokens, setup)
-    engine.start()
+    async with open_engine(tokenizer, requests, new_tokens, setup) as engine:
+        return await _run_engine(engine, tokenizer, requests, new_tokens, stream)
+
+
+async def _run_engine(engine: Engine, tokenizer: Tokenizer, requests: int, new_tokens: int,
+                      stream: bool) -> StepCost:
     prompt = tuple(tokenizer.encode("Hello there, how are you today?"))
 
     async def one() -> int:
@@ -179,7 +217,6 @@ async def run_engine(tokenizer: Tokenizer, requests: int, new_tokens: int, strea
     started = time.process_time()
     counts = await asyncio.gather(*(one() for _ in range(requests)))
     cost = step_cost(engine, time.process_time() - started, new_tokens)
-    await engine.stop()
     assert counts == [new_tokens] * requests, counts
     return cost
 
@@ -214,28 +251,24 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] ==
 async def run_http(tokenizer: Tokenizer, requests: int, new_tokens: int, stream: bool,
                    setup: Setup) -> StepCost:
     """One run of the serving process over HTTP; cost per step as :func:`run_engine`."""
-    engine = make_engine(tokenizer, requests, new_tokens, setup)
-    validator = Validator(tokenizer, engine.scheduler, ValidationLimits())
-    state = ServerState(engine=engine, validator=validator, model_id="m", dtype="bfloat16",
-                        device_type="cuda", num_shard=1, attention_backend="triton",
-                        version="bench")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = make_http_server(create_app(state), "127.0.0.1", port, 30.0, 1)
-    engine.start()
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    started = time.process_time()
-    client = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1/completions",
-        str(requests), str(new_tokens), "1" if stream else "0", stdout=subprocess.PIPE)
-    out, _ = await client.communicate()
-    cost = step_cost(engine, time.process_time() - started, new_tokens)
-    server.should_exit = True
-    await serving
-    await engine.stop()
+    async with open_engine(tokenizer, requests, new_tokens, setup) as engine:
+        validator = Validator(tokenizer, engine.scheduler, ValidationLimits())
+        state = ServerState(engine=engine, validator=validator, model_id="m",
+                            dtype="bfloat16", device_type="cuda", num_shard=1,
+                            attention_backend="triton", version="bench")
+        port = free_port()
+        server = make_http_server(create_app(state), "127.0.0.1", port, 30.0, 1)
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        started = time.process_time()
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1/completions",
+            str(requests), str(new_tokens), "1" if stream else "0", stdout=subprocess.PIPE)
+        out, _ = await client.communicate()
+        cost = step_cost(engine, time.process_time() - started, new_tokens)
+        server.should_exit = True
+        await serving
     counts = json.loads(out)
     # streamed: one chunk per token (the last also carries the finish)
     assert counts == [new_tokens] * requests, counts
@@ -254,6 +287,8 @@ def main() -> None:
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="a virtual device taking this long per step (0: none)")
     parser.add_argument("--steps-in-flight", type=int, nargs="+", default=[1])
+    parser.add_argument("--shards", nargs="+", choices=("local", "grpc"), default=["local"],
+                        help="grpc: the virtual device in a shard process behind gRPC")
     args = parser.parse_args()
     from loguru import logger
 
@@ -263,21 +298,24 @@ def main() -> None:
           f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
     if args.device_ms:
         print(f"virtual device: {args.device_ms:g} ms per step")
-    print("| mode | requests | streaming | steps in flight | CPU ms per step | "
+    print("| mode | shards | requests | streaming | steps in flight | CPU ms per step | "
           "CPU µs per token | step period, ms |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
     runners = {"engine": run_engine, "http": run_http}
     for mode in args.modes:
         for requests in args.requests:
             for streaming in args.streaming:
-                for in_flight in args.steps_in_flight:
-                    setup = Setup(args.device_ms / 1e3, in_flight)
+                for shards, in_flight in itertools.product(args.shards,
+                                                           args.steps_in_flight):
+                    if shards == "grpc" and not args.device_ms:
+                        parser.error("--shards grpc needs --device-ms")
+                    setup = Setup(args.device_ms / 1e3, shards == "grpc", in_flight)
                     runs = [asyncio.run(runners[mode](tokenizer, requests, args.new_tokens,
                                                       streaming == "yes", setup))
                             for _ in range(args.repeats)]
                     cpu_s = min(run.cpu_s for run in runs)
                     period_s = min(run.period_s for run in runs)
-                    print(f"| {mode} | {requests} | {streaming} | {in_flight} | "
+                    print(f"| {mode} | {shards} | {requests} | {streaming} | {in_flight} | "
                           f"{cpu_s * 1e3:.2f} | {cpu_s / requests * 1e6:.1f} | "
                           f"{period_s * 1e3:.2f} |", flush=True)
 

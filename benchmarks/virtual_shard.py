@@ -1,0 +1,148 @@
+"""A shard process with a virtual device: the real gRPC server and
+:class:`~shard.servicer.ShardServicer`, over a runner that computes nothing and takes
+a fixed time per step, so that the router's period over gRPC can be measured against
+a known device step without a GPU (``benchmarks/router_step.py --shards grpc``).
+
+The runner keeps the shard's protocol (cached batches, concatenation, removals, step
+order, launch while the previous step computes) and emits each request's ids from a
+fixed cycle. Its device runs steps one after another, each from the later of its
+launch and the previous step's end; ``finish_decode`` sleeps until the step's end.
+
+    python -m benchmarks.virtual_shard --port 50071 --step-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from shard.config import ShardConfig
+from shard.pb import shard_pb2_grpc
+from shard.pending_decode import PendingDecode
+from shard.records import CachedBatchInfo, Generation, PrefillBatch, ShardInfo, StepOutput
+from shard.servicer import ShardServicer
+
+IDS = tuple(range(1000, 1050))
+
+
+@dataclass
+class _VirtualPending(PendingDecode):
+    ends_at: float = 0.0  # perf_counter() when the virtual device finishes the step
+    tokens: tuple[Generation, ...] = ()
+
+
+class VirtualRunner:
+    """The :class:`~shard.model_runner.ModelRunner` surface the servicer uses, over a
+    virtual device: a Decode takes ``step_s``, a Prefill ``step_s`` plus
+    ``prefill_token_s`` per prompt token; ``num_blocks`` KV blocks of ``block_size``."""
+
+    def __init__(self, step_s: float, prefill_token_s: float = 0.0, num_blocks: int = 1 << 20,
+                 block_size: int = 16) -> None:
+        self.config = ShardConfig(model_path="virtual", device="cpu")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.step_s, self.prefill_token_s = step_s, prefill_token_s
+        self._batches: dict[int, list[int]] = {}
+        self._generated: dict[int, int] = {}
+        self._busy_until = 0.0
+        self._clock = threading.Lock()
+
+    def _occupy(self, seconds: float) -> float:
+        """Queue ``seconds`` of device work; returns when it ends (perf_counter)."""
+        with self._clock:
+            self._busy_until = max(time.perf_counter(), self._busy_until) + seconds
+            return self._busy_until
+
+    def _next(self, request_id: int) -> Generation:
+        count = self._generated.get(request_id, 0)
+        self._generated[request_id] = count + 1
+        return Generation(request_id, IDS[count % len(IDS)], -0.5)
+
+    def info(self) -> ShardInfo:
+        return ShardInfo(model_id="virtual", dtype="bfloat16", device="cpu", rank=0,
+                         world_size=1, block_size=self.block_size, num_blocks=self.num_blocks,
+                         attention_backend="virtual", attention_backend_reason="benchmark",
+                         max_position_embeddings=1 << 20, vocab_size=49152)
+
+    def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int,
+               max_batch_size: int) -> int:
+        return self.num_blocks
+
+    def prefill(self, batch: PrefillBatch) -> StepOutput:
+        tokens = sum(len(r.input_ids) - r.cache_len for r in batch.requests)
+        started = time.perf_counter()
+        ends_at = self._occupy(self.step_s + tokens * self.prefill_token_s)
+        time.sleep(max(0.0, ends_at - time.perf_counter()))
+        final = [r.request_id for r in batch.requests if not r.partial]
+        if final:
+            self._batches[batch.batch_id] = final
+        return StepOutput(tuple(self._next(rid) for rid in final),
+                          CachedBatchInfo(batch.batch_id, tuple(final)),
+                          int((time.perf_counter() - started) * 1e9))
+
+    def launch_decode(self, batch_ids: Sequence[int],
+                      block_appends: Sequence[tuple[int, Sequence[int]]] = (),
+                      remove_request_ids: Sequence[int] = ()) -> PendingDecode | StepOutput:
+        removed = set(remove_request_ids)
+        ids = [rid for bid in batch_ids for rid in self._batches.pop(bid)
+               if rid not in removed]
+        if not ids:
+            return StepOutput((), CachedBatchInfo(batch_ids[0], ()), 0)
+        self._batches[batch_ids[0]] = ids
+        pending = _VirtualPending(batch_ids[0], [], None, None)  # type: ignore[arg-type]
+        pending.ends_at = self._occupy(self.step_s)
+        pending.tokens = tuple(self._next(rid) for rid in ids)
+        return pending
+
+    def finish_decode(self, pending: PendingDecode) -> StepOutput:
+        assert isinstance(pending, _VirtualPending)
+        time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
+        ids = tuple(g.request_id for g in pending.tokens)
+        return StepOutput(pending.tokens, CachedBatchInfo(pending.batch_id, ids),
+                          int(self.step_s * 1e9))
+
+    def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
+        keep = set(request_ids)
+        kept = [rid for rid in self._batches.get(batch_id, []) if rid in keep]
+        if kept:
+            self._batches[batch_id] = kept
+        else:
+            self._batches.pop(batch_id, None)
+        return CachedBatchInfo(batch_id, tuple(kept))
+
+    def clear_cache(self, batch_id: int | None = None) -> None:
+        if batch_id is None:
+            self._batches.clear()
+        else:
+            self._batches.pop(batch_id, None)
+
+
+async def serve(port: int, step_s: float, prefill_token_s: float) -> None:
+    server = grpc.aio.server()
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(
+        ShardServicer(VirtualRunner(step_s, prefill_token_s)), server)  # type: ignore[arg-type]
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--step-ms", type=float, default=10.0)
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    args = p.parse_args()
+    from loguru import logger
+
+    logger.remove()
+    asyncio.run(serve(args.port, args.step_ms / 1e3, args.prefill_us_per_token / 1e6))
+
+
+if __name__ == "__main__":
+    main()
