@@ -1,0 +1,66 @@
+"""The virtual devices the CPU benchmarks measure the router against: the router's
+period follows the device's step (locally and behind gRPC), scheduling runs a GPU
+workload to the end, and the shard's host step runs without a model forward."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from benchmarks import router_step, schedule_sim, shard_step
+from benchmarks.workloads import Workload
+from router.config import SchedulerConfig
+from router.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("grpc", [False, True], ids=["local", "grpc"])
+def test_the_router_period_follows_a_virtual_device(tokenizer: Tokenizer, grpc: bool) -> None:
+    # every request gets all its tokens (run_engine asserts it) and the period the
+    # router sees is the device's step, not the instant answers' near-zero
+    setup = router_step.Setup(device_s=0.02, grpc=grpc)
+    cost = asyncio.run(router_step.run_engine(tokenizer, 4, 12, False, setup))
+    assert 0.018 < cost.period_s < 0.2 and cost.cpu_s > 0
+
+
+def test_a_prefill_takes_its_tokens_time() -> None:
+    shards = router_step.TimedShards([7], num_blocks=8, step_s=0.0, prefill_token_s=0.01)
+    batch = router_step.pb.Batch(id=1, requests=[
+        router_step.pb.Request(id=1, input_ids=list(range(10)), cache_len=4, block_ids=[0])])
+
+    async def timed() -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await shards.prefill(batch)
+        return loop.time() - started
+
+    assert asyncio.run(timed()) >= 0.059  # six tokens computed, the cached four not
+
+
+def test_the_schedule_simulation_serves_a_workload(tokenizer: Tokenizer) -> None:
+    workload = Workload("small", [[5 + i] * (20 + i) for i in range(6)], [3, 5, 8, 2, 4, 6])
+    config = SchedulerConfig(max_batch_prefill_tokens=64, max_batch_size=4,
+                             max_input_tokens=32, max_total_tokens=48,
+                             max_concurrent_requests=6, waiting_served_ratio=0.0)
+    wall = asyncio.run(schedule_sim.run(tokenizer, workload, config, 0.001, 1e-5))
+    assert wall > 0.001 * max(workload.output_lens)
+    with pytest.raises(AssertionError, match="all its tokens"):
+        # 27 tokens in all: the longer prompts cannot get all their new tokens
+        short = dataclasses.replace(config, max_input_tokens=26, max_total_tokens=27)
+        asyncio.run(schedule_sim.run(tokenizer, workload, short, 0.0, 0.0))
+
+
+def test_the_shard_host_step_runs_without_a_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from shard.config import ShardConfig
+    from shard.model_runner import ModelRunner
+
+    (tmp_path / "config.json").write_text(json.dumps({**shard_step.QWEN3_8B_SHAPE,
+                                                      **shard_step.TINY}))
+    runner = ModelRunner(ShardConfig(model_path=str(tmp_path), device="cpu", block_size=16,
+                                     dtype="float32", load_format="dummy"))
+    runner.warmup(1024, 1024, 8)
+    assert 0 < shard_step.host_step_s(runner, 8, 16, steps=3, repeats=2) < 1.0
+    assert not runner.batches  # the run cleared its batches
