@@ -16,11 +16,6 @@ from shard.kv_cache import KVCacheLayer
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-# Split counters of the decode kernel's fused combine, one per (sequence, KV head). The
-# decode splits a sequence only while batch * num_kv_heads stays under its target of
-# programs (528), so a few thousand cover every batch that splits; a larger one
-# combines in a second kernel.
-COUNTER_SLOTS = 4096
 
 
 def import_triton() -> tuple[ModuleType | None, str]:
@@ -48,7 +43,6 @@ class TritonAttentionBackend(AttentionBackend):
         # NOTE: imported here, not at module import, so the registry imports without
         # Triton and TRITON_INTERPRET is read only when a backend is built.
         self._kernels = importlib.import_module("shard.attention.triton_kernels")
-        self._counters: torch.Tensor | None = None
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
@@ -62,19 +56,6 @@ class TritonAttentionBackend(AttentionBackend):
         if spec.head_dim > MAX_HEAD_DIM:
             return False, f"head_dim={spec.head_dim} > {MAX_HEAD_DIM}"
         return True, f"our Triton paged kernels (triton {triton.__version__})"
-
-    def _split_counters(self, device: torch.device, needed: int) -> torch.Tensor | None:
-        """Zeroed int32 counters for the decode kernel's fused combine (allocated once,
-        left at zero by every launch), or None when ``needed`` exceeds them.
-
-        NOTE: the first decode that splits allocates them; under CUDA graphs that is the
-        eager run before a bucket's capture, not the capture itself.
-        """
-        if needed > COUNTER_SLOTS:
-            return None
-        if self._counters is None or self._counters.device != device:
-            self._counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-        return self._counters
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Nothing to derive: the kernels read the metadata's tensors themselves (so a
@@ -127,7 +108,6 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
             )
             return out
-        counters = self._split_counters(q.device, q.shape[0] * kv_cache.key.shape[2])
         out = kern.decode_attention(
             q,
             kv_cache.key,
@@ -136,6 +116,5 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.max_seqlen_k,
             scale,
-            counters=counters,
         )
         return out

@@ -89,9 +89,7 @@ def _run_wrappers() -> None:
     for seq_lens, q_lens in (([40, 7], [1, 1]), ([40, 7], [30, 7])):  # decode, prefill
         case = make_case(seq_lens, q_lens, 32, 8, 128, dtype=bf16)
         run_backend(TritonAttentionBackend(), case, case.fresh_cache())
-    case = make_case([300], [1], 32, 8, 128, dtype=bf16)  # split KV, combined in-kernel
-    run_backend(TritonAttentionBackend(), case, case.fresh_cache())
-    # ... and by the combine kernel
+    case = make_case([300], [1], 32, 8, 128, dtype=bf16)  # split KV and the combine
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,
                      config=DecodeConfig(block_n=64, target_programs=10**4))

@@ -8,10 +8,7 @@ Each program handles one sequence, one KV head and one split of the context: it 
 the ``num_heads / num_kv_heads`` query heads that share that KV head as the rows of one
 matrix, so each KV tile is read from memory once for the whole group. With one split the
 program writes the output directly; otherwise it writes a partial output and its
-log-sum-exp (base 2), and the splits are combined either by a second kernel or, given a
-zeroed counter per (sequence, KV head), by whichever split program of the group finishes
-last (it counts the finished splits with an atomic add, as the "serial" split-K
-reduction of stream-K GEMMs does), which saves a launch per layer.
+log-sum-exp (base 2) and a second kernel combines the splits.
 """
 
 from __future__ import annotations
@@ -56,7 +53,6 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
     scale_log2,
     num_splits,
     stride_qt,
@@ -74,7 +70,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -138,43 +133,6 @@ def _decode_kernel(
         tl.store(part, o, mask=omask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row * num_splits + split, lse, mask=gmask)
-        if FUSED_COMBINE:
-            # acq_rel: the partials stored above are visible to the program that sees
-            # the last count, and that program sees every other split's partials.
-            counter = counters_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                _combine_group(part_out_ptr, part_lse_ptr, out_ptr, row, heads, b,
-                               num_splits, stride_ot, stride_oh, gmask, d, omask, GROUP_PAD,
-                               D_PAD)
-                tl.store(counter, 0)  # zero again for the next launch
-
-
-@triton.jit
-def _combine_group(part_out_ptr, part_lse_ptr, out_ptr, row, heads, b, num_splits,
-                   stride_ot, stride_oh, gmask, d, omask, GROUP_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr):
-    # The GROUP query heads of one KV head over every split: out = sum_s w_s o_s / sum_s
-    # w_s, w_s = 2^(lse_s - max lse). ".cg" loads read L2, where the other programs'
-    # partials are (not a stale L1 line).
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for sp in range(num_splits):
-        lse = tl.load(part_lse_ptr + row * num_splits + sp, mask=gmask, other=float("-inf"),
-                      cache_modifier=".cg")
-        m = tl.maximum(m, lse)
-    m_safe = tl.where(m > float("-inf"), m, 0.0)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    w_sum = tl.zeros([GROUP_PAD], tl.float32)
-    for sp in range(num_splits):
-        lse = tl.load(part_lse_ptr + row * num_splits + sp, mask=gmask, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)
-        o = tl.load(part_out_ptr + (row[:, None] * num_splits + sp) * D_PAD + d[None, :],
-                    mask=omask, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o
-        w_sum += w
-    out = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    dst = out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -233,7 +191,6 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step: each sequence's single query attends to its whole paged context.
 
@@ -248,9 +205,6 @@ def decode_attention(
         scale: softmax scale (usually head_dim ** -0.5).
         out: optional [batch, num_heads, head_dim] output buffer.
         config: launch parameters (defaults: :class:`DecodeConfig`).
-        counters: optional int32 buffer of at least ``batch * num_kv_heads`` zeros on
-            q's device: the splits are then combined inside the decode kernel (one
-            launch instead of two), and the counters are left at zero again.
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype.
@@ -272,10 +226,6 @@ def decode_attention(
         part_lse = torch.empty(rows, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
-    fused = splits > 1 and counters is not None
-    if fused:
-        assert counters is not None and counters.dtype == torch.int32
-        assert counters.numel() >= batch * num_kv_heads, "counters: one per (sequence, KV head)"
     _decode_kernel[(batch, num_kv_heads, splits)](
         q,
         key_cache,
@@ -285,7 +235,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters if fused else seq_lens,  # unused unless fused
         scale * LOG2E,
         splits,
         q.stride(0),
@@ -303,12 +252,11 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         SINGLE_SPLIT=splits == 1,
-        FUSED_COMBINE=fused,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         _combine_kernel[(batch * num_heads,)](
             part_out,
             part_lse,
