@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from shard import step_trace
 from shard.config import ShardConfig
 from shard.pb import shard_pb2_grpc
 from shard.pending_decode import PendingDecode
@@ -103,6 +104,7 @@ class VirtualRunner:
     def finish_decode(self, pending: PendingDecode) -> StepOutput:
         assert isinstance(pending, _VirtualPending)
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
+        step_trace.mark("ready")
         ids = tuple(g.request_id for g in pending.tokens)
         return StepOutput(pending.tokens, CachedBatchInfo(pending.batch_id, ids),
                           int(self.step_s * 1e9))

@@ -32,6 +32,7 @@ from router.scheduler import PrefillChunk, Scheduler
 from router.shard_client import ShardClient, ShardError
 from router.shard_steps import ShardSteps, StepResults
 from router.tokenizer import Tokenizer
+from shard import step_trace
 
 # Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
 HEALTH_RECOVERY_S = 10.0
@@ -432,6 +433,8 @@ class Engine:
             f"{len(call.sampled)} requests"
         )
         self._apply(call.sampled, results)
+        if call.kind == "decode":
+            step_trace.mark("applied")
 
     def _apply(self, sampled: list[tuple[Sequence, int]], results: StepResults) -> None:
         """Apply one call's tokens to the sequences they were sampled for."""

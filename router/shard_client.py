@@ -15,6 +15,7 @@ from typing import TypeVar
 import grpc
 
 from router.step_deadline import StepDeadline
+from shard import step_trace
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
 
@@ -220,7 +221,11 @@ class ShardClient:
             remove_request_ids=remove_request_ids,
             step=next(self._steps),
         )
-        return await self._step("Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
+        step_trace.mark("send", request.step, sum(len(b.request_ids) for b in batches))
+        response = await self._step(
+            "Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
+        step_trace.mark("recv", request.step)
+        return response
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         """Keep only ``request_ids`` in cached batch ``batch_id``."""

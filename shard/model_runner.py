@@ -16,6 +16,7 @@ from itertools import repeat
 import torch
 from loguru import logger
 
+from shard import step_trace
 from shard.attention import AttentionSpec, select_backend
 from shard.batch import BatchStore, CachedBatch, RequestState
 from shard.config import ShardConfig, dtype_name
@@ -489,6 +490,7 @@ class ModelRunner:
                 raise RuntimeError("the previous decode step was not finished within 120 s")
             pending.previous = None  # let the chain of steps be freed
             tokens, logprobs, top_ids, top_lps = pending.host.wait()
+            step_trace.mark("ready")
             assert tokens is not None and logprobs is not None
             out = SamplerOutput(tokens, logprobs, top_ids, top_lps)
             requests = pending.requests

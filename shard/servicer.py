@@ -17,7 +17,7 @@ from typing import TypeVar
 import grpc
 from loguru import logger
 
-from shard import pb_convert
+from shard import pb_convert, step_trace
 from shard.errors import NotWarmedUpError, UnknownBatchError
 from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2 as pb
@@ -162,6 +162,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeResponse:
         t0 = time.perf_counter_ns()
+        step_trace.mark("arrive", request.step)
         batch_ids = [b.id for b in request.batches]
         appends = pb_convert.block_appends_from_pb(list(request.block_appends))
         removed = list(request.remove_request_ids)
@@ -171,6 +172,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         launched = await self._run(
             context, "Decode", lambda: self.runner.launch_decode(batch_ids, appends, removed)
         )
+        step_trace.mark("launched", request.step)
         if isinstance(launched, PendingDecode):
             pending = launched
             out = await self._run(
@@ -178,7 +180,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         else:
             out = launched
-        return pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
+        response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
+        step_trace.mark("answer", request.step)
+        return response
 
     async def FilterBatch(
         self, request: pb.FilterBatchRequest, context: grpc.aio.ServicerContext

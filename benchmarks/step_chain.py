@@ -1,0 +1,130 @@
+"""Where a decode step's time goes between the device and the router: reads the rows that
+``shard.step_trace`` wrote (a server run with ``STEP_TRACE_DIR`` set) and prints one table
+of the hops of the host chain that must fit in one step of device time.
+
+With one step in flight (``--steps-in-flight 1``; with two, read k+3 for k+2 below) the
+router sends step k+2 once it has applied step k's tokens,
+while the device computes step k+1 (launched earlier). So the chain
+
+    ready(k) → answer(k) → recv(k) → applied(k) → send(k+2) → arrive(k+2) → launched(k+2)
+
+runs beside step k+1 on the device, and the device waits whenever the chain is longer:
+``idle = launched(k+2) − ready(k+1)`` when positive. ``ready`` is when the shard's host saw
+step k's sampled ids, so it includes the wake-up of the waiting thread.
+
+    python benchmarks/step_chain.py TRACE_DIR [--min-size 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import percentile
+
+
+def hops(in_flight: int) -> list[tuple[str, str, int, str, int]]:
+    """(name, from point, step offset, to point, step offset) of each hop, with
+    ``in_flight`` steps sent ahead of the one being applied (the router's
+    ``--steps-in-flight``): after applying step k it sends step k + 1 + in_flight."""
+    n = 1 + in_flight
+    return [
+        ("shard: ready → answer (read ids, records, protobuf)", "ready", 0, "answer", 0),
+        ("gRPC + router wake-up: answer → recv", "answer", 0, "recv", 0),
+        ("router: recv → applied (tokens, stop checks)", "recv", 0, "applied", 0),
+        (f"router: applied → send of step k+{n} (schedule, blocks, request)",
+         "applied", 0, "send", n),
+        ("gRPC + shard wake-up: send → arrive", "send", n, "arrive", n),
+        ("shard: arrive → launched (turn, lock, thread, launch)", "arrive", n, "launched", n),
+        (f"whole chain: ready(k) → launched(k+{n})", "ready", 0, "launched", n),
+        ("device period: ready(k) → ready(k+1)", "ready", 0, "ready", 1),
+        (f"device idle: launched(k+{n}) − ready(k+{n - 1}), when positive",
+         "ready", n - 1, "launched", n),
+    ]
+
+
+
+def read_trace(folder: Path) -> tuple[dict[str, list[tuple[int, int, int]]], ...]:
+    """(router points, shard points): point → [(step, ns, size)] in time order; the rank whose
+    file comes first is the shard read."""
+    processes = []
+    for path in sorted(folder.glob("*.tsv")):
+        points: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for line in path.read_text().splitlines():
+            point, step, ns, size = line.split("\t")
+            points[point].append((int(step), int(ns), int(size)))
+        for rows in points.values():
+            rows.sort(key=lambda row: row[1])
+        processes.append(points)
+    router = next(p for p in processes if "send" in p)
+    shard = next(p for p in processes if "arrive" in p)
+    return router, shard
+
+
+def step_times(router: dict, shard: dict) -> dict[str, dict[int, int]]:
+    """point → {step: ns}. ``ready`` and ``applied`` carry no step number: the i-th ready
+    is the i-th answer's step, the i-th applied the i-th recv's (both run in step order)."""
+    times = {
+        point: {step: ns for step, ns, _ in rows}
+        for point, rows in {**router, **shard}.items()
+        if point not in ("ready", "applied")
+    }
+    times["ready"] = {
+        step: ns for (step, *_), (_, ns, _) in zip(shard["answer"], shard["ready"], strict=False)
+    }
+    times["applied"] = {
+        step: ns for (step, *_), (_, ns, _) in zip(router["recv"], router["applied"], strict=False)
+    }
+    return times
+
+
+def hop_table(
+    times: dict[str, dict[int, int]], sizes: dict[int, int], min_size: int, in_flight: int
+) -> list[tuple[str, list[float]]]:
+    """Each hop's durations (ms) over the decode steps k of at least ``min_size`` requests
+    whose following steps up to the one sent after it are such steps too."""
+    steps = sorted(k for k in times["answer"] if sizes.get(k, 0) >= min_size)
+    decode = set(steps)
+    rows = []
+    for name, a, da, b, db in hops(in_flight):
+        values = []
+        for k in steps:
+            if not set(range(k + 1, k + 2 + in_flight)) <= decode:
+                continue
+            t0, t1 = times[a].get(k + da), times[b].get(k + db)
+            if t0 is None or t1 is None:
+                continue
+            value = (t1 - t0) / 1e6
+            values.append(max(value, 0.0) if name.startswith("device idle") else value)
+        rows.append((name, values))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--min-size", type=int, default=0,
+                        help="only steps of at least this many requests (default: 90%% of "
+                             "the largest step)")
+    parser.add_argument("--steps-in-flight", type=int, default=1,
+                        help="the router's --steps-in-flight in the traced run")
+    args = parser.parse_args()
+    router, shard = read_trace(args.trace_dir)
+    sizes = {step: size for step, _, size in router["send"]}
+    min_size = args.min_size or int(0.9 * max(sizes.values()))
+    print(f"decode steps of at least {min_size} requests")
+    rows = hop_table(step_times(router, shard), sizes, min_size, args.steps_in_flight)
+    print("| hop | steps | p10 ms | p50 ms | p90 ms | mean ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, values in rows:
+        mean = sum(values) / len(values) if values else float("nan")
+        print(f"| {name} | {len(values)} | {percentile(values, 10):.3f} | "
+              f"{percentile(values, 50):.3f} | {percentile(values, 90):.3f} | {mean:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
