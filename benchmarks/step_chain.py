@@ -110,20 +110,39 @@ def main() -> None:
     parser.add_argument("--min-size", type=int, default=0,
                         help="only steps of at least this many requests (default: 90%% of "
                              "the largest step)")
+    parser.add_argument("--max-size", type=int, default=0,
+                        help="only steps of at most this many requests (0: no bound)")
     parser.add_argument("--steps-in-flight", type=int, default=1,
                         help="the router's --steps-in-flight in the traced run")
     args = parser.parse_args()
     router, shard = read_trace(args.trace_dir)
     sizes = {step: size for step, _, size in router["send"]}
+    if args.max_size:
+        sizes = {step: size for step, size in sizes.items() if size <= args.max_size}
     min_size = args.min_size or int(0.9 * max(sizes.values()))
-    print(f"decode steps of at least {min_size} requests")
-    rows = hop_table(step_times(router, shard), sizes, min_size, args.steps_in_flight)
+    print(f"decode steps of {min_size} to {max(sizes.values())} requests")
+    times = step_times(router, shard)
+    rows = hop_table(times, sizes, min_size, args.steps_in_flight)
+    rows.append(("router period: recv(k) → recv(k+1)", [
+        (times["recv"][k + 1] - times["recv"][k]) / 1e6 for k in times["recv"]
+        if sizes.get(k, 0) >= min_size and sizes.get(k + 1, 0) >= min_size
+        and k + 1 in times["recv"]
+    ]))
+    forward = {step: us for step, _, us in shard["answer"]}
+    rows.append(("shard forward (CUDA events around the step's kernels)", [
+        forward[k] / 1e3 for k in forward if sizes.get(k, 0) >= min_size
+    ]))
     print("| hop | steps | p10 ms | p50 ms | p90 ms | mean ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, values in rows:
         mean = sum(values) / len(values) if values else float("nan")
         print(f"| {name} | {len(values)} | {percentile(values, 10):.3f} | "
               f"{percentile(values, 50):.3f} | {percentile(values, 90):.3f} | {mean:.3f} |")
+    period, forward_ms = rows[-2][1], rows[-1][1]
+    if period and forward_ms:
+        share = 1 - (sum(forward_ms) / len(forward_ms)) / (sum(period) / len(period))
+        print(f"\nrouter + gRPC share of the router's step period: {share:.1%} "
+              "(1 − mean forward / mean period)")
 
 
 if __name__ == "__main__":

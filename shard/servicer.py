@@ -181,7 +181,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         else:
             out = launched
         response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
-        step_trace.mark("answer", request.step)
+        step_trace.mark("answer", request.step, out.forward_ns // 1000)
         return response
 
     async def FilterBatch(

@@ -2,7 +2,7 @@
 the device waits (``benchmarks/step_chain.py`` reads them).
 
 Off unless the environment variable ``STEP_TRACE_DIR`` names a folder when the process
-starts; then :func:`mark` records ``(point, step, monotonic ns, size)`` and the rows are
+starts; then :func:`mark` records ``(point, step, monotonic ns, value)`` and the rows are
 appended to ``<dir>/<pid>.tsv`` every :data:`FLUSH_EVERY` marks and at exit. The clock is
 ``CLOCK_MONOTONIC`` (:func:`time.monotonic_ns`), shared by the processes of one host, so
 the rows of the router and of the shards line up.
@@ -33,12 +33,13 @@ _lock = threading.Lock()
 enabled = bool(_dir)
 
 
-def mark(point: str, step: int = -1, size: int = 0) -> None:
-    """Record ``point`` of ``step`` now (a no-op unless tracing is on); ``size``: the
-    step's number of requests where known."""
+def mark(point: str, step: int = -1, value: int = 0) -> None:
+    """Record ``point`` of ``step`` now (a no-op unless tracing is on); ``value``: a
+    number the point carries (``send``: the step's requests; ``answer``: its device
+    time in µs)."""
     if not enabled:
         return
-    _rows.append((point, step, time.monotonic_ns(), size))  # list.append is atomic
+    _rows.append((point, step, time.monotonic_ns(), value))  # list.append is atomic
     if len(_rows) >= FLUSH_EVERY:
         flush()
 
@@ -53,7 +54,7 @@ def flush() -> None:
         assert _dir is not None
         path = Path(_dir) / f"{os.getpid()}.tsv"
         with path.open("a") as f:
-            f.writelines(f"{point}\t{step}\t{ns}\t{size}\n" for point, step, ns, size in rows)
+            f.writelines(f"{point}\t{step}\t{ns}\t{value}\n" for point, step, ns, value in rows)
 
 
 if enabled:
