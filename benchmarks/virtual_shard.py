@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -131,7 +132,10 @@ async def serve(port: int, step_s: float, prefill_token_s: float) -> None:
         ShardServicer(VirtualRunner(step_s, prefill_token_s)), server)  # type: ignore[arg-type]
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    await server.wait_for_termination()
+    stop = asyncio.Event()  # SIGTERM ends the process normally (its exit handlers run)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
 
 
 def main() -> None:

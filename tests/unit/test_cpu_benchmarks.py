@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import router_step, schedule_sim, shard_step
+from benchmarks import router_step, schedule_sim, shard_step, step_chain
 from benchmarks.workloads import Workload
 from router.config import SchedulerConfig
 from router.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("grpc", [False, True], ids=["local", "grpc"])
@@ -64,3 +70,28 @@ def test_the_shard_host_step_runs_without_a_forward(tmp_path) -> None:  # type: 
     runner.warmup(1024, 1024, 8)
     assert 0 < shard_step.host_step_s(runner, 8, 16, steps=3, repeats=2) < 1.0
     assert not runner.batches  # the run cleared its batches
+
+
+def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Router and virtual shard (two processes) traced through the real servicer and
+    # client; the hops of each step add up to its whole chain, and the shard's forward
+    # is the virtual device's step.
+    env = {**os.environ, "STEP_TRACE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [sys.executable, "benchmarks/router_step.py", "--requests", "4", "--new-tokens", "24",
+         "--repeats", "1", "--modes", "engine", "--streaming", "no", "--device-ms", "5",
+         "--shards", "grpc"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    router, shard = step_chain.read_trace(tmp_path)
+    assert [size for _, _, size in router["send"]] == [4] * len(router["send"])
+    assert len(shard["ready"]) == len(shard["answer"]) == len(router["send"])
+    assert {us for _, _, us in shard["answer"]} == {5000}
+    times = step_chain.step_times(router, shard)
+    rows = step_chain.hop_table(times, {s: 4 for s in times["send"]}, 4, in_flight=1)
+    hops = [values for _, values in rows[:6]]  # ready → answer → ... → launched
+    name, chain = rows[6]
+    assert name.startswith("whole chain")
+    assert len(chain) >= 15  # 23 decode steps less the last two, which have no k+2
+    assert all(len(values) == len(chain) for values in hops)
+    for k, total in enumerate(chain):
+        assert sum(values[k] for values in hops) == pytest.approx(total, abs=1e-6)
+        assert all(values[k] >= 0 for values in hops)
