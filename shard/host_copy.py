@@ -19,12 +19,16 @@ import torch
 
 
 def to_device(
-    values: Sequence[int] | Sequence[float] | list[list[int]], dtype: torch.dtype,
-    device: torch.device,
+    values: Sequence[int] | Sequence[float] | list[list[int]] | torch.Tensor,
+    dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
-    """``values`` as a tensor of ``dtype`` on ``device``; on CUDA through pinned memory
-    with a non-blocking copy, queued on the current stream (the host does not wait)."""
-    cpu = torch.tensor(values, dtype=dtype)
+    """``values`` (host lists, or a host tensor) as a tensor of ``dtype`` on ``device``;
+    on CUDA through pinned memory with a non-blocking copy, queued on the current stream
+    (the host does not wait)."""
+    if isinstance(values, torch.Tensor):
+        cpu = values.to(dtype)
+    else:
+        cpu = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return cpu.to(device)
     return cpu.pin_memory().to(device, non_blocking=True)

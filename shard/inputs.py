@@ -4,8 +4,10 @@ sequence computes tokens ``[start, start + len(token_ids))`` of its context."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import torch
 
@@ -53,41 +55,46 @@ class ModelInputs:
     last_token_indices: torch.Tensor
 
 
-def slot(block_table: Sequence[int], position: int, block_size: int) -> int:
-    """Cache slot of token ``position``:
-    ``block_table[position // block_size] * block_size + position % block_size``."""
-    return block_table[position // block_size] * block_size + position % block_size
-
-
 def build_inputs(
     chunks: Sequence[SeqChunk], block_size: int, is_prefill: bool, device: torch.device
 ) -> ModelInputs:
     """Build :class:`ModelInputs` for ``chunks`` (one per sequence, in batch order).
 
+    Per-token values (positions, slot mapping) are computed with tensor ops on the host,
+    not Python loops: a 16384-token prefill is built in a few milliseconds.
+
     Raises:
         AssertionError: a chunk is empty or its block table is too short (callers
             validate requests first).
     """
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu_q, cu_k, seq_lens = [0], [0], []
     for c in chunks:
         assert len(c.token_ids) > 0, "a sequence must compute at least one token"
         assert len(c.block_table) * block_size >= c.end, f"block table too short for {c.end} tokens"
-        input_ids.extend(c.token_ids)
-        positions.extend(range(c.start, c.end))
-        slots.extend(
-            slot(c.block_table, p, block_size) if p >= c.write_from else -1
-            for p in range(c.start, c.end)
-        )
-        cu_q.append(cu_q[-1] + len(c.token_ids))
-        cu_k.append(cu_k[-1] + c.end)
-        seq_lens.append(c.end)
+    q_lens = [len(c.token_ids) for c in chunks]
+    seq_lens = [c.end for c in chunks]
+    cu_q = [0, *accumulate(q_lens)]
+    cu_k = [0, *accumulate(seq_lens)]
     max_blocks = max(len(c.block_table) for c in chunks)
-    tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]
+    tables = torch.tensor(
+        [[*c.block_table, *([0] * (max_blocks - len(c.block_table)))] for c in chunks],
+        dtype=torch.int32,
+    )
+    # NOTE: through array('q'): torch.tensor of a 16k-int list takes twice as long
+    input_ids = torch.frombuffer(
+        array("q", chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64
+    )
+    # row: the sequence of each token; positions: start + offset within the chunk
+    row = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
+    shift = torch.tensor([c.start - first for c, first in zip(chunks, cu_q[:-1], strict=True)])
+    positions = torch.arange(len(input_ids)) + shift[row]
+    blocks = tables[row, positions // block_size].to(torch.int64)
+    slots = blocks * block_size + positions % block_size  # block_table[p // bs] * bs + p % bs
+    skipped = any(c.write_from > c.start for c in chunks)
+    if skipped:
+        write_from = torch.tensor([c.write_from for c in chunks])
+        slots[positions < write_from[row]] = -1
 
-    def tensor(values: Sequence[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    def tensor(values: torch.Tensor | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, device)
 
     metadata = AttentionMetadata(
@@ -96,11 +103,12 @@ def build_inputs(
         cu_seqlens_q=tensor(cu_q, torch.int32),
         cu_seqlens_k=tensor(cu_k, torch.int32),
         seq_lens=tensor(seq_lens, torch.int32),
-        max_seqlen_q=max(len(c.token_ids) for c in chunks),
+        max_seqlen_q=max(q_lens),
         max_seqlen_k=max(seq_lens),
         block_tables=tensor(tables, torch.int32),
         block_size=block_size,
-        has_skipped_slots=any(s < 0 for s in slots),
+        has_skipped_slots=skipped,
+        prefix_free=all(c.start == 0 for c in chunks),
     )
     return ModelInputs(
         input_ids=tensor(input_ids, torch.int64),

@@ -21,6 +21,7 @@ GPU_BACKENDS = ["triton", "flashinfer", "flash_attn"]
 HEADS = [(8, 8), (24, 8), (32, 8), (64, 8)]
 DECODE = ([1, 515, 2048, 4096, 17, 1000, 3333, 256], [1] * 8)
 PREFILL = ([1024, 700, 2048, 33], [1024, 200, 512, 1])  # plain, prefix + new, ...
+FRESH = ([1024, 700, 33, 1], [1024, 700, 33, 1])  # no cached prefix anywhere
 
 
 def _bring_up(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -38,12 +39,12 @@ def _bring_up(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> in
 @pytest.mark.parametrize("name", GPU_BACKENDS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.parametrize("phase", ["decode", "prefill", "fresh_prefill"])
 def test_backend_bf16_vs_fp32_reference(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, phase: str
 ) -> None:
     block_size = _bring_up(name, num_heads, num_kv_heads, head_dim)
-    seq_lens, q_lens = DECODE if phase == "decode" else PREFILL
+    seq_lens, q_lens = {"decode": DECODE, "prefill": PREFILL, "fresh_prefill": FRESH}[phase]
     case = make_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size,
                      torch.bfloat16, "cuda", seed=num_heads + head_dim)
     ref, _ = reference(case)
@@ -54,6 +55,10 @@ def test_backend_bf16_vs_fp32_reference(
     print(f"\nGPU-CHECK {name} {phase} H={num_heads} HKV={num_kv_heads} D={head_dim} "
           f"rel_err={err:.2e}")
     assert err < 1e-2
+    if name == "triton" and phase == "fresh_prefill":
+        assert case.metadata.prefix_free
+        # PyTorch's flash kernel ran (it is on every CUDA build of torch for sm80+)
+        assert backend.contiguous_prefill is True  # type: ignore[attr-defined]
 
 
 def _greedy(folder: Path, backend: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
