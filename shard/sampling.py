@@ -17,6 +17,8 @@ Pipeline per step (all rows at once, each with its own parameters):
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Iterator, Sequence
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -298,6 +300,12 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     return not params.do_sample and not has_penalty(params)
 
 
+@functools.cache
+def _greedy_kernel_ok() -> bool:
+    """Whether Triton imports (the greedy kernel's only need beyond CUDA)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None) -> SamplerOutput:
     """:func:`sample` for a batch whose rows are all :func:`is_plain_greedy` and ask for
     no alternatives: argmax, and its logprob as ``logit - logsumexp(logits)`` (no full
@@ -307,7 +315,15 @@ def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None) -> Sample
         logits: [batch, vocab] raw model logits.
         mask: as for :func:`sample` (the argmax is over the allowed tokens, the logprob
             under the unmasked distribution).
+
+    On CUDA without a mask, one Triton kernel reads the logits once
+    (:func:`shard.greedy_kernel.greedy`); this function's torch ops are its reference.
     """
+    if mask is None and logits.is_cuda and logits.stride(-1) == 1 and _greedy_kernel_ok():
+        from shard.greedy_kernel import greedy
+
+        token_ids, logprobs = greedy(logits)
+        return SamplerOutput(token_ids, logprobs, None, None)
     logits = logits.to(torch.float32)
     token_ids = logits.argmax(dim=-1) if mask is None else mask.argmax(logits)
     chosen = logits.gather(1, token_ids[:, None]).squeeze(1)

@@ -82,6 +82,7 @@ def capture_launches(run_wrappers: Any) -> list[Launch]:
 def _run_wrappers() -> None:
     from shard.attention.triton_backend import TritonAttentionBackend
     from shard.attention.triton_kernels import DecodeConfig, decode_attention, rope_write
+    from shard.greedy_kernel import greedy
     from shard.layers.silu_mul_kernel import silu_and_mul
     from tests.kernels.paged_cases import make_case, run_backend
 
@@ -100,6 +101,7 @@ def _run_wrappers() -> None:
         rope_write(qkv, 32, 8, cos, sin, case.cache.key, case.cache.value,
                    torch.tensor([0, 1]), *norms)
     silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf16))
+    greedy(torch.randn(2, 5000))
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_combine_kernel",
-           "_rope_write_kernel", "_silu_and_mul_kernel"]
+           "_rope_write_kernel", "_silu_and_mul_kernel", "_greedy_kernel"]
 
 
 def test_every_kernel_compiles_for_sm90() -> None:
