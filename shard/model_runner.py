@@ -215,10 +215,19 @@ class ModelRunner:
                                  self.device, self.config.world_size)
 
     def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
-        """The worst-case prefill and its sampling, through the bound cache."""
+        """The worst-case prefill and its sampling, through the bound cache; then the
+        second half of its first sequence again over the first half as a cached prefix,
+        so that both prefill attention paths (prefix-free and over a cached prefix, which
+        can be different kernels) are compiled and loaded before serving."""
         inputs, hidden = self.run_chunks(chunks, is_prefill=True)
         logits = self.model.compute_logits(hidden[inputs.last_token_indices])
         sample(logits, dummy_sampling_rows(len(chunks)))
+        first = chunks[0]
+        half = len(first.token_ids) // 2
+        if half:
+            self.run_chunks(
+                [SeqChunk(first.token_ids[half:], half, first.block_table)], is_prefill=True
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -69,7 +69,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# NOTE: stride_bt is the block-table width, which changes with the batch: specialized
+# (on divisibility by 16, or 1), each new width class would compile the kernel again in
+# the middle of serving, seconds after warm-up.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

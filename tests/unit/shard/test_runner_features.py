@@ -125,3 +125,21 @@ def test_warmup_sizes_cache_and_names_flags(llama) -> None:
     assert runner.num_blocks == 0
     with pytest.raises(KVCacheTooSmallError, match="max_total_tokens=200"):
         runner.warmup(max_batch_prefill_tokens=16, max_total_tokens=200)
+
+
+def test_warmup_runs_both_prefill_attention_paths(llama) -> None:  # type: ignore[no-untyped-def]
+    # A prefix-free prefill and one over a cached prefix can go to different kernels
+    # (flash varlen vs our paged kernel on CUDA): warm-up runs both, so neither is
+    # compiled in the middle of serving.
+    runner = make_runner(llama[0], warmup=False)
+    runs: list[list[tuple[int, int]]] = []
+    run_chunks = runner.run_chunks
+
+    def spy(chunks, is_prefill):  # type: ignore[no-untyped-def]
+        runs.append([(c.start, len(c.token_ids)) for c in chunks])
+        return run_chunks(chunks, is_prefill)
+
+    runner.run_chunks = spy  # type: ignore[method-assign]
+    runner.warmup(max_batch_prefill_tokens=64, max_total_tokens=40)
+    assert runs[0] == [(0, 40), (0, 24)]  # the worst-case prefill
+    assert [(20, 20)] in runs  # the first sequence's second half over its first half
