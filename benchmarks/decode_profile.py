@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: the kernels of ``ModelRunner.decode`` (CUDA graph
 replay, sampling, copies) under ``torch.profiler``, per step, at each batch size; with
-``--prefill SEQS LEN``, those of one prefill as well.
+``--prefill SEQS LEN``, those of one prefill as well (with the ``triton`` backend twice:
+the flash varlen path it takes for prompts with no cached prefix, then its paged kernel).
 
 A Qwen3-architecture config with Llama-3-8B dimensions (hidden 4096, 32 layers, 32/8
 heads, head dim 128, intermediate 14336, vocabulary 49152) and dummy bf16 weights; every
@@ -102,9 +103,10 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
     return "\n".join(_kernel_table(prof, steps, top, title)) + "\n"
 
 
-def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -> str:
+def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int,
+                    label: str = "") -> str:
     """Markdown: one prefill of ``seqs`` prompts of ``prompt_len`` tokens (best wall of
-    3, then profiled once) and its top kernels."""
+    3, then profiled once) and its top kernels; ``label`` is added to the title."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     walls = []
     for _ in range(3):
@@ -119,7 +121,7 @@ def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -
         sync()
     runner.clear_cache()
     tokens = seqs * prompt_len
-    title = (f"prefill, {seqs} × {prompt_len} tokens: {min(walls):.1f} ms wall, "
+    title = (f"prefill, {seqs} × {prompt_len} tokens{label}: {min(walls):.1f} ms wall, "
              f"{tokens / min(walls):.0f} tokens/ms")
     return "\n".join(_kernel_table(prof, 1, top, title)) + "\n"
 
@@ -157,6 +159,13 @@ def main() -> None:
             print(profile_batch(runner, batch, args.prompt_len, args.steps, args.top))
         if args.prefill:
             print(profile_prefill(runner, *args.prefill, args.top))
+            backend = runner.backend
+            if getattr(backend, "contiguous_prefill", None) is True:
+                # the same prefix-free prefill through our paged kernel, for comparison
+                backend.contiguous_prefill = False  # type: ignore[attr-defined]
+                print(profile_prefill(runner, *args.prefill, args.top,
+                                      label=" (paged prefill kernel)"))
+                backend.contiguous_prefill = True  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":
