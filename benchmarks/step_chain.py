@@ -10,7 +10,8 @@ while the device computes step k+1 (launched earlier). So the chain
 
 runs beside step k+1 on the device, and the device waits whenever the chain is longer:
 ``idle = launched(k+2) − ready(k+1)`` when positive. ``ready`` is when the shard's host saw
-step k's sampled ids, so it includes the wake-up of the waiting thread.
+step k's sampled ids, so it includes the wake-up of the waiting thread. Every point
+carries the router's step number (the shard echoes it in its Decode response).
 
     python benchmarks/step_chain.py TRACE_DIR [--min-size 200]
 """
@@ -66,20 +67,13 @@ def read_trace(folder: Path) -> tuple[dict[str, list[tuple[int, int, int]]], ...
 
 
 def step_times(router: dict, shard: dict) -> dict[str, dict[int, int]]:
-    """point → {step: ns}. ``ready`` and ``applied`` carry no step number: the i-th ready
-    is the i-th answer's step, the i-th applied the i-th recv's (both run in step order)."""
-    times = {
+    """point → {step: ns}. A step number seen twice (the router counts again from 1
+    after a failed step clears the shards' batches) keeps its latest time: trace one
+    run without failures."""
+    return {
         point: {step: ns for step, ns, _ in rows}
         for point, rows in {**router, **shard}.items()
-        if point not in ("ready", "applied")
     }
-    times["ready"] = {
-        step: ns for (step, *_), (_, ns, _) in zip(shard["answer"], shard["ready"], strict=False)
-    }
-    times["applied"] = {
-        step: ns for (step, *_), (_, ns, _) in zip(router["recv"], router["applied"], strict=False)
-    }
-    return times
 
 
 def hop_table(
@@ -117,8 +111,12 @@ def main() -> None:
     args = parser.parse_args()
     router, shard = read_trace(args.trace_dir)
     sizes = {step: size for step, _, size in router["send"]}
+    if not sizes:
+        raise SystemExit(f"no decode step in the trace of {args.trace_dir}")
     if args.max_size:
         sizes = {step: size for step, size in sizes.items() if size <= args.max_size}
+        if not sizes:
+            raise SystemExit(f"no decode step of at most {args.max_size} requests")
     min_size = args.min_size or int(0.9 * max(sizes.values()))
     print(f"decode steps of {min_size} to {max(sizes.values())} requests")
     times = step_times(router, shard)

@@ -105,7 +105,7 @@ class VirtualRunner:
     def finish_decode(self, pending: PendingDecode) -> StepOutput:
         assert isinstance(pending, _VirtualPending)
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
-        step_trace.mark("ready")
+        step_trace.mark("ready", pending.trace_step)
         ids = tuple(g.request_id for g in pending.tokens)
         return StepOutput(pending.tokens, CachedBatchInfo(pending.batch_id, ids),
                           int(self.step_s * 1e9))

@@ -434,7 +434,7 @@ class Engine:
         )
         self._apply(call.sampled, results)
         if call.kind == "decode":
-            step_trace.mark("applied")
+            step_trace.mark("applied", response.step)
 
     def _apply(self, sampled: list[tuple[Sequence, int]], results: StepResults) -> None:
         """Apply one call's tokens to the sequences they were sampled for."""

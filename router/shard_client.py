@@ -221,7 +221,8 @@ class ShardClient:
             remove_request_ids=remove_request_ids,
             step=next(self._steps),
         )
-        step_trace.mark("send", request.step, sum(len(b.request_ids) for b in batches))
+        if step_trace.enabled:
+            step_trace.mark("send", request.step, sum(len(b.request_ids) for b in batches))
         response = await self._step(
             "Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
         step_trace.mark("recv", request.step)

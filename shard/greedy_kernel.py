@@ -34,7 +34,10 @@ def _greedy_kernel(logits_ptr, ids_ptr, logprobs_ptr, stride_row, vocab,
         tile_max, tile_arg = tl.max(x, 0, return_indices=True,
                                     return_indices_tie_break_left=True)
         new_best = tl.maximum(best, tile_max)
-        total = total * tl.exp(best - new_best) + tl.sum(tl.exp(x - new_best), 0)
+        # rescale around a finite value: while every logit so far is -inf, exp(-inf -
+        # -inf) would be NaN (an all -inf row ends with logprob +inf)
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), 0)
         best_id = tl.where(tile_max > best, start + tile_arg, best_id)
         best = new_best
     tl.store(ids_ptr + row, best_id.to(tl.int64))
@@ -45,7 +48,8 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax and its log-probability per row.
 
     Args:
-        logits: [batch, vocab], float32/bfloat16/float16, last dim contiguous, finite.
+        logits: [batch, vocab], float32/bfloat16/float16, last dim contiguous; -inf
+            allowed (masked tokens), NaN not.
 
     Returns:
         (token ids [batch] int64, logprobs [batch] float32).

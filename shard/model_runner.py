@@ -215,13 +215,15 @@ class ModelRunner:
                                  self.device, self.config.world_size)
 
     def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
-        """The worst-case prefill and its sampling, through the bound cache; then the
-        second half of its first sequence again over the first half as a cached prefix,
-        so that both prefill attention paths (prefix-free and over a cached prefix, which
-        can be different kernels) are compiled and loaded before serving."""
+        """The worst-case prefill and its sampling (both samplers), through the bound
+        cache; then the second half of its first sequence again over the first half as
+        a cached prefix, so that both prefill attention paths (prefix-free and over a
+        cached prefix, which can be different kernels) are compiled and loaded before
+        serving."""
         inputs, hidden = self.run_chunks(chunks, is_prefill=True)
         logits = self.model.compute_logits(hidden[inputs.last_token_indices])
         sample(logits, dummy_sampling_rows(len(chunks)))
+        sample_greedy(logits)  # its kernel is compiled (or found unusable) here
         first = chunks[0]
         half = len(first.token_ids) // 2
         if half:
@@ -499,7 +501,7 @@ class ModelRunner:
                 raise RuntimeError("the previous decode step was not finished within 120 s")
             pending.previous = None  # let the chain of steps be freed
             tokens, logprobs, top_ids, top_lps = pending.host.wait()
-            step_trace.mark("ready")
+            step_trace.mark("ready", pending.trace_step)
             assert tokens is not None and logprobs is not None
             out = SamplerOutput(tokens, logprobs, top_ids, top_lps)
             requests = pending.requests

@@ -29,6 +29,7 @@ class PendingDecode:
         previous: the step launched before it (finished first, so that the tokens of
             a request are recorded in order).
         finished: set once :meth:`ModelRunner.finish_decode` has recorded the tokens.
+        trace_step: the router's step number, for :mod:`shard.step_trace` (-1: none).
     """
 
     batch_id: int
@@ -37,6 +38,7 @@ class PendingDecode:
     timer: StepTimer
     previous: PendingDecode | None = None
     finished: threading.Event = field(default_factory=threading.Event)
+    trace_step: int = -1
 
 
 class StepTimer:

@@ -175,12 +175,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         step_trace.mark("launched", request.step)
         if isinstance(launched, PendingDecode):
             pending = launched
+            pending.trace_step = request.step
             out = await self._run(
                 context, "Decode", lambda: self.runner.finish_decode(pending), locked=False
             )
         else:
             out = launched
         response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
+        response.step = request.step
         step_trace.mark("answer", request.step, out.forward_ns // 1000)
         return response
 

@@ -32,7 +32,8 @@ class AttentionMetadata:
         has_skipped_slots: whether ``slot_mapping`` has entries < 0 (known when it is
             built, so no backend has to look at the tensor).
         prefix_free: no sequence has a cached prefix (``cu_seqlens_k == cu_seqlens_q``:
-            every context is the step's own new tokens), known on the host.
+            every context is the step's own new tokens) and every new token is written
+            (no skipped slots), known on the host.
 
     What a backend derives from these once per step (host-side plans, index tensors)
     it derives in :meth:`~shard.attention.base.AttentionBackend.prepare`.

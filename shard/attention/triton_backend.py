@@ -108,7 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
         kern = self._kernels
         q = q if q.stride(-1) == 1 else q.contiguous()
         if metadata.is_prefill:
-            if (metadata.prefix_free and self.contiguous_prefill is not False
+            if (metadata.prefix_free and not metadata.has_skipped_slots
+                    and self.contiguous_prefill is not False
                     and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0):
                 flash = self._contiguous_prefill(q, kv_cache, metadata, scale)
                 if flash is not None:
@@ -145,7 +146,12 @@ class TritonAttentionBackend(AttentionBackend):
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; None when the kernel cannot
-            run here (the reason is logged once and :attr:`contiguous_prefill` turns False).
+            run here, which its first call tells (the reason is logged and
+            :attr:`contiguous_prefill` turns False).
+
+        Raises:
+            RuntimeError: the kernel failed after it had run before (out of memory, for
+                instance): a failure of this step, not of the path.
         """
         _, _, num_kv_heads, head_dim = kv_cache.key.shape
         slots = metadata.slot_mapping
@@ -158,6 +164,8 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale
             )[0]
         except (RuntimeError, NotImplementedError) as exc:
+            if self.contiguous_prefill is not None:
+                raise  # it ran before: a real failure of this step (e.g. out of memory)
             logger.warning("contiguous flash prefill unavailable, prefills use our Triton "
                            "kernel: {}", str(exc).splitlines()[0] if str(exc) else exc)
             self.contiguous_prefill = False

@@ -195,18 +195,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_appends: _Optional[_Iterable[_Union[BlockAppend, _Mapping]]] = ..., remove_request_ids: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings", "token_ids", "logprobs")
+    __slots__ = ("generations", "batch", "timings", "token_ids", "logprobs", "step")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     timings: Timings
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    step: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")

@@ -49,3 +49,14 @@ def test_a_strided_view_of_rows() -> None:
     view = buffer[:3, :250]
     ids, _ = greedy(view)
     assert torch.equal(ids, view.argmax(dim=-1))
+
+
+def test_minus_infinity_in_the_first_tiles() -> None:
+    # masked-out logits (-inf) filling whole tiles before the first finite one
+    logits = torch.randn(2, 3 * BLOCK, generator=torch.Generator().manual_seed(2))
+    logits[0, : 2 * BLOCK] = float("-inf")
+    logits[1, ::2] = float("-inf")
+    ids, logprobs = greedy(logits.to(DEVICE))
+    want_ids, want_logprobs = _reference(logits.to(DEVICE))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)

@@ -85,6 +85,10 @@ def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: 
     assert [size for _, _, size in router["send"]] == [4] * len(router["send"])
     assert len(shard["ready"]) == len(shard["answer"]) == len(router["send"])
     assert {us for _, _, us in shard["answer"]} == {5000}
+    steps = {step for step, _, _ in router["send"]}
+    for points, name in ((shard, "ready"), (shard, "answer"), (router, "recv"),
+                         (router, "applied")):
+        assert {step for step, _, _ in points[name]} == steps, name  # all numbered
     times = step_chain.step_times(router, shard)
     rows = step_chain.hop_table(times, {s: 4 for s in times["send"]}, 4, in_flight=1)
     hops = [values for _, values in rows[:6]]  # ready → answer → ... → launched
