@@ -7,8 +7,9 @@ appended to ``<dir>/<pid>.tsv`` every :data:`FLUSH_EVERY` marks and at exit. The
 ``CLOCK_MONOTONIC`` (:func:`time.monotonic_ns`), shared by the processes of one host, so
 the rows of the router and of the shards line up.
 
-Points (``step`` is the router's step number, :attr:`PrefillRequest.step`, or -1 where
-the process does not know it):
+Points (``step`` is the router's step number, :attr:`DecodeRequest.step`, which the
+shard echoes in its response; -1 for a step launched outside the servicer, as
+``ModelRunner.decode`` does):
 
 - router: ``send`` (a Decode is sent), ``recv`` (its response is read), ``applied``
   (its tokens are applied and the next step can be scheduled);
