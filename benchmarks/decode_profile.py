@@ -103,10 +103,9 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
     return "\n".join(_kernel_table(prof, steps, top, title)) + "\n"
 
 
-def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int,
-                    label: str = "") -> str:
+def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -> str:
     """Markdown: one prefill of ``seqs`` prompts of ``prompt_len`` tokens (best wall of
-    3, then profiled once) and its top kernels; ``label`` is added to the title."""
+    3, then profiled once) and its top kernels."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     walls = []
     for _ in range(3):
@@ -121,7 +120,7 @@ def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int,
         sync()
     runner.clear_cache()
     tokens = seqs * prompt_len
-    title = (f"prefill, {seqs} × {prompt_len} tokens{label}: {min(walls):.1f} ms wall, "
+    title = (f"prefill, {seqs} × {prompt_len} tokens: {min(walls):.1f} ms wall, "
              f"{tokens / min(walls):.0f} tokens/ms")
     return "\n".join(_kernel_table(prof, 1, top, title)) + "\n"
 
@@ -159,13 +158,6 @@ def main() -> None:
             print(profile_batch(runner, batch, args.prompt_len, args.steps, args.top))
         if args.prefill:
             print(profile_prefill(runner, *args.prefill, args.top))
-            backend = runner.backend
-            if getattr(backend, "contiguous_prefill", None) is True:
-                # the same prefix-free prefill through our paged kernel, for comparison
-                backend.contiguous_prefill = False  # type: ignore[attr-defined]
-                print(profile_prefill(runner, *args.prefill, args.top,
-                                      label=" (paged prefill kernel)"))
-                backend.contiguous_prefill = True  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

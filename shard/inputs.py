@@ -108,7 +108,6 @@ def build_inputs(
         block_tables=tensor(tables, torch.int32),
         block_size=block_size,
         has_skipped_slots=skipped,
-        prefix_free=not skipped and all(c.start == 0 for c in chunks),
     )
     return ModelInputs(
         input_ids=tensor(input_ids, torch.int64),

@@ -31,9 +31,6 @@ class AttentionMetadata:
             ``slot_mapping`` (python int).
         has_skipped_slots: whether ``slot_mapping`` has entries < 0 (known when it is
             built, so no backend has to look at the tensor).
-        prefix_free: no sequence has a cached prefix (``cu_seqlens_k == cu_seqlens_q``:
-            every context is the step's own new tokens) and every new token is written
-            (no skipped slots), known on the host.
 
     What a backend derives from these once per step (host-side plans, index tensors)
     it derives in :meth:`~shard.attention.base.AttentionBackend.prepare`.
@@ -49,7 +46,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     block_size: int
     has_skipped_slots: bool
-    prefix_free: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -9,7 +9,6 @@ from types import ModuleType
 from typing import ClassVar
 
 import torch
-from loguru import logger
 
 from shard.attention.base import AttentionBackend, AttentionSpec
 from shard.attention.metadata import AttentionMetadata
@@ -33,14 +32,6 @@ class TritonAttentionBackend(AttentionBackend):
     Prefill: :func:`~shard.attention.triton_kernels.prefill_attention`; decode:
     :func:`~shard.attention.triton_kernels.decode_attention`; both read every key from
     the paged cache after the new tokens are written by slot mapping.
-
-    A prefill with no cached prefix (:attr:`AttentionMetadata.prefix_free`, fp16/bf16)
-    runs instead through PyTorch's FlashAttention-2 varlen kernel (the one behind
-    ``scaled_dot_product_attention``) on the step's keys and values gathered contiguous
-    from the cache: on the H200 that kernel on contiguous KV takes 52 µs for a
-    1024-token sequence against 90 µs for ours on paged KV
-    (``benchmarks/results/attention-h200.md``). Where it cannot run, the first failure
-    is logged with its reason and our kernel serves every prefill after it.
     """
 
     name = "triton"
@@ -52,8 +43,6 @@ class TritonAttentionBackend(AttentionBackend):
         # NOTE: imported here, not at module import, so the registry imports without
         # Triton and TRITON_INTERPRET is read only when a backend is built.
         self._kernels = importlib.import_module("shard.attention.triton_kernels")
-        # None: not tried yet; False: failed once (reason logged), our kernel from then on
-        self.contiguous_prefill: bool | None = None
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
@@ -108,12 +97,6 @@ class TritonAttentionBackend(AttentionBackend):
         kern = self._kernels
         q = q if q.stride(-1) == 1 else q.contiguous()
         if metadata.is_prefill:
-            if (metadata.prefix_free and not metadata.has_skipped_slots
-                    and self.contiguous_prefill is not False
-                    and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0):
-                flash = self._contiguous_prefill(q, kv_cache, metadata, scale)
-                if flash is not None:
-                    return flash
             out: torch.Tensor = kern.prefill_attention(
                 q,
                 kv_cache.key,
@@ -134,41 +117,4 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_seqlen_k,
             scale,
         )
-        return out
-
-    def _contiguous_prefill(
-        self, q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
-    ) -> torch.Tensor | None:
-        """Causal varlen attention of a prefix-free prefill: keys and values gathered by
-        slot mapping ([num_tokens, num_kv_heads, head_dim], contiguous), then
-        FlashAttention-2 (Dao 2023) as ``torch.ops.aten._flash_attention_forward``, which
-        takes fewer KV heads than query heads (GQA) as they are.
-
-        Returns:
-            [num_tokens, num_heads, head_dim] in q's dtype; None when the kernel cannot
-            run here, which its first call tells (the reason is logged and
-            :attr:`contiguous_prefill` turns False).
-
-        Raises:
-            RuntimeError: the kernel failed after it had run before (out of memory, for
-                instance): a failure of this step, not of the path.
-        """
-        _, _, num_kv_heads, head_dim = kv_cache.key.shape
-        slots = metadata.slot_mapping
-        k = kv_cache.key.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-        v = kv_cache.value.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-        cu = metadata.cu_seqlens_q
-        longest = metadata.max_seqlen_q
-        try:
-            out: torch.Tensor = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale
-            )[0]
-        except (RuntimeError, NotImplementedError) as exc:
-            if self.contiguous_prefill is not None:
-                raise  # it ran before: a real failure of this step (e.g. out of memory)
-            logger.warning("contiguous flash prefill unavailable, prefills use our Triton "
-                           "kernel: {}", str(exc).splitlines()[0] if str(exc) else exc)
-            self.contiguous_prefill = False
-            return None
-        self.contiguous_prefill = True
         return out

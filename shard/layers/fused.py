@@ -10,6 +10,7 @@ the compiled versions are tested against, the same Python runs eagerly.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -55,6 +56,22 @@ class _CudaCompiled:
 
 def cuda_compiled(fn: F_) -> F_:
     return _CudaCompiled(fn)  # type: ignore[return-value]
+
+
+_KERNELS: dict[str, Any] = {}
+
+
+def triton_kernel(module: str, name: str) -> Any | None:
+    """``module.name`` (a function of one of our Triton kernel modules), or None when
+    Triton does not import. Imported on the first call, not at module import, so that
+    CPU-only installs never import Triton."""
+    key = f"{module}.{name}"
+    if key not in _KERNELS:
+        try:
+            _KERNELS[key] = getattr(importlib.import_module(module), name)
+        except ImportError:
+            _KERNELS[key] = None
+    return _KERNELS[key]
 
 
 @cuda_compiled

@@ -83,6 +83,7 @@ def _run_wrappers() -> None:
     from shard.attention.triton_backend import TritonAttentionBackend
     from shard.attention.triton_kernels import DecodeConfig, decode_attention, rope_write
     from shard.greedy_kernel import greedy
+    from shard.layers.rms_norm_kernel import add_rms_norm
     from shard.layers.silu_mul_kernel import silu_and_mul
     from tests.kernels.paged_cases import make_case, run_backend
 
@@ -101,6 +102,9 @@ def _run_wrappers() -> None:
         rope_write(qkv, 32, 8, cos, sin, case.cache.key, case.cache.value,
                    torch.tensor([0, 1]), *norms)
     silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf16))
+    rows = torch.randn(3, 4096, dtype=bf16)
+    for residual in (None, rows):
+        add_rms_norm(rows, residual, torch.ones(4096, dtype=bf16), 1e-5)
     greedy(torch.randn(2, 5000))
 
 

@@ -55,10 +55,6 @@ def test_backend_bf16_vs_fp32_reference(
     print(f"\nGPU-CHECK {name} {phase} H={num_heads} HKV={num_kv_heads} D={head_dim} "
           f"rel_err={err:.2e}")
     assert err < 1e-2
-    if name == "triton" and phase == "fresh_prefill":
-        assert case.metadata.prefix_free
-        # PyTorch's flash kernel ran (it is on every CUDA build of torch for sm80+)
-        assert backend.contiguous_prefill is True  # type: ignore[attr-defined]
 
 
 def _greedy(folder: Path, backend: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:

@@ -23,6 +23,7 @@ from shard.attention.triton_kernels import (
 from shard.layers import fused
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
+from shard.layers.rms_norm_kernel import add_rms_norm
 from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.models.config import RopeConfig
 from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
@@ -191,3 +192,35 @@ def test_silu_and_mul_kernel_matches_eager(num_tokens: int, d: int) -> None:
     assert got.shape == want.shape == (num_tokens, d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("hidden", [64, 1000, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_kernel_matches_eager(
+    num_tokens: int, hidden: int, dtype: torch.dtype, with_residual: bool
+) -> None:
+    gen = torch.Generator().manual_seed(hidden + num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    if with_residual:
+        got, total = add_rms_norm(x, residual, weight, 1e-5)
+        want, want_total = fused.add_rms_norm.eager(x, residual, weight, 1e-5)  # type: ignore[attr-defined]
+        assert total is not None
+        # the sum is one rounded add: exact, except that Triton's interpreter truncates
+        # float32 -> bfloat16 where the GPU rounds to nearest even (one ulp)
+        exact = dtype == torch.float32 or DEVICE == "cuda"
+        torch.testing.assert_close(total, want_total, rtol=0 if exact else 2**-7,
+                                   atol=0 if exact else 2**-7)
+    else:
+        got, total = add_rms_norm(x, None, weight, 1e-5)
+        want = fused.rms_norm.eager(x, weight, 1e-5)  # type: ignore[attr-defined]
+        assert total is None
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    # float32 sums in another order; in bfloat16 that can move a rounding by an ulp
+    # (2^-7 relative; the interpreter's truncation: up to two roundings, 2^-6)
+    bf16_tol = 2**-7 if DEVICE == "cuda" else 2**-5
+    tol = 1e-5 if dtype == torch.float32 else bf16_tol
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from shard.attention import AttentionSpec, get_backend_class, select_backend
-from shard.attention.metadata import AttentionMetadata
 from shard.attention.torch_backend import TorchAttentionBackend
 from shard.inputs import SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer
@@ -197,18 +196,3 @@ def test_each_step_is_prepared_before_its_forward(by_sequence: bool) -> None:
             values = cache.value.view(-1, HKV, D)[slots]
             ref = naive_attention(q[i : i + 1], keys, values, 0.3)
             torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=1e-5)
-
-
-def test_prefix_free_only_when_no_prefix_and_every_token_is_written() -> None:
-    # prefix_free lets a backend attend over the step's own K/V gathered by slot: never
-    # when a sequence has a cached prefix, nor when a recomputed token is not rewritten
-    # (prompt logprobs over a cached prefix: start 0, write_from 1, slot -1)
-    cpu = torch.device("cpu")
-
-    def meta(*chunks: SeqChunk) -> AttentionMetadata:
-        return build_inputs(list(chunks), 4, True, cpu).metadata
-
-    assert meta(SeqChunk([1, 2, 3], 0, [0]), SeqChunk([4], 0, [1])).prefix_free
-    assert not meta(SeqChunk([1, 2, 3], 0, [0]), SeqChunk([4], 2, [1])).prefix_free
-    skipped = meta(SeqChunk([1, 2, 3], 0, [0], write_from=1))
-    assert skipped.has_skipped_slots and not skipped.prefix_free

@@ -1,0 +1,192 @@
+"""Kernel choices at the shapes of the GPU benchmark's model, on one GPU. A script, not a
+test: prints markdown tables (device, versions, date).
+
+Two sweeps, both timed as CUDA-graph replays (median of CUDA-event timings), the way a
+server runs its decode step:
+
+- GEMMs: every projection of one decoder layer of the Llama-3-8B-shaped model
+  (``qkv``, ``o``, ``gate_up``, ``down``) and the LM head, at each ``--tokens`` count,
+  through cuBLAS and through cuBLASLt (``torch.backends.cuda.preferred_blas_library``).
+  Each graph runs ``--layers`` copies of the projection with distinct weights, so the
+  weights stream from HBM as in a real step (one layer's weights fit in L2; 32 do not).
+  Reported: µs per projection, weight bytes / time (TB/s), 2·M·N·K / time (TFLOP/s).
+- decode attention (:func:`shard.attention.triton_kernels.decode_attention`) at the
+  model's heads (32 query, 8 KV, head dim 128, bf16, block size 16) over
+  ``--decode-points`` (batch × context) for each tile / warps / stages configuration,
+  with the split count the server's graphs use (``max_seqlen_k`` = ``--max-seqlen``).
+
+Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
+       [--no-decode] [--decode-points 1x384 256x384 512x1100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shard.attention.triton_kernels import DecodeConfig, decode_attention
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 49152
+
+# (name, out_features N, in_features K)
+PROJECTIONS = [
+    ("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    ("o", HIDDEN, HEADS * HEAD_DIM),
+    ("gate_up", 2 * INTERMEDIATE, HIDDEN),
+    ("down", HIDDEN, INTERMEDIATE),
+    ("lm_head", VOCAB, HIDDEN),
+]
+
+
+def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median µs of one replay of ``fn`` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside capture (library handles, autotuning, Triton compiles)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(times)
+
+
+def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        F.linear(x, w)
+
+
+def gemm_sweep(tokens: list[int], layers: int) -> list[str]:
+    rows = ["| projection | tokens | cuBLAS µs | cuBLASLt µs | Lt / cuBLAS | best TB/s "
+            "| best TFLOP/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    totals: dict[tuple[int, str], float] = {}
+    for name, n, k in PROJECTIONS:
+        copies = 1 if name == "lm_head" else layers
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(copies)]
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            per_lib = {}
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+
+                run = functools.partial(_linears, x, weights)
+                per_lib[lib] = graph_time_us(run, reps=5 if m >= 4096 else 10) / copies
+                scale = 1 if name == "lm_head" else layers
+                totals[(m, lib)] = totals.get((m, lib), 0.0) + per_lib[lib] * scale
+            torch.backends.cuda.preferred_blas_library("cublas")
+            best = min(per_lib.values())
+            rows.append(
+                f"| {name} | {m} | {per_lib['cublas']:.1f} | {per_lib['cublaslt']:.1f} | "
+                f"{per_lib['cublaslt'] / per_lib['cublas']:.3f} | "
+                f"{n * k * 2 / best / 1e6:.2f} | {2 * m * n * k / best / 1e6:.0f} |")
+            del x
+        del weights
+        torch.cuda.empty_cache()
+    rows.append("")
+    rows.append(f"Whole step ({layers} layers + LM head), ms:")
+    rows.append("")
+    rows.append("| tokens | cuBLAS | cuBLASLt | Lt / cuBLAS |")
+    rows.append("|---:|---:|---:|---:|")
+    for m in tokens:
+        a, b = totals[(m, "cublas")] / 1e3, totals[(m, "cublaslt")] / 1e3
+        rows.append(f"| {m} | {a:.3f} | {b:.3f} | {b / a:.3f} |")
+    return rows
+
+
+def decode_sweep(points: list[tuple[int, int]], max_seqlen: int) -> list[str]:
+    block_size = 16
+    rows = ["| batch × ctx | block_n | warps | stages | target programs | splits | µs | KV TB/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch, ctx in points:
+        blocks_per_seq = -(-ctx // block_size)
+        width = -(-max_seqlen // block_size)
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+        key = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        value = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+        tables = torch.zeros(batch, width, device="cuda", dtype=torch.int32)
+        tables[:, :blocks_per_seq] = perm.view(batch, blocks_per_seq)
+        seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+        results = []
+        for block_n, warps, stages, target in itertools.product(
+                (32, 64, 128), (4, 8), (2, 3, 4), (132, 528, 2112)):
+            config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+                                  target_programs=target)
+
+            run = functools.partial(decode_attention, q, key, value, tables, seq_lens,
+                                    max_seqlen, HEAD_DIM ** -0.5, out=out, config=config)
+            try:
+                us = graph_time_us(run)
+            except Exception as exc:  # a config that does not compile is skipped, named
+                print(f"skipped {batch}x{ctx} {config}: {str(exc).splitlines()[0][:100]}")
+                continue
+            splits = max(1, min(-(-target // (batch * KV_HEADS)),
+                                -(-max_seqlen // block_n), config.max_splits))
+            results.append((us, block_n, warps, stages, target, splits))
+        results.sort()
+        default = DecodeConfig()
+        for us, block_n, warps, stages, target, splits in results[:6] + [
+                r for r in results if r[1:5] == (default.block_n, default.num_warps,
+                                                  default.num_stages,
+                                                  default.target_programs)]:
+            rows.append(f"| {batch} × {ctx} | {block_n} | {warps} | {stages} | {target} | "
+                        f"{splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} |")
+        del key, value
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 16384])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--no-gemm", action="store_true")
+    p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--decode-points", nargs="+", default=["1x384", "256x384", "512x1100"],
+                   help="BATCHxCONTEXT points of the decode sweep")
+    p.add_argument("--max-seqlen", type=int, default=4096,
+                   help="max_seqlen_k the server's graphs are captured with")
+    args = p.parse_args()
+    print(f"# kernel sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+          f"python {platform.python_version()}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}")
+    if not args.no_gemm:
+        print("\n## GEMMs\n")
+        print("\n".join(gemm_sweep(args.tokens, args.layers)), flush=True)
+    if not args.no_decode:
+        points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
+        print("\n## Decode attention (fastest six, then the default)\n")
+        print("\n".join(decode_sweep(points, args.max_seqlen)), flush=True)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""RMSNorm, with or without the residual add before it, as one Triton kernel (CUDA; the
+interpreter in tests).
+
+One program normalises one row held whole in registers: the row is read once and the
+sum (when there is a residual) and the normalised row written once. Inductor's compiled
+version of the same op (:func:`shard.layers.fused.add_rms_norm`, the reference) ran
+2.8 µs per call at one token on an H200, 178 µs of a 4.46 ms batch-1 decode step of an
+8B-shaped model (64 calls).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# rows longer than this fall back to the compiled op (every current model is shorter)
+MAX_HIDDEN = 32768
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    total_ptr,
+    stride_x,
+    stride_r,
+    stride_out,
+    stride_total,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # the sum rounded to the dtype, as the eager add rounds it
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(total_ptr + row * stride_total + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, 0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Hugging Face Llama's order: normalise in float32, cast to the dtype, then weight
+    normed = (h * inv_rms).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(dtype), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (Zhang & Sennrich 2019) of ``x + residual`` (of ``x`` when ``residual``
+    is None) with Hugging Face Llama's numerics; :func:`shard.layers.fused.add_rms_norm`
+    and :func:`shard.layers.fused.rms_norm` are the references.
+
+    Args:
+        x: [num_tokens, hidden], fp16/bf16/fp32, last dim contiguous, hidden <=
+            :data:`MAX_HIDDEN`.
+        residual: None or like ``x``.
+        weight: [hidden], contiguous.
+        eps: added to the mean square.
+
+    Returns:
+        (normalised row [num_tokens, hidden], the sum [num_tokens, hidden] or None
+        without a residual), x's dtype.
+    """
+    num_tokens, hidden = x.shape
+    assert x.stride(-1) == 1 and weight.is_contiguous(), "rows must be contiguous"
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else None
+    if num_tokens:
+        block = triton.next_power_of_2(hidden)
+        r = residual if residual is not None else x
+        t = total if total is not None else out
+        _rms_norm_kernel[(num_tokens,)](
+            x, r, weight, out, t, x.stride(0), r.stride(0), out.stride(0), t.stride(0),
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=max(1, min(16, block // 512)),
+        )
+    return out, total
