@@ -92,6 +92,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                          help="reuse KV blocks of identical prompt prefixes")
     budgets.add_argument("--chunked-prefill", default="on", choices=["on", "off"],
                          help="split long prompts over steps shared with decodes")
+    budgets.add_argument("--decode-during-prefill", default="on", choices=["on", "off"],
+                         help="on: a step that prefills newcomers also decodes the running "
+                         "batch; off: prefill first, the running batch decodes when nothing "
+                         "more can be admitted (more throughput for bursts, running streams "
+                         "pause during prefills)")
     budgets.add_argument("--steps-in-flight", type=int, default=defaults.steps_in_flight,
                          choices=[1, 2],
                          help="shard steps sent ahead of the one being read: 1, or 2 for "
@@ -323,7 +328,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         waiting_served_ratio=args.waiting_served_ratio,
         max_waiting_tokens=args.max_waiting_tokens,
         prefix_caching=args.prefix_caching == "on",
-        chunked_prefill=args.chunked_prefill == "on",
+        chunked_prefill=chunked,
+        decode_during_prefill=args.decode_during_prefill == "on",
         steps_in_flight=args.steps_in_flight,
     )
     limits = ValidationLimits(

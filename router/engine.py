@@ -345,6 +345,8 @@ class Engine:
         if chunks:
             sent.append(self._send_prefill(chunks))
         decoding = [seq for seq in self.scheduler.running if self._needs_step(seq)]
+        if chunks and not self.config.decode_during_prefill:
+            decoding = []  # prefill first: the running batch waits for this prefill
         if decoding:
             plan = self.scheduler.plan_decode(decoding)
             for seq in plan.preempted:

@@ -159,3 +159,52 @@ async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer, dept
         assert engine.kv_blocks_free == engine.block_manager.num_blocks
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize("decode_during_prefill", [True, False])
+async def test_prefill_first_holds_decodes_until_every_newcomer_is_prefilled(
+    tokenizer: Tokenizer, decode_during_prefill: bool
+) -> None:
+    shard = ScriptedShardClient(lambda _p: list(range(100, 110)))
+    calls: list[str] = []
+    prefill, decode = shard.prefill, shard.decode
+
+    async def recorded_prefill(batch: Any) -> Any:
+        calls.append("prefill")
+        await asyncio.sleep(0.002)
+        return await prefill(batch)
+
+    async def recorded_decode(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
+        calls.append("decode")
+        await asyncio.sleep(0.002)
+        return await decode(batches, block_appends, remove)
+
+    shard.prefill = recorded_prefill  # type: ignore[method-assign]
+    shard.decode = recorded_decode  # type: ignore[method-assign]
+    # one 3-token prompt per prefill step: three prefill steps for three requests
+    config = SchedulerConfig(max_input_tokens=4, max_total_tokens=64, max_batch_prefill_tokens=4,
+                             chunked_prefill=False, waiting_served_ratio=0,
+                             decode_during_prefill=decode_during_prefill)
+    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                    shard.block_size)
+    engine.start()
+    try:
+        seqs = [engine.submit(GenerationRequest((5, 6, i), SamplingParams(),
+                                                StoppingParams(max_new_tokens=6, ignore_eos=True)))
+                for i in range(3)]
+        for seq in seqs:
+            tokens = []
+            while len(tokens) < 6:
+                event = await seq.events.get()
+                assert isinstance(event, TokenEvent)
+                tokens.append(event.id)
+            assert tokens == list(range(100, 106))  # nothing lost or repeated either way
+    finally:
+        await engine.stop()
+    last_prefill = max(i for i, kind in enumerate(calls) if kind == "prefill")
+    assert calls.count("prefill") == 3
+    if decode_during_prefill:
+        # TGI's loop: every step that prefills also decodes those already running
+        assert calls[:2] == ["prefill", "decode"]
+    else:
+        assert "decode" not in calls[:last_prefill]
