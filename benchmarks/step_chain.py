@@ -54,7 +54,7 @@ def read_trace(folder: Path) -> tuple[dict[str, list[tuple[int, int, int]]], ...
     file comes first is the shard read."""
     processes = []
     for path in sorted(folder.glob("*.tsv")):
-        points: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        points: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
         for line in path.read_text().splitlines():
             point, step, ns, size = line.split("\t")
             points[point].append((int(step), int(ns), int(size)))
@@ -130,13 +130,18 @@ def main() -> None:
     rows.append(("shard forward (CUDA events around the step's kernels)", [
         forward[k] / 1e3 for k in forward if sizes.get(k, 0) >= min_size
     ]))
+    gaps = {step: us for step, _, us in shard.get("device_gap", [])}
+    rows.append(("device gap before the step (CUDA events: end of k−1 → start of k)", [
+        gaps[k] / 1e3 for k in gaps if sizes.get(k, 0) >= min_size
+        and sizes.get(k - 1, 0) >= min_size
+    ]))
     print("| hop | steps | p10 ms | p50 ms | p90 ms | mean ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, values in rows:
         mean = sum(values) / len(values) if values else float("nan")
         print(f"| {name} | {len(values)} | {percentile(values, 10):.3f} | "
               f"{percentile(values, 50):.3f} | {percentile(values, 90):.3f} | {mean:.3f} |")
-    period, forward_ms = rows[-2][1], rows[-1][1]
+    period, forward_ms = rows[-3][1], rows[-2][1]
     if period and forward_ms:
         share = 1 - (sum(forward_ms) / len(forward_ms)) / (sum(period) / len(period))
         print(f"\nrouter + gRPC share of the router's step period: {share:.1%} "

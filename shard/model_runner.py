@@ -498,9 +498,13 @@ class ModelRunner:
         try:
             if pending.previous is not None and not pending.previous.finished.wait(120.0):
                 raise RuntimeError("the previous decode step was not finished within 120 s")
-            pending.previous = None  # let the chain of steps be freed
+            previous, pending.previous = pending.previous, None  # let the chain be freed
             tokens, logprobs, top_ids, top_lps = pending.host.wait()
             step_trace.mark("ready", pending.trace_step)
+            if step_trace.enabled and previous is not None:
+                gap = pending.timer.gap_ns_after(previous.timer)
+                if gap is not None:
+                    step_trace.mark("device_gap", pending.trace_step, gap // 1000)
             assert tokens is not None and logprobs is not None
             out = SamplerOutput(tokens, logprobs, top_ids, top_lps)
             requests = pending.requests

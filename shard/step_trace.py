@@ -15,7 +15,9 @@ shard echoes in its response; -1 for a step launched outside the servicer, as
   (its tokens are applied and the next step can be scheduled);
 - shard: ``arrive`` (the Decode reaches the servicer), ``launched`` (its kernels are
   queued), ``ready`` (its sampled ids reached the host: the device finished it),
-  ``answer`` (its response is built).
+  ``answer`` (its response is built), ``device_gap`` (carries the device time in µs
+  between the end of the previous decode step's kernels and the start of this one's,
+  by CUDA events: idle, or a prefill).
 """
 
 from __future__ import annotations
