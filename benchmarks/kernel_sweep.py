@@ -117,6 +117,32 @@ def gemm_sweep(tokens: list[int], layers: int) -> list[str]:
     return rows
 
 
+def inductor_sweep(tokens: list[int], layers: int) -> list[str]:
+    """Each projection through Inductor's GEMM autotuning (its Triton templates against
+    cuBLAS, ``mode="max-autotune-no-cudagraphs"``), timed like :func:`gemm_sweep`."""
+    rows = ["| projection | tokens | cuBLAS µs | Inductor autotuned µs | ratio |",
+            "|---|---:|---:|---:|---:|"]
+    for name, n, k in PROJECTIONS[:4]:
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(layers)]
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tuned = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+            base = graph_time_us(functools.partial(_linears, x, weights)) / layers
+            auto = graph_time_us(functools.partial(_compiled_linears, tuned, x, weights)) / layers
+            rows.append(f"| {name} | {m} | {base:.1f} | {auto:.1f} | {auto / base:.3f} |")
+            torch._dynamo.reset()
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _compiled_linears(fn: Callable[..., torch.Tensor], x: torch.Tensor,
+                      weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        fn(x, w)
+
+
 def decode_sweep(points: list[tuple[int, int]], max_seqlen: int) -> list[str]:
     block_size = 16
     rows = ["| batch × ctx | block_n | warps | stages | target programs | splits | µs | KV TB/s |",
@@ -171,6 +197,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--no-gemm", action="store_true")
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--inductor", type=int, nargs="*", default=None, metavar="TOKENS",
+                   help="also autotune each projection with Inductor at these token counts")
     p.add_argument("--decode-points", nargs="+", default=["1x384", "256x384", "512x1100"],
                    help="BATCHxCONTEXT points of the decode sweep")
     p.add_argument("--max-seqlen", type=int, default=4096,
@@ -182,6 +210,9 @@ def main() -> None:
     if not args.no_gemm:
         print("\n## GEMMs\n")
         print("\n".join(gemm_sweep(args.tokens, args.layers)), flush=True)
+    if args.inductor:
+        print("\n## GEMMs: Inductor's autotuned Triton templates against cuBLAS\n")
+        print("\n".join(inductor_sweep(args.inductor, args.layers)), flush=True)
     if not args.no_decode:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")

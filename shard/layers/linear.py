@@ -109,33 +109,14 @@ def _check_divisible(value: int, tp: ParallelContext, what: str) -> None:
         raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}")
 
 
-# On CUDA, products of at most this many rows go through cuBLASLt rather than cuBLAS.
-# H200, Llama-3-8B shapes, one token, 32 layers in one CUDA graph
-# (benchmarks/kernel_sweep.py, 2026-12-02): 4.05 ms through cuBLASLt against 4.19 ms
-# (the down projection 32.5 against 36.4 us: no separate split-K reduction kernel);
-# at 256 and 512 rows cuBLASLt was 2-8% slower.
-LT_MAX_ROWS = 1
-
-
 def _matmul(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ weight.T + bias``, through the oneDNN-packed copy of ``weight`` when there is one
-    (see :func:`pack_cpu_weights`); on CUDA through cuBLASLt for at most
-    :data:`LT_MAX_ROWS` rows."""
+    (see :func:`pack_cpu_weights`)."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= LT_MAX_ROWS:
-        # NOTE: the library is a process-wide setting read when the product is issued (or
-        # captured into a CUDA graph); set around this one call and restored
-        backends = torch.backends.cuda
-        previous = backends.preferred_blas_library()
-        backends.preferred_blas_library("cublaslt")
-        try:
-            return F.linear(x, weight, bias)
-        finally:
-            backends.preferred_blas_library(previous)
     return F.linear(x, weight, bias)
 
 

@@ -40,15 +40,3 @@ def test_compiled_ops_match_eager(dtype: torch.dtype, num_tokens: int) -> None:
                     fused.apply_rotary.eager(q, k, cos, sin), strict=True):  # type: ignore[attr-defined]
         _close(a, b, dtype)
 
-
-def test_one_row_products_go_through_cublaslt_and_restore_the_library() -> None:
-    from shard.layers.linear import LT_MAX_ROWS, _matmul
-
-    torch.manual_seed(0)
-    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
-    before = torch.backends.cuda.preferred_blas_library()
-    for rows in (1, LT_MAX_ROWS, LT_MAX_ROWS + 1, 64):
-        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
-        got = _matmul(x, w, None, None)
-        _close(got, (x.float() @ w.float().T).to(torch.bfloat16), torch.bfloat16)
-        assert torch.backends.cuda.preferred_blas_library() == before

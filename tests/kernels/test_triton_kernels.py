@@ -22,8 +22,8 @@ from shard.attention.triton_kernels import (
 )
 from shard.layers import fused
 from shard.layers.norm import RMSNorm
-from shard.layers.rotary import RotaryEmbedding
 from shard.layers.rms_norm_kernel import add_rms_norm
+from shard.layers.rotary import RotaryEmbedding
 from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.models.config import RopeConfig
 from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
