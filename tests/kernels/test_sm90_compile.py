@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_combine_kernel",
-           "_rope_write_kernel", "_silu_and_mul_kernel", "_greedy_kernel"]
+           "_rope_write_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel", "_greedy_kernel"]
 
 
 def test_every_kernel_compiles_for_sm90() -> None:
@@ -30,3 +30,4 @@ def test_every_kernel_compiles_for_sm90() -> None:
     # both rope_write variants (with and without q/k norms), both decode paths
     assert result.stdout.count("compiled _rope_write_kernel") == 2
     assert result.stdout.count("compiled _decode_kernel") == 2
+    assert result.stdout.count("compiled _rms_norm_kernel") == 2  # with and without residual
