@@ -143,12 +143,17 @@ def _compiled_linears(fn: Callable[..., torch.Tensor], x: torch.Tensor,
         fn(x, w)
 
 
-def decode_sweep(points: list[tuple[int, int]], max_seqlen: int) -> list[str]:
-    block_size = 16
-    rows = ["| batch × ctx | block_n | warps | stages | target programs | splits | µs | KV TB/s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+# decode configurations swept: (block_n, num_warps, num_stages, target_programs)
+FULL_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (132, 528, 2112)))
+QUICK_GRID = list(itertools.product((64, 128), (4,), (3, 4), (528,)))
+
+
+def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: list[int],
+                 grid: list[tuple[int, ...]]) -> list[str]:
+    rows = ["| block size | batch × ctx | block_n | warps | stages | target programs | splits "
+            "| µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for batch, ctx in points:
+    for block_size, (batch, ctx) in itertools.product(block_sizes, points):
         blocks_per_seq = -(-ctx // block_size)
         width = -(-max_seqlen // block_size)
         num_blocks = batch * blocks_per_seq
@@ -163,8 +168,7 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int) -> list[str]:
         out = torch.empty_like(q)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         results = []
-        for block_n, warps, stages, target in itertools.product(
-                (32, 64, 128), (4, 8), (2, 3, 4), (132, 528, 2112)):
+        for block_n, warps, stages, target in grid:
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
                                   target_programs=target)
 
@@ -180,12 +184,13 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int) -> list[str]:
             results.append((us, block_n, warps, stages, target, splits))
         results.sort()
         default = DecodeConfig()
-        for us, block_n, warps, stages, target, splits in results[:6] + [
-                r for r in results if r[1:5] == (default.block_n, default.num_warps,
-                                                  default.num_stages,
-                                                  default.target_programs)]:
-            rows.append(f"| {batch} × {ctx} | {block_n} | {warps} | {stages} | {target} | "
-                        f"{splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} |")
+        defaults = [r for r in results if r[1:5] == (default.block_n, default.num_warps,
+                                                      default.num_stages,
+                                                      default.target_programs)]
+        shown = results[:6] + [r for r in defaults if r not in results[:6]]
+        for us, block_n, warps, stages, target, splits in shown:
+            rows.append(f"| {block_size} | {batch} × {ctx} | {block_n} | {warps} | {stages} | "
+                        f"{target} | {splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} |")
         del key, value
         torch.cuda.empty_cache()
     return rows
@@ -201,6 +206,10 @@ def main() -> None:
                    help="also autotune each projection with Inductor at these token counts")
     p.add_argument("--decode-points", nargs="+", default=["1x384", "256x384", "512x1100"],
                    help="BATCHxCONTEXT points of the decode sweep")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16],
+                   help="KV block sizes of the decode sweep")
+    p.add_argument("--quick-decode", action="store_true",
+                   help=f"only the decode configurations {QUICK_GRID}")
     p.add_argument("--max-seqlen", type=int, default=4096,
                    help="max_seqlen_k the server's graphs are captured with")
     args = p.parse_args()
@@ -216,7 +225,9 @@ def main() -> None:
     if not args.no_decode:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")
-        print("\n".join(decode_sweep(points, args.max_seqlen)), flush=True)  # type: ignore[arg-type]
+        grid = QUICK_GRID if args.quick_decode else FULL_GRID
+        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid)),  # type: ignore[arg-type]
+              flush=True)
 
 
 if __name__ == "__main__":
