@@ -95,8 +95,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     budgets.add_argument("--decode-during-prefill", default="on", choices=["on", "off"],
                          help="on: a step that prefills newcomers also decodes the running "
                          "batch; off: prefill first, the running batch decodes when nothing "
-                         "more can be admitted (more throughput for bursts, running streams "
-                         "pause during prefills)")
+                         "more can be admitted or after --max-waiting-tokens prefill steps "
+                         "in a row (running streams pause during prefills)")
     budgets.add_argument("--steps-in-flight", type=int, default=defaults.steps_in_flight,
                          choices=[1, 2],
                          help="shard steps sent ahead of the one being read: 1, or 2 for "

@@ -49,13 +49,14 @@ class SchedulerConfig:
             since the last prefill (TGI's meaning of both).
         prefix_caching: Reuse KV blocks of identical prompt prefixes.
         chunked_prefill: Split prompts longer than the prefill budget over several
-            steps that also decode the running batch.
+            steps (which also decode the running batch, unless
+            ``decode_during_prefill`` is off).
         decode_during_prefill: A step that prefills newcomers also decodes the running
             batch (TGI's loop). Off: prefill steps prefill only and the running batch
-            decodes once nothing more can be admitted (the prefill-first loop of vLLM's
-            V0 scheduler): fewer decode steps, each over a larger batch, so more
-            throughput when many prompts arrive at once, while running streams pause
-            for every prefill step.
+            decodes once nothing more can be admitted, or after ``max_waiting_tokens``
+            prefill steps in a row (the prefill-first loop of vLLM's V0 scheduler):
+            fewer decode steps, each over a larger batch, while running streams pause
+            for the prefill steps (a chunked prompt's chunks included).
         steps_in_flight: Shard steps sent ahead of the one whose tokens the router is
             reading (overlapped scheduling). 1: step N+1 is sent before step N's
             tokens are read, and a request that stops at step N leaves at N+1. 2 gives

@@ -132,6 +132,7 @@ class Engine:
         self._inflight: collections.deque[list[_InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result
         self._prefill_since_decode = False  # a prefill result came after it
+        self._held_decodes = 0  # prefill steps in a row that held the running batch
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -345,9 +346,15 @@ class Engine:
         if chunks:
             sent.append(self._send_prefill(chunks))
         decoding = [seq for seq in self.scheduler.running if self._needs_step(seq)]
-        if chunks and not self.config.decode_during_prefill:
-            decoding = []  # prefill first: the running batch waits for this prefill
+        if (chunks and decoding and not self.config.decode_during_prefill
+                and self._held_decodes < self.config.max_waiting_tokens):
+            # prefill first: the running batch waits for this prefill, up to
+            # max_waiting_tokens prefill steps in a row (newcomers that finish at their
+            # prefill would otherwise hold it forever)
+            decoding = []
+            self._held_decodes += 1
         if decoding:
+            self._held_decodes = 0
             plan = self.scheduler.plan_decode(decoding)
             for seq in plan.preempted:
                 logger.info("preempted request {} (out of KV blocks)", seq.id)

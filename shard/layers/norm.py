@@ -57,7 +57,9 @@ class RMSNorm(nn.Module):
             total = x + residual
             return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
         if (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype
-                and (residual is None or residual.stride(-1) == 1)
+                and (residual is None or (residual.stride(-1) == 1
+                                          and residual.dtype == x.dtype
+                                          and residual.shape == x.shape))
                 and x.shape[-1] <= _MAX_KERNEL_HIDDEN):
             kernel = fused.triton_kernel("shard.layers.rms_norm_kernel", "add_rms_norm")
             if kernel is not None:

@@ -208,3 +208,61 @@ async def test_prefill_first_holds_decodes_until_every_newcomer_is_prefilled(
         assert calls[:2] == ["prefill", "decode"]
     else:
         assert "decode" not in calls[:last_prefill]
+
+
+async def test_prefill_first_cannot_hold_the_running_batch_forever(tokenizer: Tokenizer) -> None:
+    # Newcomers that finish at their prefill (max_new_tokens=1) keep arriving: each step
+    # has someone to prefill, and admission never runs out. The running request still
+    # decodes, at least once every max_waiting_tokens prefill steps.
+    shard = ScriptedShardClient(lambda _p: list(range(100, 110)))
+    calls: list[str] = []
+    prefill, decode = shard.prefill, shard.decode
+
+    async def recorded_prefill(batch: Any) -> Any:
+        calls.append("prefill")
+        await asyncio.sleep(0.001)
+        return await prefill(batch)
+
+    async def recorded_decode(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
+        calls.append("decode")
+        await asyncio.sleep(0.001)
+        return await decode(batches, block_appends, remove)
+
+    shard.prefill = recorded_prefill  # type: ignore[method-assign]
+    shard.decode = recorded_decode  # type: ignore[method-assign]
+    config = SchedulerConfig(max_input_tokens=4, max_total_tokens=64, max_batch_prefill_tokens=4,
+                             chunked_prefill=False, waiting_served_ratio=0,
+                             max_waiting_tokens=3, decode_during_prefill=False)
+    engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
+                    shard.block_size)
+    engine.start()
+    stop = asyncio.Event()
+
+    async def feeder() -> None:
+        one_token = StoppingParams(max_new_tokens=1, ignore_eos=True)
+        while not stop.is_set():
+            if len(engine.scheduler.waiting) < 3:
+                engine.submit(GenerationRequest((7, 8, 9), SamplingParams(), one_token))
+            await asyncio.sleep(0)
+
+    try:
+        long = engine.submit(GenerationRequest((5, 6, 7), SamplingParams(),
+                                               StoppingParams(max_new_tokens=10,
+                                                              ignore_eos=True)))
+        feeding = asyncio.create_task(feeder())
+        tokens: list[int] = []
+        async with asyncio.timeout(20):
+            while len(tokens) < 10:
+                event = await long.events.get()
+                assert isinstance(event, TokenEvent)
+                tokens.append(event.id)
+        stop.set()
+        await feeding
+    finally:
+        stop.set()
+        await engine.stop()
+    assert tokens == list(range(100, 110))
+    # never more than max_waiting_tokens prefill-only steps between two decodes
+    runs = "".join("p" if kind == "prefill" else "d" for kind in calls).split("d")
+    assert max(len(run) for run in runs[1:-1]) <= 3 + 1  # + the step that also decodes
+    assert calls.count("prefill") > 9  # the newcomers were indeed prefilled meanwhile
