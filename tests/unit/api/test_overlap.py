@@ -161,26 +161,33 @@ async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer, dept
         await engine.stop()
 
 
-@pytest.mark.parametrize("decode_during_prefill", [True, False])
-async def test_prefill_first_holds_decodes_until_every_newcomer_is_prefilled(
-    tokenizer: Tokenizer, decode_during_prefill: bool
-) -> None:
-    shard = ScriptedShardClient(lambda _p: list(range(100, 110)))
+def _record_calls(shard: ScriptedShardClient) -> list[str]:
+    """Wraps the scripted shard: the kinds of its calls in order ("prefill", "decode"),
+    each taking a millisecond of "compute"."""
     calls: list[str] = []
     prefill, decode = shard.prefill, shard.decode
 
     async def recorded_prefill(batch: Any) -> Any:
         calls.append("prefill")
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.001)
         return await prefill(batch)
 
     async def recorded_decode(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
         calls.append("decode")
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.001)
         return await decode(batches, block_appends, remove)
 
     shard.prefill = recorded_prefill  # type: ignore[method-assign]
     shard.decode = recorded_decode  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("decode_during_prefill", [True, False])
+async def test_prefill_first_holds_decodes_until_every_newcomer_is_prefilled(
+    tokenizer: Tokenizer, decode_during_prefill: bool
+) -> None:
+    shard = ScriptedShardClient(lambda _p: list(range(100, 110)))
+    calls = _record_calls(shard)
     # one 3-token prompt per prefill step: three prefill steps for three requests
     config = SchedulerConfig(max_input_tokens=4, max_total_tokens=64, max_batch_prefill_tokens=4,
                              chunked_prefill=False, waiting_served_ratio=0,
@@ -215,21 +222,7 @@ async def test_prefill_first_cannot_hold_the_running_batch_forever(tokenizer: To
     # has someone to prefill, and admission never runs out. The running request still
     # decodes, at least once every max_waiting_tokens prefill steps.
     shard = ScriptedShardClient(lambda _p: list(range(100, 110)))
-    calls: list[str] = []
-    prefill, decode = shard.prefill, shard.decode
-
-    async def recorded_prefill(batch: Any) -> Any:
-        calls.append("prefill")
-        await asyncio.sleep(0.001)
-        return await prefill(batch)
-
-    async def recorded_decode(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
-        calls.append("decode")
-        await asyncio.sleep(0.001)
-        return await decode(batches, block_appends, remove)
-
-    shard.prefill = recorded_prefill  # type: ignore[method-assign]
-    shard.decode = recorded_decode  # type: ignore[method-assign]
+    calls = _record_calls(shard)
     config = SchedulerConfig(max_input_tokens=4, max_total_tokens=64, max_batch_prefill_tokens=4,
                              chunked_prefill=False, waiting_served_ratio=0,
                              max_waiting_tokens=3, decode_during_prefill=False)
