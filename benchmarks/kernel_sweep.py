@@ -15,8 +15,13 @@ server runs its decode step:
   ``--decode-points`` (batch × context) for each tile / warps / stages configuration,
   with the split count the server's graphs use (``max_seqlen_k`` = ``--max-seqlen``).
 
+- prefill attention (:func:`shard.attention.triton_kernels.prefill_attention`) at the
+  model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix) for
+  each tile / warps / stages configuration.
+
 Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
-       [--no-decode] [--decode-points 1x384 256x384 512x1100]
+       [--no-decode] [--decode-points 1x384 256x384 512x1100] [--quick-decode]
+       [--block-sizes 16 64] [--inductor 256] [--prefill-points 16x1024 4x4096]
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.attention.triton_kernels import DecodeConfig, decode_attention
+from shard.attention.triton_kernels import (
+    DecodeConfig,
+    PrefillConfig,
+    decode_attention,
+    prefill_attention,
+)
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 49152
 
@@ -196,6 +206,63 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
     return rows
 
 
+PREFILL_GRID = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
+
+
+PrefillArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    torch.Tensor, int, float]
+
+
+def prefill_case(batch: int, seq_len: int, block_size: int, device: str) -> PrefillArgs:
+    """Arguments of :func:`prefill_attention` for ``batch`` prompts of ``seq_len`` new
+    tokens each (no cached prefix) at the model's heads, bf16, blocks randomly permuted."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    key = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+    value = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
+    tables = tables.view(batch, blocks_per_seq)
+    cu_seqlens = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * seq_len
+    seq_lens = torch.full((batch,), seq_len, device=device, dtype=torch.int32)
+    q = torch.randn(batch * seq_len, HEADS, HEAD_DIM, device=device,
+                    generator=gen).to(torch.bfloat16)
+    return q, key, value, tables, cu_seqlens, seq_lens, seq_len, HEAD_DIM ** -0.5
+
+
+def prefill_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
+    rows = ["| batch × tokens | block_m | block_n | warps | stages | µs | TFLOP/s |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    default = PrefillConfig()
+    for batch, seq_len in points:
+        args = prefill_case(batch, seq_len, block_size, "cuda")
+        out = torch.empty_like(args[0])
+        # causal: half of the score matrix, two matmuls (QK^T and PV) of 2 flops a term
+        flops = 4 * batch * HEADS * HEAD_DIM * seq_len * (seq_len + 1) / 2
+        results = []
+        for block_m, block_n, warps, stages in PREFILL_GRID:
+            config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps,
+                                   num_stages=stages)
+            try:
+                us = graph_time_us(functools.partial(prefill_attention, *args, out=out,
+                                                     config=config), reps=5)
+            except Exception as exc:  # a config that does not compile is skipped, named
+                print(f"skipped {batch}x{seq_len} {config}: {str(exc).splitlines()[0][:100]}")
+                continue
+            results.append((us, block_m, block_n, warps, stages))
+        results.sort()
+        defaults = [r for r in results if r[1:] == (default.block_m, default.block_n,
+                                                    default.num_warps, default.num_stages)]
+        for us, block_m, block_n, warps, stages in results[:6] + [
+                r for r in defaults if r not in results[:6]]:
+            rows.append(f"| {batch} × {seq_len} | {block_m} | {block_n} | {warps} | {stages} | "
+                        f"{us:.1f} | {flops / us / 1e6:.0f} |")
+        del args, out
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 16384])
@@ -210,6 +277,9 @@ def main() -> None:
                    help="KV block sizes of the decode sweep")
     p.add_argument("--quick-decode", action="store_true",
                    help=f"only the decode configurations {QUICK_GRID}")
+    p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
+                   help="also sweep the prefill kernel's configurations at these points "
+                   "(e.g. 16x1024 4x4096)")
     p.add_argument("--max-seqlen", type=int, default=4096,
                    help="max_seqlen_k the server's graphs are captured with")
     args = p.parse_args()
@@ -222,6 +292,10 @@ def main() -> None:
     if args.inductor:
         print("\n## GEMMs: Inductor's autotuned Triton templates against cuBLAS\n")
         print("\n".join(inductor_sweep(args.inductor, args.layers)), flush=True)
+    if args.prefill_points:
+        points = [tuple(int(v) for v in s.split("x")) for s in args.prefill_points]
+        print("\n## Prefill attention (fastest six, then the default)\n")
+        print("\n".join(prefill_sweep(points, args.block_sizes[0])), flush=True)  # type: ignore[arg-type]
     if not args.no_decode:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")
