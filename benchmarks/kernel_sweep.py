@@ -21,7 +21,7 @@ server runs its decode step:
 
 Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
        [--no-decode] [--decode-points 1x384 256x384 512x1100] [--quick-decode]
-       [--block-sizes 16 64] [--inductor 256] [--prefill-points 16x1024 4x4096]
+       [--block-sizes 16 64] [--fused-combine] [--inductor 256] [--prefill-points 16x1024 4x4096]
 """
 
 from __future__ import annotations
@@ -159,9 +159,11 @@ QUICK_GRID = list(itertools.product((64, 128), (4,), (3, 4), (528,)))
 
 
 def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: list[int],
-                 grid: list[tuple[int, ...]]) -> list[str]:
+                 grid: list[tuple[int, ...]], fused: bool = False) -> list[str]:
+    """With ``fused`` each configuration also runs with its splits combined inside the
+    decode kernel (``counters``); its output is checked against the combine kernel's."""
     rows = ["| block size | batch × ctx | block_n | warps | stages | target programs | splits "
-            "| µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| combine | µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for block_size, (batch, ctx) in itertools.product(block_sizes, points):
         blocks_per_seq = -(-ctx // block_size)
@@ -177,13 +179,16 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+        want = decode_attention(q, key, value, tables, seq_lens, max_seqlen, HEAD_DIM ** -0.5)
+        counters = torch.zeros(batch * KV_HEADS, device="cuda", dtype=torch.int32)
         results = []
-        for block_n, warps, stages, target in grid:
+        for (block_n, warps, stages, target), fuse in itertools.product(
+                grid, (False, True) if fused else (False,)):
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
                                   target_programs=target)
-
             run = functools.partial(decode_attention, q, key, value, tables, seq_lens,
-                                    max_seqlen, HEAD_DIM ** -0.5, out=out, config=config)
+                                    max_seqlen, HEAD_DIM ** -0.5, out=out, config=config,
+                                    counters=counters if fuse else None)
             try:
                 us = graph_time_us(run)
             except Exception as exc:  # a config that does not compile is skipped, named
@@ -191,16 +196,22 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
                 continue
             splits = max(1, min(-(-target // (batch * KV_HEADS)),
                                 -(-max_seqlen // block_n), config.max_splits))
-            results.append((us, block_n, warps, stages, target, splits))
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            if not err < 1e-2 or counters.any():
+                print(f"MISMATCH {batch}x{ctx} {config} fused={fuse}: rel err {err:.2e}, "
+                      f"counters left {int(counters.count_nonzero())}")
+            results.append((us, block_n, warps, stages, target, splits,
+                            "in-kernel" if fuse and splits > 1 else "kernel"))
         results.sort()
         default = DecodeConfig()
         defaults = [r for r in results if r[1:5] == (default.block_n, default.num_warps,
                                                       default.num_stages,
                                                       default.target_programs)]
         shown = results[:6] + [r for r in defaults if r not in results[:6]]
-        for us, block_n, warps, stages, target, splits in shown:
+        for us, block_n, warps, stages, target, splits, combine in shown:
             rows.append(f"| {block_size} | {batch} × {ctx} | {block_n} | {warps} | {stages} | "
-                        f"{target} | {splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} |")
+                        f"{target} | {splits} | {combine} | {us:.1f} | "
+                        f"{kv_bytes / us / 1e6:.2f} |")
         del key, value
         torch.cuda.empty_cache()
     return rows
@@ -275,6 +286,8 @@ def main() -> None:
                    help="BATCHxCONTEXT points of the decode sweep")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16],
                    help="KV block sizes of the decode sweep")
+    p.add_argument("--fused-combine", action="store_true",
+                   help="decode sweep: also combine the splits inside the decode kernel")
     p.add_argument("--quick-decode", action="store_true",
                    help=f"only the decode configurations {QUICK_GRID}")
     p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
@@ -300,8 +313,8 @@ def main() -> None:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")
         grid = QUICK_GRID if args.quick_decode else FULL_GRID
-        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid)),  # type: ignore[arg-type]
-              flush=True)
+        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid,  # type: ignore[arg-type]
+                                      args.fused_combine)), flush=True)
 
 
 if __name__ == "__main__":
