@@ -47,6 +47,7 @@ from shard.attention.triton_kernels import (
     decode_attention,
     prefill_attention,
 )
+from tests.kernels.paged_cases import make_case
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 49152
 
@@ -61,7 +62,10 @@ PROJECTIONS = [
 
 
 def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
-    """Median µs of one replay of ``fn`` captured in a CUDA graph."""
+    """Median µs of one replay of ``fn`` captured in a CUDA graph. Unlike
+    ``benchmarks/attention.py``'s ``bench`` it does not flush L2 between replays: the
+    GEMM sweep streams its weights through distinct copies, and it times a fixed
+    number of replays of graphs that can take a third of a second."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -164,19 +168,11 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
     decode kernel (``counters``); its output is checked against the combine kernel's."""
     rows = ["| block size | batch × ctx | block_n | warps | stages | target programs | splits "
             "| combine | µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
     for block_size, (batch, ctx) in itertools.product(block_sizes, points):
-        blocks_per_seq = -(-ctx // block_size)
-        width = -(-max_seqlen // block_size)
-        num_blocks = batch * blocks_per_seq
-        shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
-        key = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-        value = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-        perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-        tables = torch.zeros(batch, width, device="cuda", dtype=torch.int32)
-        tables[:, :blocks_per_seq] = perm.view(batch, blocks_per_seq)
-        seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
+                         torch.bfloat16, "cuda", spare_blocks=0)
+        q, key, value = case.q, case.cache.key, case.cache.value
+        tables, seq_lens = case.metadata.block_tables, case.metadata.seq_lens
         out = torch.empty_like(q)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         want = decode_attention(q, key, value, tables, seq_lens, max_seqlen, HEAD_DIM ** -0.5)
@@ -212,7 +208,7 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
             rows.append(f"| {block_size} | {batch} × {ctx} | {block_n} | {warps} | {stages} | "
                         f"{target} | {splits} | {combine} | {us:.1f} | "
                         f"{kv_bytes / us / 1e6:.2f} |")
-        del key, value
+        del case, key, value
         torch.cuda.empty_cache()
     return rows
 
@@ -220,35 +216,17 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
 PREFILL_GRID = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
 
 
-PrefillArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                    torch.Tensor, int, float]
-
-
-def prefill_case(batch: int, seq_len: int, block_size: int, device: str) -> PrefillArgs:
-    """Arguments of :func:`prefill_attention` for ``batch`` prompts of ``seq_len`` new
-    tokens each (no cached prefix) at the model's heads, bf16, blocks randomly permuted."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    blocks_per_seq = -(-seq_len // block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
-    key = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
-    value = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
-    tables = tables.view(batch, blocks_per_seq)
-    cu_seqlens = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * seq_len
-    seq_lens = torch.full((batch,), seq_len, device=device, dtype=torch.int32)
-    q = torch.randn(batch * seq_len, HEADS, HEAD_DIM, device=device,
-                    generator=gen).to(torch.bfloat16)
-    return q, key, value, tables, cu_seqlens, seq_lens, seq_len, HEAD_DIM ** -0.5
-
-
 def prefill_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
     rows = ["| batch × tokens | block_m | block_n | warps | stages | µs | TFLOP/s |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     default = PrefillConfig()
     for batch, seq_len in points:
-        args = prefill_case(batch, seq_len, block_size, "cuda")
-        out = torch.empty_like(args[0])
+        case = make_case([seq_len] * batch, [seq_len] * batch, HEADS, KV_HEADS, HEAD_DIM,
+                         block_size, torch.bfloat16, "cuda", spare_blocks=0)
+        md = case.metadata
+        args = (case.q, case.cache.key, case.cache.value, md.block_tables, md.cu_seqlens_q,
+                md.seq_lens, md.max_seqlen_q, case.scale)
+        out = torch.empty_like(case.q)
         # causal: half of the score matrix, two matmuls (QK^T and PV) of 2 flops a term
         flops = 4 * batch * HEADS * HEAD_DIM * seq_len * (seq_len + 1) / 2
         results = []
@@ -269,7 +247,7 @@ def prefill_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
                 r for r in defaults if r not in results[:6]]:
             rows.append(f"| {batch} × {seq_len} | {block_m} | {block_n} | {warps} | {stages} | "
                         f"{us:.1f} | {flops / us / 1e6:.0f} |")
-        del args, out
+        del case, args, out
         torch.cuda.empty_cache()
     return rows
 

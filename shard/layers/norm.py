@@ -11,9 +11,6 @@ from torch import nn
 from shard.layers import fused
 from shard.layers.linear import default_weight_loader, set_weight_loader
 
-# rows our Triton kernel holds in registers (shard.layers.rms_norm_kernel.MAX_HIDDEN)
-_MAX_KERNEL_HIDDEN = 32768
-
 
 class RMSNorm(nn.Module):
     """``y = weight * (x / sqrt(mean(x^2) + eps))``, computed in float32 and cast back
@@ -46,9 +43,8 @@ class RMSNorm(nn.Module):
 
         With ``residual`` (same shape and dtype) the residual add comes first and its
         sum is returned too: ``(norm(x + residual), x + residual)``, one kernel on CUDA
-        (our Triton kernel, :mod:`shard.layers.rms_norm_kernel`, for [num_tokens,
-        hidden] rows of the weight's dtype; else the op compiled in
-        :mod:`shard.layers.fused`).
+        (our Triton kernel, :mod:`shard.layers.rms_norm_kernel`, for the rows it takes;
+        else the op compiled in :mod:`shard.layers.fused`).
         """
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not x.is_cuda:
             # one fused op; with nothing to cast it is the same arithmetic as rms_norm
@@ -56,14 +52,11 @@ class RMSNorm(nn.Module):
                 return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
             total = x + residual
             return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
-        if (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype
-                and (residual is None or (residual.stride(-1) == 1
-                                          and residual.dtype == x.dtype
-                                          and residual.shape == x.shape))
-                and x.shape[-1] <= _MAX_KERNEL_HIDDEN):
+        if x.is_cuda:
             kernel = fused.triton_kernel("shard.layers.rms_norm_kernel", "add_rms_norm")
-            if kernel is not None:
-                out, total = kernel(x, residual, self.weight, self.eps)
+            result = kernel(x, residual, self.weight, self.eps) if kernel is not None else None
+            if result is not None:  # None: rows the kernel does not take
+                out, total = result
                 return out if total is None else (out, total)
         if residual is None:
             return fused.rms_norm(x, self.weight, self.eps)

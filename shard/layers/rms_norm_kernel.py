@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-# rows longer than this fall back to the compiled op (every current model is shorter)
+# longer rows are left to the compiled op (every current model's are shorter)
 MAX_HIDDEN = 32768
 
 
@@ -54,7 +54,7 @@ def _rms_norm_kernel(
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """RMSNorm (Zhang & Sennrich 2019) of ``x + residual`` (of ``x`` when ``residual``
     is None) with Hugging Face Llama's numerics; :func:`shard.layers.fused.add_rms_norm`
     and :func:`shard.layers.fused.rms_norm` are the references.
@@ -62,16 +62,22 @@ def add_rms_norm(
     Args:
         x: [num_tokens, hidden], fp16/bf16/fp32, last dim contiguous, hidden <=
             :data:`MAX_HIDDEN`.
-        residual: None or like ``x``.
-        weight: [hidden], contiguous.
+        residual: None, or x's shape and dtype with a contiguous last dim.
+        weight: [hidden], x's dtype, contiguous.
         eps: added to the mean square.
 
     Returns:
         (normalised row [num_tokens, hidden], the sum [num_tokens, hidden] or None
-        without a residual), x's dtype.
+        without a residual), x's dtype; None when the inputs are not as above (the
+        caller runs the reference instead).
     """
+    if (x.dim() != 2 or x.stride(-1) != 1 or x.shape[-1] > MAX_HIDDEN
+            or weight.dtype != x.dtype or not weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape
+                                          or residual.dtype != x.dtype
+                                          or residual.stride(-1) != 1))):
+        return None
     num_tokens, hidden = x.shape
-    assert x.stride(-1) == 1 and weight.is_contiguous(), "rows must be contiguous"
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else None
     if num_tokens:

@@ -39,4 +39,3 @@ def test_compiled_ops_match_eager(dtype: torch.dtype, num_tokens: int) -> None:
     for a, b in zip(fused.apply_rotary(q, k, cos, sin),
                     fused.apply_rotary.eager(q, k, cos, sin), strict=True):  # type: ignore[attr-defined]
         _close(a, b, dtype)
-

@@ -199,7 +199,6 @@ def test_silu_and_mul_kernel_matches_eager(num_tokens: int, d: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("num_tokens", [1, 5])
 @pytest.mark.parametrize("hidden", [64, 1000, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -212,7 +211,9 @@ def test_rms_norm_kernel_matches_eager(
     residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(DEVICE)
     if with_residual:
-        got, total = add_rms_norm(x, residual, weight, 1e-5)
+        result = add_rms_norm(x, residual, weight, 1e-5)
+        assert result is not None
+        got, total = result
         want, want_total = fused.add_rms_norm.eager(x, residual, weight, 1e-5)  # type: ignore[attr-defined]
         assert total is not None
         # the sum is one rounded add: exact, except that Triton's interpreter truncates
@@ -221,7 +222,9 @@ def test_rms_norm_kernel_matches_eager(
         torch.testing.assert_close(total, want_total, rtol=0 if exact else 2**-7,
                                    atol=0 if exact else 2**-7)
     else:
-        got, total = add_rms_norm(x, None, weight, 1e-5)
+        result = add_rms_norm(x, None, weight, 1e-5)
+        assert result is not None
+        got, total = result
         want = fused.rms_norm.eager(x, weight, 1e-5)  # type: ignore[attr-defined]
         assert total is None
     assert got.dtype == want.dtype == dtype and got.shape == want.shape
@@ -230,3 +233,17 @@ def test_rms_norm_kernel_matches_eager(
     bf16_tol = 2**-7 if DEVICE == "cuda" else 2**-5
     tol = 1e-5 if dtype == torch.float32 else bf16_tol
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_rms_norm_kernel_declines_rows_it_does_not_take() -> None:
+    # None sends RMSNorm to the compiled reference: never a wrong or partial result
+    x = torch.randn(3, 64).to(DEVICE)
+    weight = torch.ones(64).to(DEVICE)
+    assert add_rms_norm(x, None, weight, 1e-5) is not None
+    assert add_rms_norm(x.view(3, 8, 8), None, weight[:8], 1e-5) is None  # per-head rows
+    assert add_rms_norm(x, None, weight.to(torch.bfloat16), 1e-5) is None  # weight dtype
+    assert add_rms_norm(x, x.to(torch.bfloat16), weight, 1e-5) is None  # residual dtype
+    assert add_rms_norm(x, x[:2], weight, 1e-5) is None  # residual shape
+    assert add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None  # strided rows
+    wide = torch.randn(1, 32768 * 2).to(DEVICE)
+    assert add_rms_norm(wide, None, torch.ones(32768 * 2).to(DEVICE), 1e-5) is None

@@ -137,7 +137,8 @@ def _decode_kernel(
     else:
         # partials: part_out [batch, num_heads, num_splits, D_PAD], part_lse [batch, num_heads,
         # num_splits]; rows are (batch, head) flattened, contiguous.
-        row = b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads
+        first_row = b.to(tl.int64) * (GROUP * tl.num_programs(1)) + kvh * GROUP
+        row = first_row + g
         part = part_out_ptr + (row[:, None] * num_splits + split) * D_PAD + d[None, :]
         tl.store(part, o, mask=omask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
@@ -148,9 +149,8 @@ def _decode_kernel(
             counter = counters_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
                 for gi in tl.static_range(GROUP):
-                    _combine_row(part_out_ptr, part_lse_ptr, out_ptr,
-                                 b.to(tl.int64) * (GROUP * tl.num_programs(1)) + kvh * GROUP + gi,
-                                 b, kvh * GROUP + gi, num_splits, stride_ot, stride_oh,
+                    _combine_row(part_out_ptr, part_lse_ptr, out_ptr, first_row + gi, b,
+                                 kvh * GROUP + gi, num_splits, stride_ot, stride_oh,
                                  HEAD_DIM, D_PAD, SPLITS_PAD, ".cg")
                 tl.store(counter, 0)  # zero again for the next launch
 
