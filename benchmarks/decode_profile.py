@@ -10,11 +10,13 @@ step (wall, host included) and the kernels sorted by GPU time per step, as markd
 
     python benchmarks/decode_profile.py --batch 1 256 --top 20 --prefill 16 1024
     python benchmarks/decode_profile.py --device cpu --small --batch 1 4   # logic check
+    python benchmarks/decode_profile.py --batch 1 8 --no-skinny   # A/B: cuBLAS at 1-16
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -30,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
 from shard.config import ShardConfig
+from shard.layers import fused
+from shard.layers.linear import SKINNY
 from shard.model_runner import ModelRunner
 from shard.records import PrefillBatch, RequestInput
 from shard.sampling_types import SamplingParams
@@ -137,7 +141,17 @@ def main() -> None:
     p.add_argument("--cuda-graphs", default="auto")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
+    p.add_argument("--no-skinny", action="store_true",
+                   help="without the skinny GEMM kernels (cuBLAS and the separate norm and "
+                   "activation kernels at every batch size), for A/B")
     args = p.parse_args()
+    with contextlib.ExitStack() as stack:
+        if args.no_skinny:
+            stack.enter_context(fused.triton_kernels_disabled(SKINNY))
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         shape = {**QWEN3_8B_SHAPE, **SMALL, "architectures": ["Qwen3ForCausalLM"],
                  "model_type": "qwen3"} if args.small else QWEN3_8B_SHAPE
@@ -152,7 +166,8 @@ def main() -> None:
         runner.warmup(max(8192, prefill_tokens), 8192, max(args.batch))
         device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         print(f"# decode step kernels, {device}, torch "
-              f"{torch.__version__}, backend {runner.backend.name}, "
+              f"{torch.__version__}, backend {runner.backend.name}, skinny GEMM kernels "
+              f"{'off' if args.no_skinny else 'on'}, "
               f"{time.strftime('%Y-%m-%d')}\n")
         for batch in args.batch:
             print(profile_batch(runner, batch, args.prompt_len, args.steps, args.top))

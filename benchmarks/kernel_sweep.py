@@ -15,6 +15,10 @@ server runs its decode step:
   ``--decode-points`` (batch × context) for each tile / warps / stages configuration,
   with the split count the server's graphs use (``max_seqlen_k`` = ``--max-seqlen``).
 
+- skinny GEMMs (``--skinny``): :func:`shard.layers.skinny_gemm_kernel.skinny_linear`
+  against cuBLAS at up to 16 tokens, per projection over a grid of tiles, warps and
+  stages, then a chain of one layer's four projections over the layers.
+
 - prefill attention (:func:`shard.attention.triton_kernels.prefill_attention`) at the
   model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix) for
   each tile / warps / stages configuration.
@@ -22,6 +26,7 @@ server runs its decode step:
 Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
        [--no-decode] [--decode-points 1x384 256x384 512x1100] [--quick-decode]
        [--block-sizes 16 64] [--fused-combine] [--inductor 256] [--prefill-points 16x1024 4x4096]
+       [--skinny 1 4 16]
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ from shard.attention.triton_kernels import (
     PrefillConfig,
     decode_attention,
     prefill_attention,
+)
+from shard.layers.rms_norm_kernel import add_rms_norm
+from shard.layers.silu_mul_kernel import silu_and_mul
+from shard.layers.skinny_gemm_kernel import (
+    MAX_ROWS,
+    SkinnyConfig,
+    default_config,
+    skinny_linear,
 )
 from tests.kernels.paged_cases import make_case
 
@@ -155,6 +168,107 @@ def _compiled_linears(fn: Callable[..., torch.Tensor], x: torch.Tensor,
                       weights: list[torch.Tensor]) -> None:
     for w in weights:
         fn(x, w)
+
+
+SKINNY_GRID = [SkinnyConfig(*c) for c in itertools.product((16, 32, 64), (128, 256, 512),
+                                                            (4, 8), (3, 4, 5))]
+
+
+def _skinny_linears(x: torch.Tensor, weights: list[torch.Tensor],
+                    config: SkinnyConfig | None) -> None:
+    for w in weights:
+        skinny_linear(x, w, None, config)
+
+
+def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
+    """:func:`shard.layers.skinny_gemm_kernel.skinny_linear` against cuBLAS for each
+    projection at each token count (<= ``MAX_ROWS``) over :data:`SKINNY_GRID`, timed like
+    :func:`gemm_sweep`; then one decoder layer's four projections chained ``layers``
+    times (the step's order of weights), cuBLAS against the best configuration of each."""
+    rows = ["| projection | tokens | cuBLAS µs | default µs | best µs | best config "
+            "(block_n, block_k, warps, stages) | best TB/s | best / cuBLAS |",
+            "|---|---:|---:|---:|---:|---|---:|---:|"]
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                      for _ in range(1 if name == "lm_head" else layers)]
+               for name, n, k in PROJECTIONS}
+    best_config: dict[tuple[str, int], SkinnyConfig] = {}
+    for (name, n, k), m in itertools.product(PROJECTIONS, [t for t in tokens if t <= MAX_ROWS]):
+        ws = weights[name]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x, ws[0]).float()
+        base = graph_time_us(functools.partial(_linears, x, ws)) / len(ws)
+        results = []
+        for config in SKINNY_GRID:
+            try:
+                got = skinny_linear(x, ws[0], None, config).float()  # type: ignore[union-attr]
+                us = graph_time_us(functools.partial(_skinny_linears, x, ws, config)) / len(ws)
+            except Exception as exc:  # a config that does not compile is skipped, named
+                print(f"skipped {name} {m} {config}: {str(exc).splitlines()[0][:100]}")
+                continue
+            err = ((got - want).norm() / want.norm()).item()
+            if not err < 1e-2:
+                print(f"MISMATCH {name} {m} {config}: rel err {err:.2e}")
+            results.append((us, config))
+        results.sort()
+        us, config = results[0]
+        best_config[(name, m)] = config
+        default = next(t for t, c in results if c == default_config(n, k))
+        rows.append(f"| {name} | {m} | {base:.1f} | {default:.1f} | {us:.1f} | "
+                    f"{tuple(config)} | {n * k * 2 / us / 1e6:.2f} | {us / base:.3f} |")
+    rows += ["", f"One layer's qkv, o, gate_up, down chained over {layers} layers (ms):", "",
+             "| tokens | cuBLAS | skinny, best configs | skinny, default configs | best / cuBLAS |",
+             "|---:|---:|---:|---:|---:|"]
+    layer_rows: list[str] = []
+    for m in [t for t in tokens if t <= MAX_ROWS]:
+        xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+              for name, _, k in PROJECTIONS}
+        best = {name: best_config[(name, m)] for name, _, _ in PROJECTIONS[:4]}
+        a, b, c = (graph_time_us(functools.partial(_chain, xs, weights, layers, configs,
+                                                   skinny)) / 1e3
+                   for configs, skinny in ((None, False), (best, True), (None, True)))
+        rows.append(f"| {m} | {a:.3f} | {b:.3f} | {c:.3f} | {b / a:.3f} |")
+        inputs = (xs["qkv"], torch.randn_like(xs["qkv"]),
+                  torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16), xs["o"])
+        layer_weights = {name: weights[name] for name, _, _ in PROJECTIONS[:4]}
+        before, now = (graph_time_us(functools.partial(_layer_ops, inputs, layer_weights,
+                                                       skinny)) / 1e3 for skinny in (False, True))
+        layer_rows.append(f"| {m} | {before:.3f} | {now:.3f} | {now / before:.3f} |")
+    rows += ["", "With the norms and the activation between them (default configs), ms:", "",
+             "| tokens | cuBLAS | skinny | ratio |", "|---:|---:|---:|---:|",
+             *layer_rows]
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _chain(xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]], layers: int,
+           configs: dict[str, SkinnyConfig] | None, skinny: bool) -> None:
+    """One layer's four projections, ``layers`` times: cuBLAS, or the skinny kernel (with
+    ``configs`` per projection, else the defaults)."""
+    for i in range(layers):
+        for name, _, _ in PROJECTIONS[:4]:
+            if skinny:
+                skinny_linear(xs[name], weights[name][i], None,
+                              configs[name] if configs else None)
+            else:
+                F.linear(xs[name], weights[name][i])
+
+
+def _layer_ops(inputs: tuple[torch.Tensor, ...], weights: dict[str, list[torch.Tensor]],
+               skinny: bool) -> None:
+    """A decoder layer's norms, projections and activation (no attention), once per layer
+    of ``weights``, with our RMSNorm and silu·mul kernels: projections through cuBLAS, or
+    through the skinny kernel. ``inputs``: hidden, residual, norm weight, attention
+    output."""
+    hidden, residual, norm_w, attn_out = inputs
+    linear = skinny_linear if skinny else F.linear
+    for i in range(len(weights["qkv"])):
+        w = {name: ws[i] for name, ws in weights.items()}
+        normed, residual = add_rms_norm(hidden, residual, norm_w, 1e-6)  # type: ignore[misc,assignment]
+        linear(normed, w["qkv"])
+        hidden = linear(attn_out, w["o"])  # type: ignore[assignment]
+        normed, residual = add_rms_norm(hidden, residual, norm_w, 1e-6)  # type: ignore[misc,assignment]
+        hidden = linear(silu_and_mul(linear(normed, w["gate_up"])), w["down"])  # type: ignore[arg-type,assignment]
 
 
 # decode configurations swept: (block_n, num_warps, num_stages, target_programs)
@@ -271,6 +385,9 @@ def main() -> None:
     p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
                    help="also sweep the prefill kernel's configurations at these points "
                    "(e.g. 16x1024 4x4096)")
+    p.add_argument("--skinny", type=int, nargs="*", default=None, metavar="TOKENS",
+                   help="also time the skinny GEMM kernel's configurations against cuBLAS "
+                   f"at these token counts (<= {MAX_ROWS}, e.g. 1 4 16)")
     p.add_argument("--max-seqlen", type=int, default=4096,
                    help="max_seqlen_k the server's graphs are captured with")
     args = p.parse_args()
@@ -283,6 +400,9 @@ def main() -> None:
     if args.inductor:
         print("\n## GEMMs: Inductor's autotuned Triton templates against cuBLAS\n")
         print("\n".join(inductor_sweep(args.inductor, args.layers)), flush=True)
+    if args.skinny:
+        print("\n## Skinny GEMM kernel against cuBLAS\n")
+        print("\n".join(skinny_sweep(args.skinny, args.layers)), flush=True)
     if args.prefill_points:
         points = [tuple(int(v) for v in s.split("x")) for s in args.prefill_points]
         print("\n## Prefill attention (fastest six, then the default)\n")

@@ -10,8 +10,9 @@ the compiled versions are tested against, the same Python runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -59,12 +60,16 @@ def cuda_compiled(fn: F_) -> F_:
 
 
 _KERNELS: dict[str, Any] = {}
+_DISABLED: set[str] = set()
 
 
 def triton_kernel(module: str, name: str) -> Any | None:
     """``module.name`` (a function of one of our Triton kernel modules), or None when
-    Triton does not import. Imported on the first call, not at module import, so that
-    CPU-only installs never import Triton."""
+    Triton does not import or the module is disabled (:func:`triton_kernels_disabled`).
+    Imported on the first call, not at module import, so that CPU-only installs never
+    import Triton."""
+    if module in _DISABLED:
+        return None
     key = f"{module}.{name}"
     if key not in _KERNELS:
         try:
@@ -72,6 +77,17 @@ def triton_kernel(module: str, name: str) -> Any | None:
         except ImportError:
             _KERNELS[key] = None
     return _KERNELS[key]
+
+
+@contextlib.contextmanager
+def triton_kernels_disabled(module: str) -> Iterator[None]:
+    """Inside the block :func:`triton_kernel` answers None for ``module``'s functions, so
+    the layers run their references (tests and A/B measurements; not thread-safe)."""
+    _DISABLED.add(module)
+    try:
+        yield
+    finally:
+        _DISABLED.discard(module)
 
 
 @cuda_compiled

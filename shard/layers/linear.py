@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, current_parallel
+from shard.layers import fused
 from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
 
 WeightLoader = Callable[..., None]
@@ -109,14 +110,23 @@ def _check_divisible(value: int, tp: ParallelContext, what: str) -> None:
         raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}")
 
 
+SKINNY = "shard.layers.skinny_gemm_kernel"
+
+
 def _matmul(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``, through the oneDNN-packed copy of ``weight`` when there is one
-    (see :func:`pack_cpu_weights`)."""
+    """``x @ weight.T + bias``: through the oneDNN-packed copy of ``weight`` when there is
+    one (see :func:`pack_cpu_weights`); on CUDA at up to 16 tokens through our skinny
+    GEMM kernel (:mod:`shard.layers.skinny_gemm_kernel`); else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
+    if x.is_cuda:
+        kernel = fused.triton_kernel(SKINNY, "skinny_linear")
+        skinny: torch.Tensor | None = kernel(x, weight, bias) if kernel is not None else None
+        if skinny is not None:  # None: rows or dtypes the kernel does not take
+            return skinny
     return F.linear(x, weight, bias)
 
 

@@ -85,6 +85,7 @@ def _run_wrappers() -> None:
     from shard.greedy_kernel import greedy
     from shard.layers.rms_norm_kernel import add_rms_norm
     from shard.layers.silu_mul_kernel import silu_and_mul
+    from shard.layers.skinny_gemm_kernel import skinny_linear
     from tests.kernels.paged_cases import make_case, run_backend
 
     bf16 = torch.bfloat16
@@ -111,6 +112,9 @@ def _run_wrappers() -> None:
     for residual in (None, rows):
         add_rms_norm(rows, residual, torch.ones(4096, dtype=bf16), 1e-5)
     greedy(torch.randn(2, 5000))
+    for m, bias in ((1, None), (5, torch.randn(6144, dtype=bf16))):  # K tiled evenly
+        skinny_linear(torch.randn(m, 4096, dtype=bf16), torch.randn(6144, 4096, dtype=bf16), bias)
+    skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16))
 
 
 def main() -> int:

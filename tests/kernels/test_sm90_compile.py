@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_combine_kernel",
-           "_rope_write_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel", "_greedy_kernel"]
+           "_rope_write_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel", "_greedy_kernel",
+           "_skinny_gemm_kernel"]
 
 
 def test_every_kernel_compiles_for_sm90() -> None:
@@ -32,3 +33,5 @@ def test_every_kernel_compiles_for_sm90() -> None:
     # decode: one split; splits left to the combine kernel; splits combined in-kernel
     assert result.stdout.count("compiled _decode_kernel") == 3
     assert result.stdout.count("compiled _rms_norm_kernel") == 2  # with and without residual
+    # skinny GEMM: the 8B shapes' tiles with and without bias, and tiles capped to a small one
+    assert result.stdout.count("compiled _skinny_gemm_kernel") == 3

@@ -1,0 +1,128 @@
+"""The skinny GEMM kernel (a few rows times a weight) against its reference, ``F.linear``.
+
+CPU: Triton's interpreter, float16 only (its bfloat16 ``tl.dot`` is not exact); GPU:
+compiled, float16 and bfloat16, and a bfloat16 model's logits with the kernel against
+without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from shard.layers import fused
+from shard.layers.linear import SKINNY
+from shard.layers.skinny_gemm_kernel import (
+    MAX_ROWS,
+    SkinnyConfig,
+    default_config,
+    skinny_linear,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (rows, out_features N, in_features K, config): K tiled evenly and not, N past a tile,
+# one row and a full tile of rows
+SHAPES = [(1, 96, 256, None), (3, 100, 200, SkinnyConfig(32, 64, 4, 2)),
+          (MAX_ROWS, 64, 512, SkinnyConfig(16, 128, 4, 3)), (5, 48, 24, None)]
+
+
+def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0
+          ) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def _assert_product_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> None:
+    """``got`` against the float32 product of the same (rounded) inputs: the kernel
+    accumulates in float32 too, so they differ by the output's rounding."""
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == x.dtype and got.shape == want.shape
+    ulp = 2**-7 if x.dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(got.float(), want, rtol=ulp, atol=ulp * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k", "config"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear(m: int, n: int, k: int, config: SkinnyConfig | None, with_bias: bool,
+                       dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, weight = _rand(gen, m, k, dtype=dtype), _rand(gen, n, k, dtype=dtype, scale=0.05)
+    bias = _rand(gen, n, dtype=dtype) if with_bias else None
+    got = skinny_linear(x, weight, bias, config)
+    assert got is not None
+    _assert_product_close(got, x, weight, bias)
+
+
+def test_skinny_kernel_declines_what_it_does_not_take() -> None:
+    # None sends the layer to the reference: never a wrong or partial result
+    x, weight = torch.randn(2, 64).half().to(DEVICE), torch.randn(32, 64).half().to(DEVICE)
+    assert skinny_linear(x, weight) is not None
+    assert skinny_linear(torch.randn(MAX_ROWS + 1, 64).half().to(DEVICE), weight) is None
+    assert skinny_linear(x[:0], weight) is None  # no rows
+    assert skinny_linear(x.float(), weight.float()) is None  # float32: cuBLAS, exact
+    assert skinny_linear(x, weight.bfloat16()) is None  # mixed dtypes
+    assert skinny_linear(x, weight[:, :32]) is None  # in_features differ
+    assert skinny_linear(x.t().contiguous().t(), weight) is None  # strided rows
+    assert skinny_linear(x, weight, torch.zeros(32).float().to(DEVICE)) is None  # bias dtype
+
+
+def test_default_config_fits_small_problems() -> None:
+    assert default_config(4096, 4096) == SkinnyConfig(32, 512, 4, 4)
+    assert default_config(6144, 4096).block_n == 64
+    small = default_config(20, 24)  # tiles capped to the problem (at least a 16 x 16 dot)
+    assert (small.block_n, small.block_k) == (32, 32)
+    assert default_config(8, 8)[:2] == (16, 16)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_model_logits_with_and_without_skinny_kernels_bf16(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from shard.config import ShardConfig
+    from shard.decode_state import DecodeRows
+    from shard.layers import skinny_gemm_kernel
+    from shard.model_runner import ModelRunner
+    from tests.unit.shard.helpers import make_hf_model
+
+    launches: list[int] = []  # out_features of each launch
+    launch = skinny_gemm_kernel.skinny_linear
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor | None:
+        launches.append(weight.shape[0])
+        return launch(x, weight, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setitem(fused._KERNELS, f"{SKINNY}.skinny_linear", counted)
+    make_hf_model("llama", tmp_path)
+    runner = ModelRunner(ShardConfig(model_path=str(tmp_path), device="cuda",
+                                     dtype="bfloat16", block_size=4, attention_backend="triton",
+                                     cuda_graphs="0", gpu_memory_fraction=0.2))
+    try:
+        runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=8)
+        rows = DecodeRows.build([5, 9, 13], [7, 30, 2],
+                                [[3, 4], [5, 6, 7, 8, 9, 10, 11, 12], [1]], torch.device("cuda"))
+        inputs = rows.model_inputs(runner.block_size, 31)
+        with torch.inference_mode():
+            launches.clear()
+            got = runner.model.compute_logits(runner.forward(inputs))
+            cfg = runner.model.config  # type: ignore[attr-defined]
+            qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+            per_layer = [qkv, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.hidden_size]
+            layers = cfg.num_hidden_layers
+            assert launches == per_layer * layers + [cfg.vocab_size]  # and the LM head
+            with fused.triton_kernels_disabled(SKINNY):
+                want = runner.model.compute_logits(runner.forward(inputs))
+            assert len(launches) == 4 * layers + 1  # none without the kernels
+    finally:
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"\nGPU-CHECK skinny vs cuBLAS bf16 logits rel_err={err:.2e}")
+    assert err < 2e-2
