@@ -142,8 +142,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
     p.add_argument("--no-skinny", action="store_true",
-                   help="without the skinny GEMM kernels (cuBLAS and the separate norm and "
-                   "activation kernels at every batch size), for A/B")
+                   help="without the skinny GEMM kernel (cuBLAS at every batch size), for A/B")
     args = p.parse_args()
     with contextlib.ExitStack() as stack:
         if args.no_skinny:

@@ -212,7 +212,7 @@ def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
         results.sort()
         us, config = results[0]
         best_config[(name, m)] = config
-        default = next(t for t, c in results if c == default_config(n, k))
+        default = next((t for t, c in results if c == default_config(n, k)), float("nan"))
         rows.append(f"| {name} | {m} | {base:.1f} | {default:.1f} | {us:.1f} | "
                     f"{tuple(config)} | {n * k * 2 / us / 1e6:.2f} | {us / base:.3f} |")
     rows += ["", f"One layer's qkv, o, gate_up, down chained over {layers} layers (ms):", "",

@@ -29,6 +29,9 @@ from shard.distributed import ParallelContext, current_parallel
 from shard.layers import fused
 from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
 
+# our Triton kernel for products of up to 16 rows (see _matmul)
+SKINNY = "shard.layers.skinny_gemm_kernel"
+
 WeightLoader = Callable[..., None]
 # (shard id or None, full checkpoint shape)
 CheckpointShapes = list[tuple[Any, tuple[int, ...]]]
@@ -110,15 +113,13 @@ def _check_divisible(value: int, tp: ParallelContext, what: str) -> None:
         raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}")
 
 
-SKINNY = "shard.layers.skinny_gemm_kernel"
-
-
 def _matmul(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ weight.T + bias``: through the oneDNN-packed copy of ``weight`` when there is
-    one (see :func:`pack_cpu_weights`); on CUDA at up to 16 tokens through our skinny
-    GEMM kernel (:mod:`shard.layers.skinny_gemm_kernel`); else ``F.linear``."""
+    one (see :func:`pack_cpu_weights`); on CUDA at up to 16 rows (decode at small batch,
+    short prefills) through our skinny GEMM kernel
+    (:mod:`shard.layers.skinny_gemm_kernel`); else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out

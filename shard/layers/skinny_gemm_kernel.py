@@ -42,10 +42,10 @@ class SkinnyConfig(NamedTuple):
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
-    """The configuration for an ``[n, k]`` weight: the H200 sweep's best at one token for
-    the 8B-shaped model's projections (o and down at n = 4096, qkv at 6144, gate_up at
-    28672, LM head at 49152; ``benchmarks/results/kernels-h200.md``), capped to the
-    problem for small ones."""
+    """The configuration for an ``[n, k]`` weight, by ``n``: the H200 sweep's best at one
+    token for the 8B-shaped model's o and down (n = 4096) and gate_up (28672), within 4%
+    of it for qkv (6144) and 2% for the LM head (49152)
+    (``benchmarks/results/kernels-h200.md``); tiles capped to the problem for small ones."""
     if n <= 4096:
         cfg = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
     elif n <= 8192:
@@ -73,14 +73,14 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask = rows < M
     n_mask = rn < N
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + rk) < K
@@ -91,7 +91,7 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -112,13 +112,17 @@ def skinny_linear(
         config: tiles and pipeline depth (default :func:`default_config`).
 
     Returns:
-        [num_tokens, out_features] in x's dtype; None when the inputs are not as above
-        (the caller runs the reference instead).
+        [num_tokens, out_features] in x's dtype; None when the inputs are not as above, or
+        when autograd would record the product (the caller runs the reference instead).
     """
     if not (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == x.shape[1]
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype
+                                  and bias.is_contiguous()))):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
         return None
     m = x.shape[0]
     n, k = weight.shape

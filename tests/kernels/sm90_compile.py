@@ -112,8 +112,10 @@ def _run_wrappers() -> None:
     for residual in (None, rows):
         add_rms_norm(rows, residual, torch.ones(4096, dtype=bf16), 1e-5)
     greedy(torch.randn(2, 5000))
-    for m, bias in ((1, None), (5, torch.randn(6144, dtype=bf16))):  # K tiled evenly
-        skinny_linear(torch.randn(m, 4096, dtype=bf16), torch.randn(6144, 4096, dtype=bf16), bias)
+    # each default tile size (o/down, qkv, gate_up/LM head), with a bias, and capped tiles
+    for m, n, bias in ((16, 4096, False), (1, 6144, False), (5, 6144, True), (1, 28672, False)):
+        skinny_linear(torch.empty(m, 4096, dtype=bf16), torch.empty(n, 4096, dtype=bf16),
+                      torch.empty(n, dtype=bf16) if bias else None)
     skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16))
 
 
@@ -125,7 +127,8 @@ def main() -> int:
     for kernel, bound in capture_launches(_run_wrappers):
         constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
         key = (kernel.__name__, repr(sorted(constexprs.items())),
-               tuple(_arg_type(bound[p.name]) for p in kernel.params if not p.is_constexpr))
+               tuple(_arg_type(bound[p.name]) for p in kernel.params if not p.is_constexpr),
+               tuple(bound.get(k) for k in OPTIONS))
         if key in seen:
             continue
         seen.add(key)
@@ -135,7 +138,8 @@ def main() -> int:
             failed += 1
             print(f"FAILED {kernel.__name__}: {type(error).__name__}: {error}")
         else:
-            print(f"compiled {kernel.__name__} {constexprs}")
+            options = {k: bound[k] for k in OPTIONS if k in bound}
+            print(f"compiled {kernel.__name__} {constexprs} {options}")
     return 1 if failed else 0
 
 
