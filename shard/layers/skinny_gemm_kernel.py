@@ -73,14 +73,15 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask = rows < M
     n_mask = rn < N
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
+    # 64-bit row offsets: a vocabulary-sized weight can pass 2**31 elements (256k x 8192)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + rk) < K
@@ -91,7 +92,7 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + rn[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
