@@ -52,5 +52,11 @@ def server_state(request: Request) -> ServerState:
     return state
 
 
+async def _server_state_dependency(request: Request) -> ServerState:
+    # a coroutine, so that FastAPI calls it on the event loop: a plain function
+    # dependency goes through a worker thread for every request
+    return server_state(request)
+
+
 # A route parameter of this type receives the app's ServerState.
-State = Annotated[ServerState, Depends(server_state)]
+State = Annotated[ServerState, Depends(_server_state_dependency)]
