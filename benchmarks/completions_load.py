@@ -38,6 +38,8 @@ class LoadRun:
             (tokens - 1), seconds.
         metrics: Deltas of the server's decode-step histograms and prefix-cache counter
             (see :func:`benchmarks.harness.scrape`).
+        started_at, ended_at: ``time.time()`` at the first send and the last completion
+            (to find the run's requests in the server's log).
     """
 
     requests: int
@@ -46,6 +48,8 @@ class LoadRun:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -134,13 +138,14 @@ async def run_load(base: str, workload: Workload, concurrency: int, stream: bool
                 return await _complete(session, url, prompt, max_tokens), 0.0, 0.0
 
         before = await _metrics(session, base)
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         results = await asyncio.gather(
             *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens, strict=True)))
         wall = time.perf_counter() - start
+        ended_at = time.time()
         after = await _metrics(session, base)
     run = LoadRun(len(results), sum(r[0] for r in results), wall,
-                  metrics=metric_delta(before, after))
+                  metrics=metric_delta(before, after), started_at=started_at, ended_at=ended_at)
     if stream:
         run.ttft = [r[1] for r in results]
         run.tpot = [r[2] for r in results if r[2] == r[2]]  # NaN (one token) left out

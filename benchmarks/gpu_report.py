@@ -16,6 +16,7 @@ from benchmarks.completions_load import LoadRun
 from benchmarks.gpu_peers import HFRun
 from benchmarks.harness import cpu_model, decode_step_means, percentile, prefix_hits
 from benchmarks.random_checkpoint import ARCHITECTURES
+from benchmarks.request_timeline import Timeline
 from benchmarks.workloads import Workload
 
 MS = 1e3
@@ -30,6 +31,7 @@ class Row:
     latency: LoadRun | None = None  # streaming pass: TTFT, TPOT
     nano: dict[str, Any] | None = None  # the nano-vllm runner's JSON line
     hf: HFRun | None = None
+    timeline: Timeline | None = None  # the non-streaming pass, from the server's log
 
 
 @dataclass
@@ -127,6 +129,8 @@ def _row(name: str, row: Row, notes: list[str]) -> str:
             forward = row.ours.metrics.get("prefill_step_duration_seconds_sum", 0.0)
             notes.append(f"{name}: {prefills:.0f} prefill steps took {forward:.2f} s of shard "
                          f"forward in the non-streaming pass")
+    if row.timeline:
+        notes.append(f"{name}, non-streaming pass (server log): {row.timeline.describe()}")
     nano = float(row.nano["output_tok_per_s"]) if row.nano else None
     nano_cell = _f(nano, ",.0f")
     if row.nano and (row.nano["requests"], row.nano["output_tokens"]) != (

@@ -77,6 +77,7 @@ from benchmarks.random_checkpoint import (
     weight_bytes,
     write_checkpoint,
 )
+from benchmarks.request_timeline import between, read_finished, timeline
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
 from router.model_files import default_model_dir
 
@@ -138,6 +139,8 @@ def bench_ours(args: argparse.Namespace, ckpt: Path, workloads: list[Workload],
             row = report.rows[w.name]
             row.ours = asyncio.run(run_load(base, w, args.concurrency, False))
             _log(f"ours {w.name}: {row.ours.tok_s:.1f} tok/s in {row.ours.wall:.1f}s")
+            row.timeline = timeline(between(read_finished(log_path), row.ours.started_at,
+                                            row.ours.ended_at))
             latency = distinct_prefix(w, args.vocab).head(args.latency_requests)
             row.latency = asyncio.run(run_load(base, latency, args.concurrency, True))
             _log(f"ours {w.name} streaming: {row.latency.tok_s:.1f} tok/s")

@@ -1,6 +1,7 @@
 """Logic of benchmarks/gpu_serving.py that needs no GPU: the workloads (the same requests
 as the nano-vllm runner), decode-step means from the server's metrics, the weight bytes
-of a checkpoint, and the table's cells."""
+of a checkpoint, the table's cells, and the request timeline read from the server's
+log."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from benchmarks.gpu_peers import HFRun, PeerError, run_nano_vllm
 from benchmarks.gpu_report import Report, Row, floor_line, render
 from benchmarks.harness import decode_step_means, metric_delta, percentile, scrape
 from benchmarks.random_checkpoint import weight_bytes
+from benchmarks.request_timeline import between, read_finished, split_runs, timeline
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
 from router.metrics import Metrics
 
@@ -140,3 +142,46 @@ def test_nano_vllm_runner_output_parsed_and_failure_reported(
     monkeypatch.setenv("FAKE_EXIT", "3")
     with pytest.raises(PeerError, match="exited with 3:\nloading on stderr"):
         run_nano_vllm(*args)
+
+
+def _finish_line(stamp: str, rid: int, generated: int, ttft: float, e2e: float) -> str:
+    # the router's line (router.engine, Engine._finish) as loguru writes it
+    return (f"{stamp} | INFO     | router.engine:_finish:502 - request {rid} success: "
+            f"prompt_tokens=128 generated_tokens={generated} finish_reason=length "
+            f"queue_s=0.010 ttft_s={ttft} e2e_s={e2e:.3f}")
+
+
+def test_request_timeline_from_the_router_log(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        "2026-12-02 07:18:00.000 | INFO     | router.launcher:serve:230 - serving",
+        # a run of three: arrivals at 10.0, 10.2, 10.4 s; first tokens at 10.5, 10.6, 11.0;
+        # the last finishes at 15.0 s after 101 tokens
+        _finish_line("2026-12-02 07:18:14.000", 7, 100, 0.5, 4.0),
+        _finish_line("2026-12-02 07:18:14.700", 8, 100, 0.4, 4.5),
+        _finish_line("2026-12-02 07:18:15.000", 9, 101, 0.6, 4.6),
+        "2026-12-02 07:18:15.001 | INFO     | router.engine:_finish:502 - request 10 "
+        "cancelled: prompt_tokens=3 generated_tokens=0 finish_reason=None queue_s=0.0 "
+        "ttft_s=None e2e_s=0.001",
+        # another run 20 s later
+        _finish_line("2026-12-02 07:18:40.000", 11, 10, 0.1, 1.0),
+    ]) + "\n")
+    finished = read_finished(log)
+    assert [round(f.generated) for f in finished] == [100, 100, 101, 10]
+    runs = split_runs(finished)
+    assert [len(r) for r in runs] == [3, 1]
+    t = timeline(runs[0])
+    assert t is not None and t.requests == 3
+    assert (round(t.arrivals_s, 3), round(t.last_first_token_s, 3),
+            round(t.last_finish_s, 3)) == (0.4, 1.0, 5.0)
+    assert t.decode_step_s == pytest.approx(4.0 / 100)
+    assert t.tok_s == pytest.approx(301 / 5.0)
+    assert "3 requests reached the engine over 0.40 s" in t.describe()
+    # a run's window (epoch seconds of its first send and last completion) picks it
+    start = finished[0].arrival - 0.05
+    assert between(finished, start, finished[2].finish + 0.1) == finished[:3]
+    assert timeline([]) is None
+    # and the table's notes carry it
+    report = Report(rows={"decode_heavy": Row(build_workload("decode_heavy", 49152),
+                                              ours=LoadRun(3, 301, 5.2), timeline=t)})
+    assert "decode_heavy, non-streaming pass (server log): 3 requests" in render(report)
