@@ -1,7 +1,7 @@
 """Kernel choices at the shapes of the GPU benchmark's model, on one GPU. A script, not a
 test: prints markdown tables (device, versions, date).
 
-Two sweeps, both timed as CUDA-graph replays (median of CUDA-event timings), the way a
+Every sweep is timed as CUDA-graph replays (median of CUDA-event timings), the way a
 server runs its decode step:
 
 - GEMMs: every projection of one decoder layer of the Llama-3-8B-shaped model
@@ -14,18 +14,16 @@ server runs its decode step:
   model's heads (32 query, 8 KV, head dim 128, bf16, block size 16) over
   ``--decode-points`` (batch × context) for each tile / warps / stages configuration,
   with the split count the server's graphs use (``max_seqlen_k`` = ``--max-seqlen``).
-
 - skinny GEMMs (``--skinny``): :func:`shard.layers.skinny_gemm_kernel.skinny_linear`
   against cuBLAS at up to 16 tokens, per projection over a grid of tiles, warps and
   stages, then a chain of one layer's four projections over the layers.
-
 - prefill attention (:func:`shard.attention.triton_kernels.prefill_attention`) at the
   model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix) for
   each tile / warps / stages configuration.
 
 Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
        [--no-decode] [--decode-points 1x384 256x384 512x1100] [--quick-decode]
-       [--block-sizes 16 64] [--fused-combine] [--inductor 256] [--prefill-points 16x1024 4x4096]
+       [--block-sizes 16 64] [--inductor 256] [--prefill-points 16x1024 4x4096]
        [--skinny 1 4 16]
 """
 
@@ -52,8 +50,7 @@ from shard.attention.triton_kernels import (
     decode_attention,
     prefill_attention,
 )
-from shard.layers.rms_norm_kernel import add_rms_norm
-from shard.layers.silu_mul_kernel import silu_and_mul
+from shard.attention.triton_kernels.decode import num_decode_splits
 from shard.layers.skinny_gemm_kernel import (
     MAX_ROWS,
     SkinnyConfig,
@@ -101,9 +98,11 @@ def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+def _linears(x: torch.Tensor, weights: list[torch.Tensor],
+             fn: Callable[..., object] = F.linear) -> None:
+    """``fn(x, w)`` for each of ``weights`` (a projection's copies, one per layer)."""
     for w in weights:
-        F.linear(x, w)
+        fn(x, w)
 
 
 def gemm_sweep(tokens: list[int], layers: int) -> list[str]:
@@ -156,7 +155,7 @@ def inductor_sweep(tokens: list[int], layers: int) -> list[str]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             tuned = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
             base = graph_time_us(functools.partial(_linears, x, weights)) / layers
-            auto = graph_time_us(functools.partial(_compiled_linears, tuned, x, weights)) / layers
+            auto = graph_time_us(functools.partial(_linears, x, weights, tuned)) / layers
             rows.append(f"| {name} | {m} | {base:.1f} | {auto:.1f} | {auto / base:.3f} |")
             torch._dynamo.reset()
         del weights
@@ -164,20 +163,8 @@ def inductor_sweep(tokens: list[int], layers: int) -> list[str]:
     return rows
 
 
-def _compiled_linears(fn: Callable[..., torch.Tensor], x: torch.Tensor,
-                      weights: list[torch.Tensor]) -> None:
-    for w in weights:
-        fn(x, w)
-
-
 SKINNY_GRID = [SkinnyConfig(*c) for c in itertools.product((16, 32, 64), (128, 256, 512),
                                                             (4, 8), (3, 4, 5))]
-
-
-def _skinny_linears(x: torch.Tensor, weights: list[torch.Tensor],
-                    config: SkinnyConfig | None) -> None:
-    for w in weights:
-        skinny_linear(x, w, None, config)
 
 
 def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
@@ -201,7 +188,8 @@ def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
         for config in SKINNY_GRID:
             try:
                 got = skinny_linear(x, ws[0], None, config).float()  # type: ignore[union-attr]
-                us = graph_time_us(functools.partial(_skinny_linears, x, ws, config)) / len(ws)
+                kernel = functools.partial(skinny_linear, config=config)
+                us = graph_time_us(functools.partial(_linears, x, ws, kernel)) / len(ws)
             except Exception as exc:  # a config that does not compile is skipped, named
                 print(f"skipped {name} {m} {config}: {str(exc).splitlines()[0][:100]}")
                 continue
@@ -218,7 +206,6 @@ def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
     rows += ["", f"One layer's qkv, o, gate_up, down chained over {layers} layers (ms):", "",
              "| tokens | cuBLAS | skinny, best configs | skinny, default configs | best / cuBLAS |",
              "|---:|---:|---:|---:|---:|"]
-    layer_rows: list[str] = []
     for m in [t for t in tokens if t <= MAX_ROWS]:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
               for name, _, k in PROJECTIONS}
@@ -227,15 +214,6 @@ def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
                                                    skinny)) / 1e3
                    for configs, skinny in ((None, False), (best, True), (None, True)))
         rows.append(f"| {m} | {a:.3f} | {b:.3f} | {c:.3f} | {b / a:.3f} |")
-        inputs = (xs["qkv"], torch.randn_like(xs["qkv"]),
-                  torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16), xs["o"])
-        layer_weights = {name: weights[name] for name, _, _ in PROJECTIONS[:4]}
-        before, now = (graph_time_us(functools.partial(_layer_ops, inputs, layer_weights,
-                                                       skinny)) / 1e3 for skinny in (False, True))
-        layer_rows.append(f"| {m} | {before:.3f} | {now:.3f} | {now / before:.3f} |")
-    rows += ["", "With the norms and the activation between them (default configs), ms:", "",
-             "| tokens | cuBLAS | skinny | ratio |", "|---:|---:|---:|---:|",
-             *layer_rows]
     del weights
     torch.cuda.empty_cache()
     return rows
@@ -254,34 +232,15 @@ def _chain(xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]], 
                 F.linear(xs[name], weights[name][i])
 
 
-def _layer_ops(inputs: tuple[torch.Tensor, ...], weights: dict[str, list[torch.Tensor]],
-               skinny: bool) -> None:
-    """A decoder layer's norms, projections and activation (no attention), once per layer
-    of ``weights``, with our RMSNorm and silu·mul kernels: projections through cuBLAS, or
-    through the skinny kernel. ``inputs``: hidden, residual, norm weight, attention
-    output."""
-    hidden, residual, norm_w, attn_out = inputs
-    linear = skinny_linear if skinny else F.linear
-    for i in range(len(weights["qkv"])):
-        w = {name: ws[i] for name, ws in weights.items()}
-        normed, residual = add_rms_norm(hidden, residual, norm_w, 1e-6)  # type: ignore[misc,assignment]
-        linear(normed, w["qkv"])
-        hidden = linear(attn_out, w["o"])  # type: ignore[assignment]
-        normed, residual = add_rms_norm(hidden, residual, norm_w, 1e-6)  # type: ignore[misc,assignment]
-        hidden = linear(silu_and_mul(linear(normed, w["gate_up"])), w["down"])  # type: ignore[arg-type,assignment]
-
-
 # decode configurations swept: (block_n, num_warps, num_stages, target_programs)
 FULL_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (132, 528, 2112)))
 QUICK_GRID = list(itertools.product((64, 128), (4,), (3, 4), (528,)))
 
 
 def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: list[int],
-                 grid: list[tuple[int, ...]], fused: bool = False) -> list[str]:
-    """With ``fused`` each configuration also runs with its splits combined inside the
-    decode kernel (``counters``); its output is checked against the combine kernel's."""
+                 grid: list[tuple[int, ...]]) -> list[str]:
     rows = ["| block size | batch × ctx | block_n | warps | stages | target programs | splits "
-            "| combine | µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+            "| µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for block_size, (batch, ctx) in itertools.product(block_sizes, points):
         case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
                          torch.bfloat16, "cuda", spare_blocks=0)
@@ -289,39 +248,28 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
         tables, seq_lens = case.metadata.block_tables, case.metadata.seq_lens
         out = torch.empty_like(q)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
-        want = decode_attention(q, key, value, tables, seq_lens, max_seqlen, HEAD_DIM ** -0.5)
-        counters = torch.zeros(batch * KV_HEADS, device="cuda", dtype=torch.int32)
         results = []
-        for (block_n, warps, stages, target), fuse in itertools.product(
-                grid, (False, True) if fused else (False,)):
+        for block_n, warps, stages, target in grid:
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
                                   target_programs=target)
             run = functools.partial(decode_attention, q, key, value, tables, seq_lens,
-                                    max_seqlen, HEAD_DIM ** -0.5, out=out, config=config,
-                                    counters=counters if fuse else None)
+                                    max_seqlen, HEAD_DIM ** -0.5, out=out, config=config)
             try:
                 us = graph_time_us(run)
             except Exception as exc:  # a config that does not compile is skipped, named
                 print(f"skipped {batch}x{ctx} {config}: {str(exc).splitlines()[0][:100]}")
                 continue
-            splits = max(1, min(-(-target // (batch * KV_HEADS)),
-                                -(-max_seqlen // block_n), config.max_splits))
-            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-            if not err < 1e-2 or counters.any():
-                print(f"MISMATCH {batch}x{ctx} {config} fused={fuse}: rel err {err:.2e}, "
-                      f"counters left {int(counters.count_nonzero())}")
-            results.append((us, block_n, warps, stages, target, splits,
-                            "in-kernel" if fuse and splits > 1 else "kernel"))
+            splits = num_decode_splits(batch, KV_HEADS, max_seqlen, config)
+            results.append((us, block_n, warps, stages, target, splits))
         results.sort()
         default = DecodeConfig()
         defaults = [r for r in results if r[1:5] == (default.block_n, default.num_warps,
                                                       default.num_stages,
                                                       default.target_programs)]
         shown = results[:6] + [r for r in defaults if r not in results[:6]]
-        for us, block_n, warps, stages, target, splits, combine in shown:
+        for us, block_n, warps, stages, target, splits in shown:
             rows.append(f"| {block_size} | {batch} × {ctx} | {block_n} | {warps} | {stages} | "
-                        f"{target} | {splits} | {combine} | {us:.1f} | "
-                        f"{kv_bytes / us / 1e6:.2f} |")
+                        f"{target} | {splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} |")
         del case, key, value
         torch.cuda.empty_cache()
     return rows
@@ -378,8 +326,6 @@ def main() -> None:
                    help="BATCHxCONTEXT points of the decode sweep")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16],
                    help="KV block sizes of the decode sweep")
-    p.add_argument("--fused-combine", action="store_true",
-                   help="decode sweep: also combine the splits inside the decode kernel")
     p.add_argument("--quick-decode", action="store_true",
                    help=f"only the decode configurations {QUICK_GRID}")
     p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
@@ -411,8 +357,8 @@ def main() -> None:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")
         grid = QUICK_GRID if args.quick_decode else FULL_GRID
-        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid,  # type: ignore[arg-type]
-                                      args.fused_combine)), flush=True)
+        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid)),  # type: ignore[arg-type]
+              flush=True)
 
 
 if __name__ == "__main__":

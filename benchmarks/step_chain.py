@@ -121,15 +121,15 @@ def main() -> None:
     print(f"decode steps of {min_size} to {max(sizes.values())} requests")
     times = step_times(router, shard)
     rows = hop_table(times, sizes, min_size, args.steps_in_flight)
-    rows.append(("router period: recv(k) → recv(k+1)", [
+    period = [
         (times["recv"][k + 1] - times["recv"][k]) / 1e6 for k in times["recv"]
         if sizes.get(k, 0) >= min_size and sizes.get(k + 1, 0) >= min_size
         and k + 1 in times["recv"]
-    ]))
+    ]
+    rows.append(("router period: recv(k) → recv(k+1)", period))
     forward = {step: us for step, _, us in shard["answer"]}
-    rows.append(("shard forward (CUDA events around the step's kernels)", [
-        forward[k] / 1e3 for k in forward if sizes.get(k, 0) >= min_size
-    ]))
+    forward_ms = [forward[k] / 1e3 for k in forward if sizes.get(k, 0) >= min_size]
+    rows.append(("shard forward (CUDA events around the step's kernels)", forward_ms))
     gaps = {step: us for step, _, us in shard.get("device_gap", [])}
     rows.append(("device gap before the step (CUDA events: end of k−1 → start of k)", [
         gaps[k] / 1e3 for k in gaps if sizes.get(k, 0) >= min_size
@@ -141,7 +141,6 @@ def main() -> None:
         mean = sum(values) / len(values) if values else float("nan")
         print(f"| {name} | {len(values)} | {percentile(values, 10):.3f} | "
               f"{percentile(values, 50):.3f} | {percentile(values, 90):.3f} | {mean:.3f} |")
-    period, forward_ms = rows[-3][1], rows[-2][1]
     if period and forward_ms:
         share = 1 - (sum(forward_ms) / len(forward_ms)) / (sum(period) / len(period))
         print(f"\nrouter + gRPC share of the router's step period: {share:.1%} "

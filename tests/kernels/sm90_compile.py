@@ -96,11 +96,6 @@ def _run_wrappers() -> None:
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,
                      config=DecodeConfig(block_n=64, target_programs=10**4))
-    # ... and combined inside the decode kernel
-    decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
-                     case.metadata.seq_lens, 300, case.scale,
-                     config=DecodeConfig(block_n=64, target_programs=10**4),
-                     counters=torch.zeros(8, dtype=torch.int32))
     qkv = torch.randn(2, 48 * 128, dtype=bf16)
     cos = sin = torch.randn(2, 128, dtype=bf16)
     weight = torch.ones(128, dtype=bf16)

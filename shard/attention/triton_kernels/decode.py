@@ -8,13 +8,7 @@ Each program handles one sequence, one KV head and one split of the context: it 
 the ``num_heads / num_kv_heads`` query heads that share that KV head as the rows of one
 matrix, so each KV tile is read from memory once for the whole group. With one split the
 program writes the output directly; otherwise it writes a partial output and its
-log-sum-exp (base 2), and the splits are combined by a second kernel or, given a zeroed
-counter per (sequence, KV head), by whichever split program of the group finishes last
-(it counts the finished splits with an atomic add, as the "serial" split-K reduction of
-stream-K GEMMs does; Osama et al. 2023). The server uses the second kernel: on the H200 a
-first in-kernel version, reducing the splits in a loop of dependent loads, cost +0.55 ms
-per batch-1 step; this one loads each query head's splits at once and is measured by
-``benchmarks/kernel_sweep.py --fused-combine``.
+log-sum-exp (base 2) and a second kernel combines the splits.
 """
 
 from __future__ import annotations
@@ -59,7 +53,6 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
     scale_log2,
     num_splits,
     stride_qt,
@@ -77,8 +70,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -137,50 +128,11 @@ def _decode_kernel(
     else:
         # partials: part_out [batch, num_heads, num_splits, D_PAD], part_lse [batch, num_heads,
         # num_splits]; rows are (batch, head) flattened, contiguous.
-        first_row = b.to(tl.int64) * (GROUP * tl.num_programs(1)) + kvh * GROUP
-        row = first_row + g
+        row = b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads
         part = part_out_ptr + (row[:, None] * num_splits + split) * D_PAD + d[None, :]
         tl.store(part, o, mask=omask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row * num_splits + split, lse, mask=gmask)
-        if FUSED_COMBINE:
-            # acq_rel: the partials stored above are visible to the program that sees
-            # the last count, and that program sees every other split's partials
-            counter = counters_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                for gi in tl.static_range(GROUP):
-                    _combine_row(part_out_ptr, part_lse_ptr, out_ptr, first_row + gi, b,
-                                 kvh * GROUP + gi, num_splits, stride_ot, stride_oh,
-                                 HEAD_DIM, D_PAD, SPLITS_PAD, ".cg")
-                tl.store(counter, 0)  # zero again for the next launch
-
-
-@triton.jit
-def _combine_row(part_out_ptr, part_lse_ptr, out_ptr, row, b, h, num_splits, stride_ot,
-                 stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 SPLITS_PAD: tl.constexpr, CACHE: tl.constexpr):
-    # One (sequence, query head) row: out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s -
-    # max lse), every split loaded at once. CACHE ".cg" reads L2, where other programs'
-    # partials are (never a stale L1 line).
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    smask = s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"),
-                  cache_modifier=CACHE)
-    w = tl.exp2(lse - tl.max(lse, 0))
-    w = tl.where(smask & (lse > float("-inf")), w, 0.0)
-    o = tl.load(
-        part_out_ptr + (row * num_splits + s[:, None]) * D_PAD + d[None, :],
-        mask=smask[:, None],
-        other=0.0,
-        cache_modifier=CACHE,
-    )
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
-    )
 
 
 @triton.jit
@@ -196,10 +148,28 @@ def _combine_kernel(
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    # One program per (sequence, query head).
+    # One program per (sequence, query head): out = sum_s w_s o_s / sum_s w_s,
+    # w_s = 2^(lse_s - max lse).
     row = tl.program_id(0).to(tl.int64)
-    _combine_row(part_out_ptr, part_lse_ptr, out_ptr, row, row // num_heads, row % num_heads,
-                 num_splits, stride_ot, stride_oh, HEAD_DIM, D_PAD, SPLITS_PAD, "")
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(smask & (lse > float("-inf")), w, 0.0)
+    o = tl.load(
+        part_out_ptr + (row * num_splits + s[:, None]) * D_PAD + d[None, :],
+        mask=smask[:, None],
+        other=0.0,
+    )
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    b = row // num_heads
+    h = row % num_heads
+    tl.store(
+        out_ptr + b * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def num_decode_splits(
@@ -221,7 +191,6 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step: each sequence's single query attends to its whole paged context.
 
@@ -236,9 +205,6 @@ def decode_attention(
         scale: softmax scale (usually head_dim ** -0.5).
         out: optional [batch, num_heads, head_dim] output buffer.
         config: launch parameters (defaults: :class:`DecodeConfig`).
-        counters: optional int32 buffer of at least ``batch * num_kv_heads`` zeros on
-            q's device: the splits are then combined inside the decode kernel (one
-            launch instead of two), and the counters are left at zero again.
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype.
@@ -260,11 +226,6 @@ def decode_attention(
         part_lse = torch.empty(rows, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
-    fused = splits > 1 and counters is not None
-    if fused:
-        assert counters is not None and counters.dtype == torch.int32
-        assert counters.numel() >= batch * num_kv_heads, "counters: one per (sequence, KV head)"
-    splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_kernel[(batch, num_kv_heads, splits)](
         q,
         key_cache,
@@ -274,7 +235,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters if fused else seq_lens,  # unused unless fused
         scale * LOG2E,
         splits,
         q.stride(0),
@@ -292,13 +252,11 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         SINGLE_SPLIT=splits == 1,
-        FUSED_COMBINE=fused,
-        SPLITS_PAD=splits_pad if fused else 2,  # unused unless fused: no extra compile
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         _combine_kernel[(batch * num_heads,)](
             part_out,
             part_lse,
@@ -309,6 +267,6 @@ def decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
-            SPLITS_PAD=splits_pad,
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         )
     return out
