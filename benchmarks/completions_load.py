@@ -6,6 +6,11 @@ in flight (0 = all at once; the server then runs up to its ``--max-batch-size`` 
 queues the rest). Non-streaming runs give output tokens/s; streaming runs
 (``stream: true``, one server-sent event per token) give TTFT and TPOT per request.
 The server's Prometheus metrics are read before and after each run.
+
+The client's connections (one per request in flight) are opened before the clock starts,
+as a client with a keep-alive pool (``openai``'s, ``text-generation``'s) holds them:
+the run times the server's work, not TCP set-up; ``warm=False`` opens them inside the
+timed run instead.
 """
 
 from __future__ import annotations
@@ -117,8 +122,20 @@ async def _metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float
         return scrape(await response.text())
 
 
-async def run_load(base: str, workload: Workload, concurrency: int, stream: bool) -> LoadRun:
-    """Send every request of ``workload`` to ``base`` (e.g. ``http://127.0.0.1:3000``).
+async def _open_connections(session: aiohttp.ClientSession, base: str, count: int) -> None:
+    """``count`` concurrent ``GET /health``: each opens a connection, which the session's
+    pool keeps for the requests that follow."""
+    async def one() -> None:
+        async with session.get(f"{base}/health") as response:
+            await response.read()
+
+    await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def run_load(base: str, workload: Workload, concurrency: int, stream: bool,
+                   warm: bool = True) -> LoadRun:
+    """Send every request of ``workload`` to ``base`` (e.g. ``http://127.0.0.1:3000``),
+    over connections opened before the clock starts unless ``warm`` is False.
 
     Raises:
         TokenCountError: an answer's token counts differ from the request's.
@@ -137,6 +154,8 @@ async def run_load(base: str, workload: Workload, concurrency: int, stream: bool
                     return await _stream(session, url, prompt, max_tokens)
                 return await _complete(session, url, prompt, max_tokens), 0.0, 0.0
 
+        if warm:
+            await _open_connections(session, base, limit)
         before = await _metrics(session, base)
         started_at, start = time.time(), time.perf_counter()
         results = await asyncio.gather(

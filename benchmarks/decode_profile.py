@@ -11,6 +11,11 @@ step (wall, host included) and the kernels sorted by GPU time per step, as markd
     python benchmarks/decode_profile.py --batch 1 256 --top 20 --prefill 16 1024
     python benchmarks/decode_profile.py --device cpu --small --batch 1 4   # logic check
     python benchmarks/decode_profile.py --batch 1 8 --no-skinny   # A/B: cuBLAS at 1-16
+    python benchmarks/decode_profile.py --batch 1 256 --pdl both   # A/B: with and without PDL
+
+Besides the wall step, each batch size gets the captured graph's replay alone (CUDA
+events around 50 back-to-back replays): the device time of the forward, gaps between its
+kernels included, which is what programmatic dependent launch (``--pdl``) can shorten.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
+from shard import pdl
 from shard.config import ShardConfig
 from shard.layers import fused
 from shard.layers.linear import SKINNY
@@ -102,9 +108,26 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
         for _ in range(steps):
             runner.decode(ids[:1])
         sync()
+    replay = replay_ms(runner, batch)
     runner.clear_cache()
-    title = f"decode, batch {batch}: step {statistics.median(walls):.3f} ms wall"
+    title = (f"decode, batch {batch}: step {statistics.median(walls):.3f} ms wall, "
+             f"graph replay {replay:.3f} ms")
     return "\n".join(_kernel_table(prof, steps, top, title)) + "\n"
+
+
+def replay_ms(runner: ModelRunner, batch: int, reps: int = 50) -> float:
+    """Device ms per replay of the decode graph of ``batch``'s bucket (NaN without
+    graphs), on the static inputs of the last decode step."""
+    if runner.graphs is None or runner.graphs.bucket_for(batch) is None:
+        return float("nan")
+    runner.graphs.replay(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        runner.graphs.replay(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -> str:
@@ -143,6 +166,9 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
     p.add_argument("--no-skinny", action="store_true",
                    help="without the skinny GEMM kernel (cuBLAS at every batch size), for A/B")
+    p.add_argument("--pdl", choices=["on", "off", "both"], default="on",
+                   help="our kernels with programmatic dependent launch (where it runs), "
+                        "without, or both in turn (graphs captured again), for A/B")
     args = p.parse_args()
     with contextlib.ExitStack() as stack:
         if args.no_skinny:
@@ -162,16 +188,29 @@ def run(args: argparse.Namespace) -> None:
             attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
         ))
         prefill_tokens = args.prefill[0] * args.prefill[1] if args.prefill else 0
-        runner.warmup(max(8192, prefill_tokens), 8192, max(args.batch))
+        modes = ["on", "off"] if args.pdl == "both" else [args.pdl]
+        with pdl_mode(modes[0]):
+            runner.warmup(max(8192, prefill_tokens), 8192, max(args.batch))
         device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        print(f"# decode step kernels, {device}, torch "
-              f"{torch.__version__}, backend {runner.backend.name}, skinny GEMM kernels "
-              f"{'off' if args.no_skinny else 'on'}, "
-              f"{time.strftime('%Y-%m-%d')}\n")
-        for batch in args.batch:
-            print(profile_batch(runner, batch, args.prompt_len, args.steps, args.top))
-        if args.prefill:
-            print(profile_prefill(runner, *args.prefill, args.top))
+        for i, mode in enumerate(modes):
+            with pdl_mode(mode):
+                if i and runner.graphs is not None:
+                    runner.graphs.capture()
+                on = pdl.enabled(runner.device)
+                print(f"# decode step kernels, {device}, torch "
+                      f"{torch.__version__}, backend {runner.backend.name}, skinny GEMM "
+                      f"kernels {'off' if args.no_skinny else 'on'}, programmatic "
+                      f"dependent launch {'on' if on else 'off'}, "
+                      f"{time.strftime('%Y-%m-%d')}\n")
+                for batch in args.batch:
+                    print(profile_batch(runner, batch, args.prompt_len, args.steps,
+                                        args.top))
+                if args.prefill:
+                    print(profile_prefill(runner, *args.prefill, args.top))
+
+
+def pdl_mode(mode: str) -> contextlib.AbstractContextManager[None]:
+    return pdl.pdl_disabled() if mode == "off" else contextlib.nullcontext()
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def new_report(args: argparse.Namespace, workloads: dict[str, Workload]) -> Repo
                f"{args.intermediate}, vocabulary {args.vocab}; random {args.dtype} weights "
                f"(seed {args.seed}), safetensors"),
         load=(f"`POST /v1/completions`, token-id prompts, `ignore_eos`, greedy; in flight: "
-              f"{inflight}; non-streaming pass for tok/s, then a streaming pass "
+              f"{inflight}, over keep-alive connections opened before the clock starts; "
+              f"non-streaming pass for tok/s, then a streaming pass "
               f"({'all' if args.latency_requests <= 0 else args.latency_requests} requests, "
               f"first id of each prompt moved by one so the prefix cache cannot serve it) "
               f"for TTFT/TPOT" + (f"; only the first {args.limit_requests} requests of each "

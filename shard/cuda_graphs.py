@@ -169,6 +169,18 @@ class DecodeGraphs:
         self.input_ids[batch:].zero_()
         self.positions[batch:].zero_()
 
+    def replay(self, batch: int) -> None:
+        """Replay the graph of ``batch``'s bucket on the static inputs as they are (what
+        the last :meth:`run` left): for benchmarks that time the captured forward alone.
+
+        Raises:
+            ValueError: no captured bucket holds the batch.
+        """
+        bucket = self.bucket_for(batch)
+        if bucket is None or bucket not in self._graphs:
+            raise ValueError(f"no CUDA graph captured for a batch of {batch}")
+        self._graphs[bucket].replay()
+
     def run(self, rows: DecodeRows) -> torch.Tensor:
         """One decode forward of ``rows`` by graph replay.
 

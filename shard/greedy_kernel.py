@@ -16,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.pdl import launch_options, pdl_start
+
 BLOCK = 4096  # logits per tile (a 49152-token vocabulary is 12 tiles)
 
 
 @triton.jit
 def _greedy_kernel(logits_ptr, ids_ptr, logprobs_ptr, stride_row, vocab,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK)
@@ -60,5 +63,5 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
         _greedy_kernel[(batch,)](logits, ids, logprobs, logits.stride(0), vocab, BLOCK=BLOCK,
-                                 num_warps=8)
+                                 num_warps=8, **launch_options(logits.device))
     return ids, logprobs

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.pdl import launch_options, pdl_start
+
 # longer rows are left to the compiled op (every current model's are shorter)
 MAX_HIDDEN = 32768
 
@@ -33,7 +35,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -87,6 +91,6 @@ def add_rms_norm(
         _rms_norm_kernel[(num_tokens,)](
             x, r, weight, out, t, x.stride(0), r.stride(0), out.stride(0), t.stride(0),
             hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=max(1, min(16, block // 512)),
+            num_warps=max(1, min(16, block // 512)), **launch_options(x.device),
         )
     return out, total

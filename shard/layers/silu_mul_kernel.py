@@ -12,9 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.pdl import launch_options, pdl_start
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -40,6 +44,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
-            rows, out, rows.stride(0), out.stride(0), d, BLOCK=block
+            rows, out, rows.stride(0), out.stride(0), d, BLOCK=block, **launch_options(x.device)
         )
     return out.view(*x.shape[:-1], d)

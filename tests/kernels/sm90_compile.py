@@ -6,7 +6,8 @@ kernels' Python directly and accepts code the GPU compiler rejects; this runs th
 front end and back end (TTIR → TTGIR → LLVM → PTX → cubin) instead. Run it without
 ``TRITON_INTERPRET``: ``python -m tests.kernels.sm90_compile``. Prints one line per
 distinct launch, ``compiled <kernel> <constexprs>`` or ``FAILED <kernel>: <error>``, and
-exits 1 if any failed.
+exits 1 if any failed. Each launch is compiled again with programmatic dependent launch
+(``USE_PDL`` set, as :func:`shard.pdl.launch_options` launches on an sm_90 GPU).
 
 The signature is built from the launch's arguments the way Triton's binder types them
 (tensors as pointers of their dtype, ints as i32 or i64, floats as fp32), without its
@@ -29,7 +30,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                  torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8",
                  torch.uint8: "*u8", torch.bool: "*i1"}
-OPTIONS = ("num_warps", "num_stages", "num_ctas")
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 Launch = tuple[JITFunction, dict[str, Any]]
 
@@ -119,7 +120,10 @@ def main() -> int:
         print("run without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     failed, seen = 0, set()
-    for kernel, bound in capture_launches(_run_wrappers):
+    launches = capture_launches(_run_wrappers)
+    with_pdl = [(kernel, {**bound, "USE_PDL": True, "launch_pdl": True})
+                for kernel, bound in launches if "USE_PDL" in bound]
+    for kernel, bound in launches + with_pdl:
         constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
         key = (kernel.__name__, repr(sorted(constexprs.items())),
                tuple(_arg_type(bound[p.name]) for p in kernel.params if not p.is_constexpr),

@@ -1,6 +1,7 @@
 """Decode CUDA graphs: bucket parsing everywhere; on a CUDA GPU (skipped elsewhere) graph
-replay against eager decode (the reference): identical greedy tokens in float32,
-close logits in bfloat16, and padded rows that never write a KV slot."""
+replay against eager decode without programmatic dependent launch (the reference):
+identical greedy tokens in float32, close logits in bfloat16, and padded rows that never
+write a KV slot; with and without programmatic dependent launch, identical logits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shard import pdl
 from shard.config import ShardConfig
 from shard.cuda_graphs import default_buckets, parse_buckets
 from shard.model_runner import ModelRunner
@@ -66,9 +68,10 @@ def test_graph_replay_gives_eager_tokens_fp32(tmp_path: Path) -> None:
 
     make_hf_model("llama", tmp_path)
     prompts = PROMPTS + [p[::-1] for p in PROMPTS[2:]]  # 6 rows → bucket 8, then 5
-    eager_runner = _runner(tmp_path, "float32", "0")
-    assert eager_runner.graphs is None
-    eager = _greedy(eager_runner, prompts, 24)
+    with pdl.pdl_disabled():
+        eager_runner = _runner(tmp_path, "float32", "0")
+        assert eager_runner.graphs is None
+        eager = _greedy(eager_runner, prompts, 24)
     del eager_runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -76,6 +79,52 @@ def test_graph_replay_gives_eager_tokens_fp32(tmp_path: Path) -> None:
     assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8]
     graphed = _greedy(runner, prompts, 24)
     assert graphed == eager
+
+
+def _graph_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    """Prefill ``prompts`` eagerly, then ``steps`` graph-replayed decode steps of them
+    all; the logits of every step, stacked [steps, rows, vocab]."""
+    from shard.decode_state import DecodeRows
+    from tests.unit.shard.helpers import BlockPool, prefill, request
+
+    pool = BlockPool(min(runner.num_blocks, 4096), seed=5)
+    tables = [pool.for_tokens(len(p) + steps) for p in prompts]
+    last = prefill(runner, 1, *(request(i, p, t) for i, (p, t) in
+                                enumerate(zip(prompts, tables, strict=True))))
+    tokens = [last[i] for i in range(len(prompts))]
+    steps_logits = []
+    with torch.inference_mode():
+        for step in range(steps):
+            rows = DecodeRows.build(tokens, [len(p) + step for p in prompts], tables,
+                                    torch.device("cuda"))
+            logits = runner.graphs.run(rows).float()
+            steps_logits.append(logits.clone())
+            tokens = logits.argmax(-1).tolist()
+    return torch.stack(steps_logits)
+
+
+@needs_cuda
+def test_pdl_graph_logits_equal_without_pdl_bf16(tmp_path: Path) -> None:
+    """The same kernels launched with programmatic dependent launch compute the same
+    bits: a kernel that read its input before the previous one finished would not."""
+    pytest.importorskip("triton")
+    from tests.unit.shard.helpers import PROMPTS, make_hf_model
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch here (needs sm_90 and Triton's gdc)")
+    make_hf_model("llama", tmp_path)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS[2:]]  # 6 rows: bucket 8, skinny GEMMs
+    with pdl.pdl_disabled():
+        plain_runner = _runner(tmp_path, "bfloat16", "auto")
+        plain = _graph_logits(plain_runner, prompts, 12)
+    del plain_runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner = _runner(tmp_path, "bfloat16", "auto")
+    with_pdl = _graph_logits(runner, prompts, 12)
+    print(f"\nGPU-CHECK pdl vs plain bf16 logits max diff "
+          f"{(with_pdl - plain).abs().max().item():.3e}")
+    assert torch.equal(with_pdl, plain)
 
 
 @needs_cuda

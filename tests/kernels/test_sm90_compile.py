@@ -28,9 +28,15 @@ def test_every_kernel_compiles_for_sm90() -> None:
     compiled = {line.split()[1] for line in result.stdout.splitlines()
                 if line.startswith("compiled ")}
     assert compiled == set(KERNELS), result.stdout
+    # every launch also with programmatic dependent launch (USE_PDL: True)
+    pdl = [line for line in result.stdout.splitlines() if "'USE_PDL': True" in line]
+    assert {line.split()[1] for line in pdl} == set(KERNELS), result.stdout
+    assert 2 * len(pdl) == result.stdout.count("compiled "), result.stdout
+    plain = "\n".join(line for line in result.stdout.splitlines()
+                      if "'USE_PDL': False" in line)
     # both rope_write variants (with and without q/k norms), both decode paths
-    assert result.stdout.count("compiled _rope_write_kernel") == 2
-    assert result.stdout.count("compiled _decode_kernel") == 2
-    assert result.stdout.count("compiled _rms_norm_kernel") == 2  # with and without residual
+    assert plain.count("compiled _rope_write_kernel") == 2
+    assert plain.count("compiled _decode_kernel") == 2
+    assert plain.count("compiled _rms_norm_kernel") == 2  # with and without residual
     # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles
-    assert result.stdout.count("compiled _skinny_gemm_kernel") == 5
+    assert plain.count("compiled _skinny_gemm_kernel") == 5

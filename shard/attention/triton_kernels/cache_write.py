@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.pdl import launch_options, pdl_start
+
 
 @triton.jit
 def _cache_write_kernel(
@@ -22,7 +24,9 @@ def _cache_write_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ELEMS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     # One program per new token: copy its num_kv_heads * head_dim keys and values.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -79,4 +83,5 @@ def write_kv_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         ELEMS_PAD=triton.next_power_of_2(num_kv_heads * head_dim),
+        **launch_options(k.device),
     )

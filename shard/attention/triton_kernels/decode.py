@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.pdl import launch_options, pdl_start
+
 LOG2E = 1.4426950408889634
 
 
@@ -71,7 +73,9 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -147,7 +151,9 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     # One program per (sequence, query head): out = sum_s w_s o_s / sum_s w_s,
     # w_s = 2^(lse_s - max lse).
     row = tl.program_id(0).to(tl.int64)
@@ -255,6 +261,7 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(q.device),
     )
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](
@@ -268,5 +275,6 @@ def decode_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            **launch_options(q.device),
         )
     return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shard.attention.triton_kernels.decode import LOG2E
+from shard.pdl import launch_options, pdl_start
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     m_tile = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -218,5 +221,6 @@ def prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(q.device),
     )
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.pdl import launch_options, pdl_start
+
 
 @triton.jit
 def _rotate(x1, x2, cos_ptr, sin_ptr, w1, w2, d, in_half, eps, HEAD_DIM: tl.constexpr,
@@ -55,7 +57,9 @@ def _rope_write_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     # One program per (token, part): part 0 = the q heads, 1 = the k heads, 2 = the v
     # heads, each a [heads, head_dim / 2] tile per half of head_dim.
     t = tl.program_id(0).to(tl.int64)
@@ -179,5 +183,6 @@ def rope_write(
         HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
+        **launch_options(qkv.device),
     )
     return q

@@ -1,0 +1,84 @@
+"""Programmatic dependent launch (PDL) for our Triton kernels (CUDA, sm_90 and later).
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream
+still runs, on the SMs that kernel leaves free: its launch and its programs' start
+overlap the previous kernel's tail instead of following it. Each of our kernels takes a
+``USE_PDL`` constexpr and, when it is set, calls :func:`pdl_start` before it touches
+memory: ``griddepcontrol.wait`` (returns once the previous grid has completed and its
+writes are visible), then ``griddepcontrol.launch_dependents`` (the next grid may now be
+scheduled). Since every such kernel waits before reading or writing anything, none
+completes before the kernel ahead of it, so the stream's order holds transitively; a
+kernel launched without PDL (cuBLAS, PyTorch's own) still waits for the whole previous
+kernel, and a PDL kernel behind one starts when it completes. Stream capture records the
+launches as programmatic edges of the CUDA graph.
+
+On by default where it runs (a CUDA device of compute capability 9.0 or more, Triton with
+``triton.language.extra.cuda.gdc_wait``, not the interpreter); ``SHARDSERVE_PDL=0`` or
+:func:`pdl_disabled` turn it off.
+
+Sources: CUDA C++ Programming Guide, "Programmatic Dependent Launch and
+Synchronization"; PTX ISA, ``griddepcontrol``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+ENV = "SHARDSERVE_PDL"
+_off = 0  # depth of pdl_disabled() contexts
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """The first statement of a kernel launched with :func:`launch_options`."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` now use PDL."""
+    if device.type != "cuda" or _off or os.environ.get(ENV, "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _supported(index)
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a kernel launch on ``device``: ``USE_PDL`` (the kernel's
+    constexpr) and, when it is set, Triton's ``launch_pdl``."""
+    if enabled(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@contextlib.contextmanager
+def pdl_disabled() -> Iterator[None]:
+    """Kernels launched inside (and CUDA graphs captured inside) run without PDL: the
+    reference for tests and A/B benchmarks."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
