@@ -127,6 +127,8 @@ class ShardConfig:
         cuda_graphs: Decode batch sizes captured as CUDA graphs at warmup: ``"auto"``
             (1, 2, 4, 8, then multiples of 16 up to the max batch size), ``"0"`` (off), or
             comma-separated sizes such as ``"1,2,4,8,16,32"``. CUDA only.
+        pdl: Programmatic dependent launch of our Triton kernels (:mod:`shard.pdl`):
+            ``"auto"`` (on where it runs: CUDA compute capability 9.0+) or ``"off"``.
         block_size: Tokens per KV block; must suit the attention backend.
         kv_cache_bytes: KV cache budget on CPU, in bytes (all layers, K and V).
         gpu_memory_fraction: Fraction of total GPU memory the shard may use
@@ -161,6 +163,10 @@ class ShardConfig:
         "decode batch sizes captured as CUDA graphs at warm-up: auto (1,2,4,8, then "
         "multiples of 16 up to --max-batch-size), 0 (off), or a list such as 1,2,4,8,16,32",
         metavar="SIZES"))
+    pdl: str = field(default="auto", metadata=_flag(
+        "programmatic dependent launch of our Triton kernels, each starting while the one "
+        "before it finishes: auto (on where it runs: CUDA compute capability 9.0+) or off",
+        choices=("auto", "off")))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block", type=int))
     kv_cache_bytes: int = field(default=512 * MiB, metadata=_flag(
         "KV cache per rank on CPU: bytes, or with a unit (512MiB, 1GiB, 2G)",
@@ -185,6 +191,8 @@ class ShardConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.pdl not in ("auto", "off"):
+            raise ValueError(f"pdl must be 'auto' or 'off', got {self.pdl!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from itertools import repeat
+from typing import Any
 
 import torch
 from loguru import logger
@@ -61,6 +62,16 @@ from shard.warmup import (
 )
 
 
+def configure_pdl(mode: str, device: torch.device, log: Any) -> None:
+    """Apply ``--pdl`` to this process's Triton kernels (:mod:`shard.pdl`); nothing to do
+    without Triton, where none of them runs."""
+    try:
+        from shard import pdl
+    except ImportError:
+        return
+    pdl.configure(mode, device, log)
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the batch state of one shard.
 
@@ -94,6 +105,8 @@ class ModelRunner:
             block_size=config.block_size,
         )
         self.backend, self.backend_reason = select_backend(config.attention_backend, spec)
+        if self.device.type == "cuda":
+            configure_pdl(config.pdl, self.device, self.log)
         self.log.info("attention backend {}: {}", self.backend.name, self.backend_reason)
         self.model = build_model(config, mc, self.backend, self.device, self.dtype)
         self.batches = BatchStore()

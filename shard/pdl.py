@@ -13,8 +13,8 @@ kernel, and a PDL kernel behind one starts when it completes. Stream capture rec
 launches as programmatic edges of the CUDA graph.
 
 On by default where it runs (a CUDA device of compute capability 9.0 or more, Triton with
-``triton.language.extra.cuda.gdc_wait``, not the interpreter); ``SHARDSERVE_PDL=0`` or
-:func:`pdl_disabled` turn it off.
+``triton.language.extra.cuda.gdc_wait``, not the interpreter); the shard's ``--pdl off``
+(:func:`configure`) or :func:`pdl_disabled` turn it off.
 
 Sources: CUDA C++ Programming Guide, "Programmatic Dependent Launch and
 Synchronization"; PTX ISA, ``griddepcontrol``.
@@ -26,13 +26,14 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-ENV = "SHARDSERVE_PDL"
 _off = 0  # depth of pdl_disabled() contexts
+_configured_off = False  # --pdl off
 
 
 @triton.jit
@@ -56,9 +57,22 @@ def _supported(device_index: int) -> bool:
     return True
 
 
+def configure(mode: str, device: torch.device, log: Any = None) -> None:
+    """Set the process's mode (the shard's ``--pdl``: ``"auto"`` or ``"off"``) and log
+    what it gives on ``device``."""
+    global _configured_off
+    _configured_off = mode == "off"
+    if log is not None:
+        on = enabled(device)
+        why = ("--pdl off" if _configured_off else
+               "compute capability 9.0+" if on else "needs compute capability 9.0+ and "
+               "Triton's gdc_wait")
+        log.info("programmatic dependent launch {} ({})", "on" if on else "off", why)
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` now use PDL."""
-    if device.type != "cuda" or _off or os.environ.get(ENV, "1") == "0":
+    if device.type != "cuda" or _off or _configured_off:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index)

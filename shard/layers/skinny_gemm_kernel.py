@@ -21,7 +21,6 @@ separate kernels.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -76,8 +75,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,20 +87,7 @@ def _skinny_gemm_kernel(
     # 64-bit row offsets: a vocabulary-sized weight can pass 2**31 elements (256k x 8192)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:
-        # the weight is no kernel's output: its first slice loads before the wait for
-        # the previous kernel (x may be that kernel's output, so it loads after)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-        pdl_start(USE_PDL)
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        k_first = BLOCK_K
-    else:
-        pdl_start(USE_PDL)
-        k_first = 0
-    for k0 in range(k_first, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + rk) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -147,12 +133,10 @@ def skinny_linear(
     n, k = weight.shape
     cfg = config or default_config(n, k)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    pdl = launch_options(x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        PREFETCH=pdl["USE_PDL"] and os.environ.get("SKINNY_PREFETCH", "0") == "1",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out
