@@ -130,9 +130,11 @@ def replay_ms(runner: ModelRunner, batch: int, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -> str:
+def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int,
+                    trace: Path | None = None) -> str:
     """Markdown: one prefill of ``seqs`` prompts of ``prompt_len`` tokens (best wall of
-    3, then profiled once) and its top kernels."""
+    3, then profiled once) and its top kernels, then the device's idle time between
+    them; with ``trace``, the profile as a Chrome trace there."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     walls = []
     for _ in range(3):
@@ -146,10 +148,35 @@ def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int) -
         prefill_requests(runner, seqs, prompt_len, 8, per=seqs)
         sync()
     runner.clear_cache()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     tokens = seqs * prompt_len
     title = (f"prefill, {seqs} × {prompt_len} tokens: {min(walls):.1f} ms wall, "
              f"{tokens / min(walls):.0f} tokens/ms")
-    return "\n".join(_kernel_table(prof, 1, top, title)) + "\n"
+    return "\n".join(_kernel_table(prof, 1, top, title) + _idle_table(prof)) + "\n"
+
+
+def _idle_table(prof: torch.profiler.profile, top: int = 8) -> list[str]:
+    """The device's idle time between its first and last kernel, and the longest gaps
+    with the kernel after each (the host was late to launch it)."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return []
+    gaps, busy_until = [], kernels[0][1]
+    for start, end, name in kernels[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, name))
+        busy_until = max(busy_until, end)
+    span = busy_until - kernels[0][0]
+    idle = sum(g for g, _ in gaps)
+    lines = ["", f"Device idle between kernels: {idle / 1e3:.2f} ms of {span / 1e3:.2f} ms "
+             f"({len(gaps)} gaps); the longest:", "", "| gap µs | kernel after it |",
+             "|---:|---|"]
+    for gap, name in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"| {gap:.0f} | `{name[:90]}` |")
+    return lines
 
 
 def main() -> None:
@@ -166,6 +193,8 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
     p.add_argument("--no-skinny", action="store_true",
                    help="without the skinny GEMM kernel (cuBLAS at every batch size), for A/B")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="write the prefill profile as a Chrome trace (with --prefill)")
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on",
                    help="our kernels with programmatic dependent launch (where it runs), "
                         "without, or both in turn (graphs captured again), for A/B")
@@ -206,7 +235,7 @@ def run(args: argparse.Namespace) -> None:
                     print(profile_batch(runner, batch, args.prompt_len, args.steps,
                                         args.top))
                 if args.prefill:
-                    print(profile_prefill(runner, *args.prefill, args.top))
+                    print(profile_prefill(runner, *args.prefill, args.top, args.trace))
 
 
 def pdl_mode(mode: str) -> contextlib.AbstractContextManager[None]:
