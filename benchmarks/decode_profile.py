@@ -36,7 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
-from shard import pdl
 from shard.config import ShardConfig
 from shard.layers import fused
 from shard.layers.linear import SKINNY
@@ -225,21 +224,40 @@ def run(args: argparse.Namespace) -> None:
             with pdl_mode(mode):
                 if i and runner.graphs is not None:
                     runner.graphs.capture()
-                on = pdl.enabled(runner.device)
+                on = pdl_on(runner)
                 print(f"# decode step kernels, {device}, torch "
                       f"{torch.__version__}, backend {runner.backend.name}, skinny GEMM "
                       f"kernels {'off' if args.no_skinny else 'on'}, programmatic "
                       f"dependent launch {'on' if on else 'off'}, "
                       f"{time.strftime('%Y-%m-%d')}\n")
+                if on:
+                    print("(with programmatic dependent launch a kernel's time includes "
+                          "its wait for the one before it: compare the graph replay "
+                          "times)\n")
                 for batch in args.batch:
                     print(profile_batch(runner, batch, args.prompt_len, args.steps,
                                         args.top))
                 if args.prefill:
-                    print(profile_prefill(runner, *args.prefill, args.top, args.trace))
+                    trace = args.trace
+                    if trace is not None and len(modes) > 1:
+                        trace = trace.with_name(f"{trace.stem}-pdl-{mode}{trace.suffix}")
+                    print(profile_prefill(runner, *args.prefill, args.top, trace))
 
 
 def pdl_mode(mode: str) -> contextlib.AbstractContextManager[None]:
-    return pdl.pdl_disabled() if mode == "off" else contextlib.nullcontext()
+    if mode == "on":
+        return contextlib.nullcontext()
+    from shard import pdl  # imports Triton
+
+    return pdl.pdl_disabled()
+
+
+def pdl_on(runner: ModelRunner) -> bool:
+    if runner.device.type != "cuda":
+        return False
+    from shard import pdl
+
+    return pdl.enabled(runner.device)
 
 
 if __name__ == "__main__":

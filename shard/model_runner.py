@@ -64,7 +64,9 @@ from shard.warmup import (
 
 def configure_pdl(mode: str, device: torch.device, log: Any) -> None:
     """Apply ``--pdl`` to this process's Triton kernels (:mod:`shard.pdl`); nothing to do
-    without Triton, where none of them runs."""
+    off CUDA or without Triton, where none of them runs with it."""
+    if device.type != "cuda":
+        return
     try:
         from shard import pdl
     except ImportError:
@@ -105,8 +107,7 @@ class ModelRunner:
             block_size=config.block_size,
         )
         self.backend, self.backend_reason = select_backend(config.attention_backend, spec)
-        if self.device.type == "cuda":
-            configure_pdl(config.pdl, self.device, self.log)
+        configure_pdl(config.pdl, self.device, self.log)
         self.log.info("attention backend {}: {}", self.backend.name, self.backend_reason)
         self.model = build_model(config, mc, self.backend, self.device, self.dtype)
         self.batches = BatchStore()

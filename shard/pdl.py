@@ -5,16 +5,19 @@ still runs, on the SMs that kernel leaves free: its launch and its programs' sta
 overlap the previous kernel's tail instead of following it. Each of our kernels takes a
 ``USE_PDL`` constexpr and, when it is set, calls :func:`pdl_start` before it touches
 memory: ``griddepcontrol.wait`` (returns once the previous grid has completed and its
-writes are visible), then ``griddepcontrol.launch_dependents`` (the next grid may now be
-scheduled). Since every such kernel waits before reading or writing anything, none
+writes are visible), then ``griddepcontrol.launch_dependents`` (the next grid may be
+scheduled once every program of this one has called it or exited, i.e. from its last
+wave on). Since every such kernel waits before reading or writing anything, none
 completes before the kernel ahead of it, so the stream's order holds transitively; a
-kernel launched without PDL (cuBLAS, PyTorch's own) still waits for the whole previous
-kernel, and a PDL kernel behind one starts when it completes. Stream capture records the
-launches as programmatic edges of the CUDA graph.
+kernel launched without PDL (cuBLAS, NCCL, PyTorch's own) still waits for the whole
+previous kernel, and a PDL kernel behind one starts only when it completes: the overlap
+is between our kernels. Stream capture records the launches as programmatic edges of the
+CUDA graph.
 
-On by default where it runs (a CUDA device of compute capability 9.0 or more, Triton with
-``triton.language.extra.cuda.gdc_wait``, not the interpreter); the shard's ``--pdl off``
-(:func:`configure`) or :func:`pdl_disabled` turn it off.
+On by default where it runs: an NVIDIA GPU (not ROCm) of compute capability 9.0 or more,
+Triton with ``triton.language.extra.cuda.gdc_wait``, kernels not run by Triton's
+interpreter. The shard's ``--pdl off`` (:func:`configure`, for the whole process) or
+:func:`pdl_disabled` turn it off.
 
 Sources: CUDA C++ Programming Guide, "Programmatic Dependent Launch and
 Synchronization"; PTX ISA, ``griddepcontrol``.
@@ -44,9 +47,18 @@ def pdl_start(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``), which has
+    no grid dependency control."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if torch.version.hip is not None:  # griddepcontrol is NVIDIA PTX
         return False
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
@@ -58,8 +70,8 @@ def _supported(device_index: int) -> bool:
 
 
 def configure(mode: str, device: torch.device, log: Any = None) -> None:
-    """Set the process's mode (the shard's ``--pdl``: ``"auto"`` or ``"off"``) and log
-    what it gives on ``device``."""
+    """Set the mode of every launch in this process (the shard's ``--pdl``: ``"auto"`` or
+    ``"off"``) and log what it gives on ``device``."""
     global _configured_off
     _configured_off = mode == "off"
     if log is not None:
@@ -72,7 +84,7 @@ def configure(mode: str, device: torch.device, log: Any = None) -> None:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` now use PDL."""
-    if device.type != "cuda" or _off or _configured_off:
+    if device.type != "cuda" or _off or _configured_off or _interpreted():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index)

@@ -6,8 +6,11 @@ kernels' Python directly and accepts code the GPU compiler rejects; this runs th
 front end and back end (TTIR → TTGIR → LLVM → PTX → cubin) instead. Run it without
 ``TRITON_INTERPRET``: ``python -m tests.kernels.sm90_compile``. Prints one line per
 distinct launch, ``compiled <kernel> <constexprs>`` or ``FAILED <kernel>: <error>``, and
-exits 1 if any failed. Each launch is compiled again with programmatic dependent launch
-(``USE_PDL`` set, as :func:`shard.pdl.launch_options` launches on an sm_90 GPU).
+exits 1 if any failed. The wrappers run twice, as :func:`shard.pdl.launch_options`
+launches without and with programmatic dependent launch (on an sm_90 GPU): every launch
+must carry ``USE_PDL`` and Triton's ``launch_pdl`` as that mode gives them, and with PDL
+each kernel's PTX must wait for the previous grid (``griddepcontrol.wait``) before its
+first global memory access, the rule that makes the launch safe (see shard/pdl.py).
 
 The signature is built from the launch's arguments the way Triton's binder types them
 (tensors as pointers of their dtype, ints as i32 or i64, floats as fp32), without its
@@ -16,8 +19,11 @@ value specialisations (divisibility by 16, ints equal to 1), which change only h
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +39,8 @@ POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32:
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 Launch = tuple[JITFunction, dict[str, Any]]
+# PTX that reads or writes global memory (loads, stores, async and bulk copies, atomics)
+GLOBAL_MEMORY = re.compile(r"\b(ld|st|cp\.async|atom|red)(\.\w+)*\.global\b|\bcp\.async\.bulk")
 
 
 def _arg_type(value: Any) -> str:
@@ -47,8 +55,9 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
-def compile_launch(kernel: JITFunction, bound: dict[str, Any]) -> None:
-    """Compile one captured launch for sm_90; raises what Triton's compiler raises."""
+def compile_launch(kernel: JITFunction, bound: dict[str, Any]) -> str:
+    """Compile one captured launch for sm_90 and return its PTX; raises what Triton's
+    compiler raises."""
     signature, constexprs = {}, {}
     for param in kernel.params:
         value = bound[param.name]
@@ -57,8 +66,20 @@ def compile_launch(kernel: JITFunction, bound: dict[str, Any]) -> None:
         else:
             signature[param.name] = _arg_type(value)
     options = {k: bound[k] for k in OPTIONS if k in bound}
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                   target=TARGET, options=options)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=TARGET, options=options)
+    return str(compiled.asm["ptx"])
+
+
+def memory_before_wait(ptx: str) -> str | None:
+    """The first PTX line that touches global memory before ``griddepcontrol.wait`` (or
+    the first such line at all when there is no wait); None when the wait comes first."""
+    for line in ptx.splitlines():
+        if "griddepcontrol.wait" in line:
+            return None
+        if GLOBAL_MEMORY.search(line):
+            return line.strip()
+    return "no griddepcontrol.wait"
 
 
 def capture_launches(run_wrappers: Any) -> list[Launch]:
@@ -115,15 +136,36 @@ def _run_wrappers() -> None:
     skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16))
 
 
+@contextlib.contextmanager
+def _pdl_enabled(on: bool) -> Iterator[None]:
+    """:func:`shard.pdl.launch_options` as on an sm_90 GPU (``on``) or without PDL."""
+    from shard import pdl
+
+    original = pdl.enabled
+    pdl.enabled = lambda device: on  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        pdl.enabled = original  # type: ignore[assignment]
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     failed, seen = 0, set()
-    launches = capture_launches(_run_wrappers)
-    with_pdl = [(kernel, {**bound, "USE_PDL": True, "launch_pdl": True})
-                for kernel, bound in launches if "USE_PDL" in bound]
-    for kernel, bound in launches + with_pdl:
+    launches = []
+    for pdl_on in (False, True):
+        with _pdl_enabled(pdl_on):
+            for kernel, bound in capture_launches(_run_wrappers):
+                launches.append((kernel, bound))
+                if (bound.get("USE_PDL") is not pdl_on
+                        or bool(bound.get("launch_pdl", False)) is not pdl_on):
+                    failed += 1
+                    print(f"FAILED {kernel.__name__}: launched with USE_PDL="
+                          f"{bound.get('USE_PDL')}, launch_pdl={bound.get('launch_pdl')} "
+                          f"while launch_options gives PDL {'on' if pdl_on else 'off'}")
+    for kernel, bound in launches:
         constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
         key = (kernel.__name__, repr(sorted(constexprs.items())),
                tuple(_arg_type(bound[p.name]) for p in kernel.params if not p.is_constexpr),
@@ -132,7 +174,10 @@ def main() -> int:
             continue
         seen.add(key)
         try:
-            compile_launch(kernel, bound)
+            ptx = compile_launch(kernel, bound)
+            early = memory_before_wait(ptx) if bound.get("USE_PDL") else None
+            if early is not None:
+                raise AssertionError(f"global memory before griddepcontrol.wait: {early}")
         except Exception as error:  # every failure is reported, then the next launch
             failed += 1
             print(f"FAILED {kernel.__name__}: {type(error).__name__}: {error}")
