@@ -76,9 +76,9 @@ def configure(mode: str, device: torch.device, log: Any = None) -> None:
     _configured_off = mode == "off"
     if log is not None:
         on = enabled(device)
-        why = ("--pdl off" if _configured_off else
-               "compute capability 9.0+" if on else "needs compute capability 9.0+ and "
-               "Triton's gdc_wait")
+        why = ("--pdl off" if _configured_off else "compute capability 9.0+" if on else
+               "not supported here: it needs an NVIDIA GPU of compute capability 9.0+ and "
+               "Triton's gdc_wait, outside Triton's interpreter")
         log.info("programmatic dependent launch {} ({})", "on" if on else "off", why)
 
 

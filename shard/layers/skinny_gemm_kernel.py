@@ -21,6 +21,7 @@ separate kernels.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -43,11 +44,13 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
+@functools.cache
 def default_config(n: int, k: int) -> SkinnyConfig:
     """The configuration for an ``[n, k]`` weight, by ``n``: the H200 sweep's best at one
     token for the 8B-shaped model's o and down (n = 4096) and gate_up (28672), within 4%
     of it for qkv (6144) and 2% for the LM head (49152)
-    (``benchmarks/results/kernels-h200.md``); tiles capped to the problem for small ones."""
+    (``benchmarks/results/kernels-h200.md``); tiles capped to the problem for small ones.
+    Cached: eager launches (short prefills, decode without graphs) ask for it per product."""
     if n <= 4096:
         cfg = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
     elif n <= 8192:

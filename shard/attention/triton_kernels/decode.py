@@ -232,6 +232,7 @@ def decode_attention(
         part_lse = torch.empty(rows, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
+    pdl = launch_options(q.device)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q,
         key_cache,
@@ -261,7 +262,7 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch_options(q.device),
+        **pdl,
     )
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](
@@ -275,6 +276,6 @@ def decode_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-            **launch_options(q.device),
+            **pdl,
         )
     return out
