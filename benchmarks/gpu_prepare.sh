@@ -5,7 +5,8 @@
 #   .device/fa-whl/     the flash-attn wheel built for that machine
 #   .device/peers/      nano-vllm and its runner nano_vllm_bench.py
 #   .device/tokenizer/  tokenizer files (and config.json, for the BOS/EOS ids) of the default model
-#   .device/whl/ also gets the project's dependencies that image lacks (llguidance, jsonschema)
+#   .device/whl/ also gets the project's dependencies that image lacks (llguidance, jsonschema,
+#                httptools)
 #   .device/tools/      py-spy (benchmarks/gpu_profile.sh) and pytest, to run tests/kernels there
 # Usage, from anywhere: bash benchmarks/gpu_prepare.sh [SHARED_DIR]
 # SHARED_DIR (default: ../shared beside the checkout) holds gpu/server-wheels.sh,
@@ -25,8 +26,9 @@ bash "$shared/gpu/server-wheels.sh" .device/whl >/dev/null
 # Python 3.12 on x86_64 there (GPU.md); llguidance's wheels need glibc 2.31 or newer.
 for_gpu=(--only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64
          --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
-python3 -m pip download -q "${for_gpu[@]}" -d .device/whl "llguidance>=1.9,<2" jsonschema
-python3 -m pip download -q "${for_gpu[@]}" -d .device/tools py-spy pytest pytest-asyncio \
+python3 -m pip download -q "${for_gpu[@]}" -d .device/whl "llguidance>=1.9,<2" jsonschema \
+  "httptools>=0.6"
+python3 -m pip download -q "${for_gpu[@]}" -d .device/tools py-spy pytest pytest-asyncio uvloop \
   pytest-timeout
 ls "$shared"/gpu/wheels/flash_attn-*.whl >/dev/null
 cp "$shared"/gpu/wheels/flash_attn-*.whl .device/fa-whl/

@@ -314,6 +314,125 @@ def prefill_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
     return rows
 
 
+def _chunked(m: int, chunk: int) -> list[slice]:
+    return [slice(i, min(i + chunk, m)) for i in range(0, m, chunk)]
+
+
+def _mlp(x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+         out: torch.Tensor, chunk: int) -> None:
+    """gate_up → silu·mul (our kernel) → down for each layer's weights, ``chunk`` rows
+    at a time (the intermediate of a chunk is written and read back while in L2)."""
+    from shard.layers.silu_mul_kernel import silu_and_mul
+
+    for wg, wd in zip(gate_up, down, strict=True):
+        for rows in _chunked(x.shape[0], chunk):
+            torch.matmul(silu_and_mul(F.linear(x[rows], wg)), wd.t(), out=out[rows])
+
+
+def _projection(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
+                chunk: int) -> None:
+    for w in weights:
+        for rows in _chunked(x.shape[0], chunk):
+            torch.matmul(x[rows], w.t(), out=out[rows])
+
+
+def eager_time_us(fn: Callable[[], object], reps: int = 3) -> float:
+    """Median µs of ``fn`` run eagerly (launches from Python, as a prefill step runs)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def row_chunk_sweep(tokens: int, chunks: list[int], layers: int) -> list[str]:
+    """A prefill of ``tokens`` rows: each projection, and the MLP (gate_up, silu·mul,
+    down), over ``layers`` distinct weights, whole or ``chunk`` rows at a time, timed
+    eagerly. Whole-step numbers (the four projections of every layer, the MLP with its
+    silu·mul) come last."""
+    rows = ["| op | chunk rows | µs per layer | TFLOP/s | vs whole |",
+            "|---|---:|---:|---:|---:|"]
+    dims = {name: (n, k) for name, n, k in PROJECTIONS}
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                      for _ in range(layers)]
+               for name, n, k in PROJECTIONS[:4]}
+    x = {name: torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+         for name, (n, k) in dims.items()}
+    per: dict[tuple[str, int], float] = {}
+    for name in ("qkv", "o", "gate_up", "down", "mlp"):
+        if name == "mlp":
+            out = torch.empty(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * tokens * HIDDEN * INTERMEDIATE * 3
+        else:
+            n, k = dims[name]
+            out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * tokens * n * k
+        for chunk in chunks:
+            if name == "mlp":
+                fn = functools.partial(_mlp, x["gate_up"], weights["gate_up"], weights["down"],
+                                       out, chunk)
+            else:
+                fn = functools.partial(_projection, x[name], weights[name], out, chunk)
+            us = eager_time_us(fn) / layers
+            per[(name, chunk)] = us
+            rows.append(f"| {name} | {chunk} | {us:.1f} | {flops / us / 1e6:.0f} | "
+                        f"{us / per[(name, chunks[0])]:.3f} |")
+        del out
+    rows += ["", f"Per prefill step of {tokens} tokens ({layers} layers: qkv + o + MLP), ms:",
+             "", "| chunk rows | ms | vs whole |", "|---:|---:|---:|"]
+    for chunk in chunks:
+        total = sum(per[(name, chunk)] for name in ("qkv", "o", "mlp")) * layers / 1e3
+        whole = sum(per[(name, chunks[0])] for name in ("qkv", "o", "mlp")) * layers / 1e3
+        rows.append(f"| {chunk} | {total:.2f} | {total / whole:.3f} |")
+    del weights, x
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _split_k(x: torch.Tensor, weights: list[torch.Tensor], splits: int) -> None:
+    """``x @ w.T`` as a batched product over ``splits`` slices of K, then their sum."""
+    m, k = x.shape
+    part = k // splits
+    xs = x.view(m, splits, part).transpose(0, 1)  # [splits, m, part]
+    for w in weights:
+        n = w.shape[0]
+        ws = w.as_strided((splits, part, n), (part, 1, k))  # [splits, part, n] of w.T
+        torch.bmm(xs, ws).sum(0)
+
+
+def split_k_sweep(tokens: list[int], layers: int) -> list[str]:
+    """Each projection as ``F.linear`` (cuBLAS's own choice) against a batched product over
+    2 or 4 slices of K and their sum (more tiles for the under-filled shapes)."""
+    rows = ["| projection | tokens | cuBLAS µs | split 2 µs | split 4 µs | best / cuBLAS |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name, n, k in PROJECTIONS[:4]:
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(layers)]
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = F.linear(x, weights[0]).float()
+            base = graph_time_us(functools.partial(_linears, x, weights)) / layers
+            split = []
+            for s in (2, 4):
+                xs = x.view(m, s, k // s).transpose(0, 1)
+                got = torch.bmm(xs, weights[0].as_strided((s, k // s, n), (k // s, 1, k)))
+                err = ((got.float().sum(0) - want).norm() / want.norm()).item()
+                if not err < 1e-2:
+                    print(f"MISMATCH split-K {name} {m} {s}: rel err {err:.2e}")
+                split.append(graph_time_us(functools.partial(_split_k, x, weights, s)) / layers)
+            rows.append(f"| {name} | {m} | {base:.1f} | {split[0]:.1f} | {split[1]:.1f} | "
+                        f"{min(split) / base:.3f} |")
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 16384])
@@ -334,6 +453,12 @@ def main() -> None:
     p.add_argument("--skinny", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time the skinny GEMM kernel's configurations against cuBLAS "
                    f"at these token counts (<= {MAX_ROWS}, e.g. 1 4 16)")
+    p.add_argument("--row-chunks", type=int, nargs="*", default=None, metavar="ROWS",
+                   help="also time a --prefill-tokens prefill's projections and MLP whole "
+                   "(first value = that count) and in chunks of these row counts")
+    p.add_argument("--prefill-tokens", type=int, default=16384)
+    p.add_argument("--split-k", type=int, nargs="*", default=None, metavar="TOKENS",
+                   help="also time each projection as a batched product over K slices")
     p.add_argument("--max-seqlen", type=int, default=4096,
                    help="max_seqlen_k the server's graphs are captured with")
     args = p.parse_args()
@@ -349,6 +474,13 @@ def main() -> None:
     if args.skinny:
         print("\n## Skinny GEMM kernel against cuBLAS\n")
         print("\n".join(skinny_sweep(args.skinny, args.layers)), flush=True)
+    if args.row_chunks:
+        print(f"\n## Prefill of {args.prefill_tokens} tokens in row chunks (eager)\n")
+        chunks = [args.prefill_tokens] + [c for c in args.row_chunks if c != args.prefill_tokens]
+        print("\n".join(row_chunk_sweep(args.prefill_tokens, chunks, args.layers)), flush=True)
+    if args.split_k:
+        print("\n## GEMMs as batched split-K products\n")
+        print("\n".join(split_k_sweep(args.split_k, args.layers)), flush=True)
     if args.prefill_points:
         points = [tuple(int(v) for v in s.split("x")) for s in args.prefill_points]
         print("\n## Prefill attention (fastest six, then the default)\n")

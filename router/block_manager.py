@@ -14,6 +14,7 @@ The scheme follows vLLM's automatic prefix caching (chained block hashes).
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -28,6 +29,9 @@ def block_hashes(
 ) -> list[bytes]:
     """Chained SHA-256 digests of each full block of ``token_ids``.
 
+    Each block is hashed as its ids' 64-bit machine integers, the previous block's digest
+    first (digests are compared within one router process only, never stored).
+
     Args:
         known: Digests already computed for a prefix of the same tokens; only the
             blocks after them are hashed (a growing sequence hashes each block once).
@@ -37,11 +41,18 @@ def block_hashes(
         ``[0, (i + 1) * block_size)``.
     """
     digests = list(known)
+    first = len(digests) * block_size
+    full = len(token_ids) // block_size * block_size
+    if full <= first:
+        return digests
+    # one conversion for all new blocks (a 1024-token prompt hashes in ~0.1 ms, against ~1.8
+    # ms for a string of its ids)
+    data = memoryview(array.array("q", token_ids[first:full])).cast("B")
+    step = block_size * 8  # bytes of one block's ids
     parent = digests[-1] if digests else b""
-    for start in range(len(digests) * block_size, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start : start + block_size]
+    for offset in range(0, len(data), step):
         hasher = hashlib.sha256(parent)
-        hasher.update(b",".join(str(t).encode() for t in block))
+        hasher.update(data[offset : offset + step])
         parent = hasher.digest()
         digests.append(parent)
     return digests

@@ -111,3 +111,19 @@ def test_incremental_hashes_equal_hashing_from_scratch() -> None:
     prefix = block_hashes(tokens[:9], 4)
     assert block_hashes(tokens, 4, prefix) == block_hashes(tokens, 4)
     assert len(block_hashes(tokens, 4)) == 5
+
+
+def test_digests_tell_every_token_apart_and_chain_over_the_prefix() -> None:
+    base = [7] * 8
+    digests = block_hashes(base, 4)
+    for position in range(8):
+        for other in (8, 2**31, 2**40, 256 * 7):  # ids that share bytes with 7 included
+            changed = list(base)
+            changed[position] = other
+            got = block_hashes(changed, 4)
+            # the block holding the change differs, and so does every block after it
+            assert all(got[b] != digests[b] for b in range(position // 4, 2))
+            assert got[: position // 4] == digests[: position // 4]
+    # a block's digest covers the blocks before it: equal blocks at different prefixes
+    assert block_hashes([1, 2, 5, 6], 2)[1] != block_hashes([3, 4, 5, 6], 2)[1]
+    assert block_hashes(tuple(base), 4) == digests  # any sequence type
