@@ -30,6 +30,7 @@ Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -238,9 +239,12 @@ QUICK_GRID = list(itertools.product((64, 128), (4,), (3, 4), (528,)))
 
 
 def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: list[int],
-                 grid: list[tuple[int, ...]]) -> list[str]:
+                 grid: list[tuple[int, ...]], orders: tuple[bool, ...] = (True,)) -> list[str]:
+    """Each configuration of ``grid`` in each launch order of ``orders`` (``heads_first``
+    values; with both, each output is checked against the other order's)."""
     rows = ["| block size | batch × ctx | block_n | warps | stages | target programs | splits "
-            "| µs | KV TB/s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| heads first | µs | KV TB/s |",
+            "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for block_size, (batch, ctx) in itertools.product(block_sizes, points):
         case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
                          torch.bfloat16, "cuda", spare_blocks=0)
@@ -249,9 +253,9 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
         out = torch.empty_like(q)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         results = []
-        for block_n, warps, stages, target in grid:
+        for (block_n, warps, stages, target), first in itertools.product(grid, orders):
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                                  target_programs=target)
+                                  target_programs=target, heads_first=first)
             run = functools.partial(decode_attention, q, key, value, tables, seq_lens,
                                     max_seqlen, HEAD_DIM ** -0.5, out=out, config=config)
             try:
@@ -259,17 +263,25 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
             except Exception as exc:  # a config that does not compile is skipped, named
                 print(f"skipped {batch}x{ctx} {config}: {str(exc).splitlines()[0][:100]}")
                 continue
+            if len(orders) > 1:
+                got = out.clone()
+                decode_attention(q, key, value, tables, seq_lens, max_seqlen,
+                                 HEAD_DIM ** -0.5, out=out,
+                                 config=dataclasses.replace(config, heads_first=not first))
+                if not torch.equal(got, out):
+                    print(f"MISMATCH launch orders {batch}x{ctx} {config}")
             splits = num_decode_splits(batch, KV_HEADS, max_seqlen, config)
-            results.append((us, block_n, warps, stages, target, splits))
+            results.append((us, block_n, warps, stages, target, splits, first))
         results.sort()
         default = DecodeConfig()
         defaults = [r for r in results if r[1:5] == (default.block_n, default.num_warps,
                                                       default.num_stages,
                                                       default.target_programs)]
         shown = results[:6] + [r for r in defaults if r not in results[:6]]
-        for us, block_n, warps, stages, target, splits in shown:
+        for us, block_n, warps, stages, target, splits, first in shown:
             rows.append(f"| {block_size} | {batch} × {ctx} | {block_n} | {warps} | {stages} | "
-                        f"{target} | {splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} |")
+                        f"{target} | {splits} | {'yes' if first else 'no'} | {us:.1f} | "
+                        f"{kv_bytes / us / 1e6:.2f} |")
         del case, key, value
         torch.cuda.empty_cache()
     return rows
@@ -445,6 +457,8 @@ def main() -> None:
                    help="BATCHxCONTEXT points of the decode sweep")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16],
                    help="KV block sizes of the decode sweep")
+    p.add_argument("--both-orders", action="store_true",
+                   help="sweep the decode kernel in both launch orders (DecodeConfig.heads_first)")
     p.add_argument("--quick-decode", action="store_true",
                    help=f"only the decode configurations {QUICK_GRID}")
     p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
@@ -489,7 +503,9 @@ def main() -> None:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")
         grid = QUICK_GRID if args.quick_decode else FULL_GRID
-        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid)),  # type: ignore[arg-type]
+        orders = (False, True) if args.both_orders else (DecodeConfig().heads_first,)
+        print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid,  # type: ignore[arg-type]
+                                      orders)),
               flush=True)
 
 
