@@ -52,6 +52,9 @@ from shard.attention.triton_kernels import (
     prefill_attention,
 )
 from shard.attention.triton_kernels.decode import num_decode_splits
+from shard.layers.gate_up_silu_kernel import GateUpConfig, gate_up_silu
+from shard.layers.silu_mul_kernel import silu_and_mul
+from shard.layers.gate_up_silu_kernel import default_config as gate_up_default
 from shard.layers.skinny_gemm_kernel import (
     MAX_ROWS,
     SkinnyConfig,
@@ -334,8 +337,6 @@ def _mlp(x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
          out: torch.Tensor, chunk: int) -> None:
     """gate_up → silu·mul (our kernel) → down for each layer's weights, ``chunk`` rows
     at a time (the intermediate of a chunk is written and read back while in L2)."""
-    from shard.layers.silu_mul_kernel import silu_and_mul
-
     for wg, wd in zip(gate_up, down, strict=True):
         for rows in _chunked(x.shape[0], chunk):
             torch.matmul(silu_and_mul(F.linear(x[rows], wg)), wd.t(), out=out[rows])
@@ -445,6 +446,60 @@ def split_k_sweep(tokens: list[int], layers: int) -> list[str]:
     return rows
 
 
+GATE_UP_GRID = [GateUpConfig(*c) for c in itertools.product((64, 128), (64, 128), (64, 128),
+                                                             (4, 8), (3, 4))]
+
+
+def _gate_up_chain(x: torch.Tensor, weights: list[torch.Tensor],
+                   config: GateUpConfig | None) -> None:
+    """Each layer's gate/up with SwiGLU: cuBLAS then our silu·mul kernel (``config``
+    None), or the fused kernel with ``config``."""
+    for w in weights:
+        if config is None:
+            silu_and_mul(F.linear(x, w))
+        else:
+            gate_up_silu(x, w, config, min_rows=1, max_rows=1 << 20)
+
+
+def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
+    """:func:`shard.layers.gate_up_silu_kernel.gate_up_silu` against cuBLAS + our silu·mul
+    kernel at each token count, over :data:`GATE_UP_GRID`, timed like :func:`gemm_sweep`
+    (``layers`` distinct weights); every configuration's output checked against the
+    unfused path."""
+    rows = ["| tokens | cuBLAS + silu·mul µs | default µs | best µs | best config (block_m, "
+            "block_n, block_k, warps, stages) | best / unfused |",
+            "|---:|---:|---:|---:|---|---:|"]
+    n, k = 2 * INTERMEDIATE, HIDDEN
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(layers)]
+    for m in tokens:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        want = silu_and_mul(F.linear(x, weights[0])).float()
+        base = graph_time_us(functools.partial(_gate_up_chain, x, weights, None)) / layers
+        results = []
+        for config in GATE_UP_GRID:
+            try:
+                got = gate_up_silu(x, weights[0], config, min_rows=1, max_rows=1 << 20)
+                assert got is not None
+                us = graph_time_us(functools.partial(_gate_up_chain, x, weights, config)) / layers
+            except Exception as exc:  # a config that does not compile is skipped, named
+                print(f"skipped gate_up {m} {config}: {str(exc).splitlines()[0][:100]}")
+                continue
+            err = ((got.float() - want).norm() / want.norm()).item()
+            if not err < 1e-2:
+                print(f"MISMATCH gate_up {m} {config}: rel err {err:.2e}")
+            results.append((us, config))
+        results.sort()
+        us, config = results[0]
+        default = next((t for t, c in results if c == gate_up_default(m)), float("nan"))
+        rows.append(f"| {m} | {base:.1f} | {default:.1f} | {us:.1f} | {tuple(config)} | "
+                    f"{us / base:.3f} |")
+        del x
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 16384])
@@ -471,6 +526,9 @@ def main() -> None:
                    help="also time a --prefill-tokens prefill's projections and MLP whole "
                    "(first value = that count) and in chunks of these row counts")
     p.add_argument("--prefill-tokens", type=int, default=16384)
+    p.add_argument("--gate-up", type=int, nargs="*", default=None, metavar="TOKENS",
+                   help="also time the fused gate/up + SwiGLU kernel's configurations against "
+                   "cuBLAS + silu·mul at these token counts")
     p.add_argument("--split-k", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time each projection as a batched product over K slices")
     p.add_argument("--max-seqlen", type=int, default=4096,
@@ -492,6 +550,9 @@ def main() -> None:
         print(f"\n## Prefill of {args.prefill_tokens} tokens in row chunks (eager)\n")
         chunks = [args.prefill_tokens] + [c for c in args.row_chunks if c != args.prefill_tokens]
         print("\n".join(row_chunk_sweep(args.prefill_tokens, chunks, args.layers)), flush=True)
+    if args.gate_up:
+        print("\n## Fused gate/up + SwiGLU against cuBLAS + silu·mul\n")
+        print("\n".join(gate_up_sweep(args.gate_up, args.layers)), flush=True)
     if args.split_k:
         print("\n## GEMMs as batched split-K products\n")
         print("\n".join(split_k_sweep(args.split_k, args.layers)), flush=True)

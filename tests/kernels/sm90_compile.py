@@ -105,6 +105,7 @@ def _run_wrappers() -> None:
     from shard.attention.triton_backend import TritonAttentionBackend
     from shard.attention.triton_kernels import DecodeConfig, decode_attention, rope_write
     from shard.greedy_kernel import greedy
+    from shard.layers.gate_up_silu_kernel import gate_up_silu
     from shard.layers.rms_norm_kernel import add_rms_norm
     from shard.layers.silu_mul_kernel import silu_and_mul
     from shard.layers.skinny_gemm_kernel import skinny_linear
@@ -134,6 +135,8 @@ def _run_wrappers() -> None:
         skinny_linear(torch.empty(m, 4096, dtype=bf16), torch.empty(n, 4096, dtype=bf16),
                       torch.empty(n, dtype=bf16) if bias else None)
     skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16))
+    for rows in (32, 256):  # both default row tiles, the 8B-shaped model's gate/up
+        gate_up_silu(torch.empty(rows, 4096, dtype=bf16), torch.empty(2 * 14336, 4096, dtype=bf16))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_combine_kernel",
            "_rope_write_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel", "_greedy_kernel",
-           "_skinny_gemm_kernel"]
+           "_skinny_gemm_kernel", "_gate_up_silu_kernel"]
 
 
 def test_every_kernel_compiles_for_sm90() -> None:
@@ -40,3 +40,4 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert plain.count("compiled _rms_norm_kernel") == 2  # with and without residual
     # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles
     assert plain.count("compiled _skinny_gemm_kernel") == 5
+    assert plain.count("compiled _gate_up_silu_kernel") == 2  # 64- and 128-row tiles
