@@ -53,8 +53,8 @@ from shard.attention.triton_kernels import (
 )
 from shard.attention.triton_kernels.decode import num_decode_splits
 from shard.layers.gate_up_silu_kernel import GateUpConfig, gate_up_silu
-from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.layers.gate_up_silu_kernel import default_config as gate_up_default
+from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.layers.skinny_gemm_kernel import (
     MAX_ROWS,
     SkinnyConfig,
