@@ -1,5 +1,5 @@
 """SwiGLU's ``silu(x @ W_gate.T) * (x @ W_up.T)`` as one Triton GEMM with the activation
-in its epilogue (CUDA; the interpreter in tests), for the row counts of batched decode.
+in its epilogue (CUDA; the interpreter in tests), for decode batches of 17 to 128 rows.
 
 The MLP's gate/up projection writes ``[rows, 2 * intermediate]`` and a second kernel
 reads it back to write ``[rows, intermediate]``
@@ -21,10 +21,12 @@ import triton.language as tl
 
 from shard.pdl import launch_options, pdl_start
 
-# Row counts this kernel takes by default: from one tile of the skinny kernel's upper
-# bound up to a batched decode step's; a prefill's thousands of rows stay on cuBLAS.
+# Row counts this kernel takes by default: from one row past the skinny kernel's bound to
+# the most rows where it measured faster than cuBLAS + silu·mul on an H200 at the
+# 8B-shaped model's gate/up (0.94-0.99 of its time at 32-128 rows, 1.19-1.21 at 256-512:
+# benchmarks/results/kernels-h200.md); larger batches and prefills stay on cuBLAS.
 MIN_ROWS = 17
-MAX_ROWS = 512
+MAX_ROWS = 128
 
 
 class GateUpConfig(NamedTuple):
@@ -39,9 +41,11 @@ class GateUpConfig(NamedTuple):
 
 @functools.cache
 def default_config(rows: int) -> GateUpConfig:
-    """The configuration for ``rows`` rows: 64-row tiles up to 64 rows, 128 above."""
-    block_m = 64 if rows <= 64 else 128
-    return GateUpConfig(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    """The configuration for ``rows`` rows: the H200 sweep's best at 32 and 64 rows up to
+    64 rows, its best at 128 rows above."""
+    if rows <= 64:
+        return GateUpConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return GateUpConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 
 
 @triton.jit

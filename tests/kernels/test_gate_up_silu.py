@@ -86,6 +86,7 @@ def test_gate_up_kernel_declines_what_it_does_not_take() -> None:
 def test_default_config_by_rows() -> None:
     assert default_config(MIN_ROWS).block_m == 64
     assert default_config(MAX_ROWS).block_m == 128
+    assert default_config(64) == GateUpConfig(64, 64, 128, 4, 4)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
@@ -115,7 +116,7 @@ def test_model_logits_with_and_without_the_fused_mlp_bf16(
                                      cuda_graphs="0", gpu_memory_fraction=0.2))
     try:
         runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=32)
-        rows = 24
+        rows = 24  # in the kernel's default range
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 100, (rows,), generator=generator).tolist()
         lens = torch.randint(1, 30, (rows,), generator=generator).tolist()
