@@ -102,6 +102,13 @@ def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def _weights(n: int, k: int, copies: int) -> list[torch.Tensor]:
+    """``copies`` distinct random bf16 ``[n, k]`` weights on the GPU (one per layer, so
+    that a sweep streams them from HBM as a step does)."""
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for _ in range(copies)]
+
+
 def _linears(x: torch.Tensor, weights: list[torch.Tensor],
              fn: Callable[..., object] = F.linear) -> None:
     """``fn(x, w)`` for each of ``weights`` (a projection's copies, one per layer)."""
@@ -115,8 +122,7 @@ def gemm_sweep(tokens: list[int], layers: int) -> list[str]:
     totals: dict[tuple[int, str], float] = {}
     for name, n, k in PROJECTIONS:
         copies = 1 if name == "lm_head" else layers
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(copies)]
+        weights = _weights(n, k, copies)
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             per_lib = {}
@@ -153,8 +159,7 @@ def inductor_sweep(tokens: list[int], layers: int) -> list[str]:
     rows = ["| projection | tokens | cuBLAS µs | Inductor autotuned µs | ratio |",
             "|---|---:|---:|---:|---:|"]
     for name, n, k in PROJECTIONS[:4]:
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(layers)]
+        weights = _weights(n, k, layers)
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             tuned = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
@@ -179,8 +184,7 @@ def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
     rows = ["| projection | tokens | cuBLAS µs | default µs | best µs | best config "
             "(block_n, block_k, warps, stages) | best TB/s | best / cuBLAS |",
             "|---|---:|---:|---:|---:|---|---:|---:|"]
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                      for _ in range(1 if name == "lm_head" else layers)]
+    weights = {name: _weights(n, k, 1 if name == "lm_head" else layers)
                for name, n, k in PROJECTIONS}
     best_config: dict[tuple[str, int], SkinnyConfig] = {}
     for (name, n, k), m in itertools.product(PROJECTIONS, [t for t in tokens if t <= MAX_ROWS]):
@@ -372,8 +376,7 @@ def row_chunk_sweep(tokens: int, chunks: list[int], layers: int) -> list[str]:
     rows = ["| op | chunk rows | µs per layer | TFLOP/s | vs whole |",
             "|---|---:|---:|---:|---:|"]
     dims = {name: (n, k) for name, n, k in PROJECTIONS}
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                      for _ in range(layers)]
+    weights = {name: _weights(n, k, layers)
                for name, n, k in PROJECTIONS[:4]}
     x = {name: torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
          for name, (n, k) in dims.items()}
@@ -425,8 +428,7 @@ def split_k_sweep(tokens: list[int], layers: int) -> list[str]:
     rows = ["| projection | tokens | cuBLAS µs | split 2 µs | split 4 µs | best / cuBLAS |",
             "|---|---:|---:|---:|---:|---:|"]
     for name, n, k in PROJECTIONS[:4]:
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(layers)]
+        weights = _weights(n, k, layers)
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, weights[0]).float()
@@ -470,8 +472,7 @@ def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
             "block_n, block_k, warps, stages) | best / unfused |",
             "|---:|---:|---:|---:|---|---:|"]
     n, k = 2 * INTERMEDIATE, HIDDEN
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(layers)]
+    weights = _weights(n, k, layers)
     for m in tokens:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         want = silu_and_mul(F.linear(x, weights[0])).float()
