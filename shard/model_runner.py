@@ -226,7 +226,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:
         return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
-                                 self.device, self.config.world_size)
+                                 self.device, self.config.world_size,
+                                 head_major=self.backend.kv_head_major(self.device))
 
     def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
         """The worst-case prefill and its sampling (both samplers), through the bound

@@ -62,6 +62,12 @@ class AttentionBackend(abc.ABC):
         m = cls.block_size_multiple
         return -(-requested // m) * m
 
+    def kv_head_major(self, device: torch.device) -> bool:
+        """Whether this backend reads a KV cache allocated head-major on ``device``
+        faster (see :mod:`shard.kv_cache`); False: token-major, contiguous, the layout
+        every GPU kernel here takes."""
+        return False
+
     @classmethod
     @abc.abstractmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:

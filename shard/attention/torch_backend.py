@@ -48,6 +48,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _by_sequence(self, device: torch.device) -> bool:
         return device.type == "cpu" if self.by_sequence is None else self.by_sequence
 
+    def kv_head_major(self, device: torch.device) -> bool:
+        """Head-major on the by-sequence path: each sequence's keys and values are then
+        one contiguous stretch per KV head where its blocks are consecutive (and in the
+        gathered buffer where not), which the CPU's SDPA kernel reads faster than rows
+        of interleaved heads (SmolLM2-135M's 3 KV heads of 64, one EPYC core: 77
+        against 109 µs per call over 300 tokens, 146 against 254 over 700; 2026-12-03)."""
+        return self._by_sequence(device)
+
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
         return True, "pure PyTorch reference backend: runs on any device and dtype"
@@ -201,21 +209,23 @@ class SequenceContexts:
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def buffers(self, kv_cache: KVCacheLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The gathered blocks of this layer, each [rows, num_kv_heads, head_dim], or None."""
-        if self.gather_index is None:
+        """This layer's gathered blocks, key and value each a [num_kv_heads, rows,
+        head_dim] view in the cache's layout (see :mod:`shard.kv_cache`), or None when
+        every placed sequence is read in place."""
+        index = self.gather_index
+        if index is None:
             return None
-        flat_k = kv_cache.key.view(kv_cache.num_blocks, -1)
-        flat_v = kv_cache.value.view(kv_cache.num_blocks, -1)
-        rows = (self.gather_index.shape[0], flat_k.shape[1])
-        if self._buffers is None or self._buffers[0].shape != rows or (
-            self._buffers[0].dtype != flat_k.dtype
+        head_major = kv_cache.head_major
+        _, block_size, num_kv_heads, head_dim = kv_cache.key.shape
+        shape = ((num_kv_heads, len(index), block_size * head_dim) if head_major
+                 else (len(index), block_size * num_kv_heads * head_dim))
+        if self._buffers is None or self._buffers[0].shape != shape or (
+            self._buffers[0].dtype != kv_cache.key.dtype
         ):  # one pair for the forward: a layer's copy is dead once the layer is done
-            self._buffers = (flat_k.new_empty(rows), flat_v.new_empty(rows))
+            self._buffers = (kv_cache.key.new_empty(shape), kv_cache.value.new_empty(shape))
         k_buf, v_buf = self._buffers
-        torch.index_select(flat_k, 0, self.gather_index, out=k_buf)
-        torch.index_select(flat_v, 0, self.gather_index, out=v_buf)
-        shape = (-1, *kv_cache.key.shape[2:])
-        return k_buf.view(shape), v_buf.view(shape)
+        return (_gather_blocks(kv_cache.key, index, k_buf, head_major),
+                _gather_blocks(kv_cache.value, index, v_buf, head_major))
 
     def keys_values(
         self,
@@ -224,30 +234,33 @@ class SequenceContexts:
         gathered: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of placed sequence ``i``, each a [1, num_kv_heads, seq_len,
-        head_dim] view (the layout SDPA takes). ``gathered`` is this layer's
-        :meth:`buffers`.
-
-        Raises:
-            ValueError: the cache is not contiguous (views need its plain layout).
-        """
+        head_dim] view (the layout SDPA takes) of the cache or of ``gathered``, this
+        layer's :meth:`buffers`."""
         where = self.where[i]
         assert where is not None, f"sequence {i} does not read its context from the cache"
         is_view, row = where
         if is_view:
-            key, value = kv_cache.key, kv_cache.value
-            if not (key.is_contiguous() and value.is_contiguous()):
-                raise ValueError("the by-sequence attention path needs a contiguous KV cache")
+            key, value = kv_cache.heads_view()
         else:
             assert gathered is not None
             key, value = gathered
-        _, num_kv_heads, head_dim = key.shape[-3:]
-        size = (1, num_kv_heads, self.seq_lens[i], head_dim)
-        stride = (0, head_dim, num_kv_heads * head_dim, 1)
-        offset = row * num_kv_heads * head_dim
-        return (
-            key.as_strided(size, stride, key.storage_offset() + offset),
-            value.as_strided(size, stride, value.storage_offset() + offset),
-        )
+        end = row + self.seq_lens[i]
+        return key[None, :, row:end], value[None, :, row:end]
+
+
+def _gather_blocks(
+    cache: torch.Tensor, index: torch.Tensor, out: torch.Tensor, head_major: bool
+) -> torch.Tensor:
+    """Copy the blocks ``index`` of ``cache`` (a layer's key or value) into ``out``,
+    whole blocks in the cache's layout (per KV head when head-major); returns ``out`` as
+    [num_kv_heads, rows, head_dim]."""
+    num_blocks, _, num_kv_heads, head_dim = cache.shape
+    if head_major:  # the storage is [num_kv_heads, num_blocks, block_size, head_dim]
+        source = cache.permute(2, 0, 1, 3).view(num_kv_heads, num_blocks, -1)
+        torch.index_select(source, 1, index, out=out)
+        return out.view(num_kv_heads, -1, head_dim)
+    torch.index_select(cache.view(num_blocks, -1), 0, index, out=out)
+    return out.view(-1, num_kv_heads, head_dim).transpose(0, 1)
 
 
 def decode_attention_by_sequence(

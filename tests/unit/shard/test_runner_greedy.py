@@ -27,6 +27,8 @@ def test_each_prompt_alone(runner, expected_greedy, index: int) -> None:
 
 
 def test_all_prompts_in_one_batch(runner, expected_greedy) -> None:
+    # the CPU's by-sequence attention reads a head-major cache; GPU kernels token-major
+    assert runner.kv_cache[0].head_major == (runner.device.type == "cpu")
     pool = BlockPool(runner.num_blocks, seed=3)
     reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(PROMPTS)]
     got = {rid: [tok] for rid, tok in prefill(runner, 5, *reqs).items()}

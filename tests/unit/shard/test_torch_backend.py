@@ -29,6 +29,7 @@ def naive_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
 @pytest.mark.parametrize("by_sequence", [True, False], ids=["by_sequence", "batched"])
 @pytest.mark.parametrize("layout", ["permuted", "consecutive", "mixed"])
 @pytest.mark.parametrize(
@@ -41,13 +42,19 @@ def naive_attention(
     ],
 )
 def test_matches_naive(
-    seq_lens: list[int], q_lens: list[int], is_prefill: bool, layout: str, by_sequence: bool
+    seq_lens: list[int],
+    q_lens: list[int],
+    is_prefill: bool,
+    layout: str,
+    by_sequence: bool,
+    head_major: bool,
 ) -> None:
-    """Both code paths (by sequence: the CPU default; batched: elsewhere), with block
-    tables whose ids are permuted, consecutive (read in place by the by-sequence path),
-    or consecutive for every other sequence only."""
+    """Both code paths (by sequence: the CPU default; batched: elsewhere), over caches of
+    both memory layouts, with block tables whose ids are permuted, consecutive (read in
+    place by the by-sequence path), or consecutive for every other sequence only."""
     gen = torch.Generator().manual_seed(0)
-    cache = KVCacheLayer(torch.zeros(NUM_BLOCKS, BS, HKV, D), torch.zeros(NUM_BLOCKS, BS, HKV, D))
+    cache = KVCacheLayer.zeros(NUM_BLOCKS, BS, HKV, D, head_major=head_major)
+    assert cache.head_major == head_major
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     ordered = list(range(NUM_BLOCKS))
     chunks, full_k, full_v = [], [], []
@@ -94,6 +101,34 @@ def test_kv_written_by_slot_mapping_and_negative_slots_skipped() -> None:
     assert cache.value.flatten().tolist() == [-3.0, 0, 0, 0, 0, -1.0, 0, 0]
 
 
+def test_head_major_cache_holds_the_same_tokens_per_head() -> None:
+    """A head-major cache is written and read by slot like a token-major one, and each
+    KV head's slots lie together in its storage (what the CPU attention reads)."""
+    gen = torch.Generator().manual_seed(2)
+    caches = [KVCacheLayer.zeros(NUM_BLOCKS, BS, HKV, D, head_major=hm) for hm in (False, True)]
+    k, v = torch.randn(10, HKV, D, generator=gen), torch.randn(10, HKV, D, generator=gen)
+    slots = torch.randperm(NUM_BLOCKS * BS, generator=gen)[:10]
+    for cache in caches:
+        cache.write(k, v, slots, False)
+    token_major, head_major = caches
+    assert token_major.key.is_contiguous() and not token_major.head_major
+    assert head_major.key.permute(2, 0, 1, 3).is_contiguous() and head_major.head_major
+    assert torch.equal(token_major.key, head_major.key)
+    assert torch.equal(token_major.value, head_major.value)
+    keys, values = head_major.heads_view()
+    assert keys.is_contiguous() and values.is_contiguous()
+    assert torch.equal(keys[:, slots], k.transpose(0, 1))
+    assert torch.equal(values[:, slots], v.transpose(0, 1))
+
+
+def test_head_major_only_where_the_by_sequence_path_reads_it() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert TorchAttentionBackend().kv_head_major(cpu)
+    assert not TorchAttentionBackend().kv_head_major(cuda)
+    assert not TorchAttentionBackend(by_sequence=False).kv_head_major(cpu)
+    assert TorchAttentionBackend(by_sequence=True).kv_head_major(cuda)
+
+
 def test_slot_mapping_and_metadata_layout() -> None:
     chunks = [SeqChunk([7, 8, 9], 2, [3, 1, 4]), SeqChunk([5], 0, [2], write_from=1)]
     inputs = build_inputs(chunks, 2, True, torch.device("cpu"))
@@ -122,9 +157,10 @@ def test_registry() -> None:
         select_backend("torch", AttentionSpec(torch.device("cpu"), torch.float32, 4, 3, 16, 16))
 
 
-def test_metadata_reused_with_a_cache_of_another_dtype() -> None:
+def test_metadata_reused_with_a_cache_of_another_dtype_or_layout() -> None:
     """What a step derives in prepare (contexts, gather buffers) must not leak between
-    caches of different dtypes, as when a test runs a float32 reference first."""
+    caches of different dtypes or layouts, as when a test runs a float32 reference
+    first."""
     gen = torch.Generator().manual_seed(1)
     seq_lens, tables = [9, 14], [[5, 2, 7], [3, 1, 6, 0]]
     inputs = build_inputs(
@@ -140,14 +176,19 @@ def test_metadata_reused_with_a_cache_of_another_dtype() -> None:
     backend = TorchAttentionBackend(by_sequence=True)
     backend.prepare(inputs.metadata)
     outs = []
-    for dtype in (torch.float32, torch.bfloat16):
-        cache = KVCacheLayer(key.clone().to(dtype), value.clone().to(dtype))
+    for dtype, head_major in [(torch.float32, False), (torch.float32, True),
+                              (torch.bfloat16, False), (torch.bfloat16, True)]:
+        cache = KVCacheLayer.zeros(NUM_BLOCKS, BS, HKV, D, dtype, head_major=head_major)
+        cache.key.copy_(key)
+        cache.value.copy_(value)
         outs.append(
             backend.forward(
                 q.to(dtype), k_new.to(dtype), v_new.to(dtype), cache, inputs.metadata, 0.3
             ).float()
         )
-    torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    for out in outs[2:]:
+        torch.testing.assert_close(out, outs[0], atol=3e-2, rtol=3e-2)
 
 
 def test_kv_writer_fallback_skips_slots_flagged_by_the_metadata() -> None:
