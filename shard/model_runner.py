@@ -27,6 +27,7 @@ from shard.distributed import init_distributed
 from shard.errors import NotWarmedUpError
 from shard.grammar import GrammarCompiler, GrammarMatcher, unpack_bitmask
 from shard.host_copy import HostCopy, to_device
+from shard.host_memory import retain_freed_memory
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
@@ -91,6 +92,8 @@ class ModelRunner:
         self.log = logger.bind(rank=config.rank)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
+        if self.device.type == "cpu" and retain_freed_memory():
+            self.log.info("malloc keeps freed memory mapped for the CPU forward's temporaries")
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         mc = self.model_config
         tp = config.world_size
