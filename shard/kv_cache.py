@@ -69,8 +69,10 @@ class KVCacheLayer:
 
     @property
     def head_major(self) -> bool:
-        """Whether each KV head's slots lie together (see the module docstring)."""
-        return self.key.stride(2) > self.key.stride(0)
+        """Whether each KV head's slots lie together (see the module docstring): token-major
+        caches are contiguous, head-major ones are not (but with one KV head, where both
+        layouts are the same memory order)."""
+        return not self.key.is_contiguous()
 
     def heads_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value as [num_kv_heads, num_blocks * block_size, head_dim] views, by

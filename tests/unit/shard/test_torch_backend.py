@@ -115,6 +115,7 @@ def test_head_major_cache_holds_the_same_tokens_per_head() -> None:
     assert head_major.key.permute(2, 0, 1, 3).is_contiguous() and head_major.head_major
     assert torch.equal(token_major.key, head_major.key)
     assert torch.equal(token_major.value, head_major.value)
+    assert KVCacheLayer.zeros(1, BS, HKV, D, head_major=True).head_major
     keys, values = head_major.heads_view()
     assert keys.is_contiguous() and values.is_contiguous()
     assert torch.equal(keys[:, slots], k.transpose(0, 1))
