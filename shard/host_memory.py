@@ -27,6 +27,11 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit syste
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 
+def is_glibc() -> bool:
+    """Whether this process runs on Linux with glibc (where the settings apply)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def retain_freed_memory() -> bool:
     """Apply the thresholds above to this process's ``malloc``.
 
@@ -34,7 +39,7 @@ def retain_freed_memory() -> bool:
         True when both settings took; False where the C library is not glibc (nothing
         is changed there).
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not is_glibc():
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -6,15 +6,14 @@ glibc's own adjustments are per process)."""
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
-)
+from shard.host_memory import is_glibc
+
+pytestmark = pytest.mark.skipif(not is_glibc(), reason="glibc only")
 
 # mallinfo2 (glibc >= 2.33): hblkhd = bytes in mmapped blocks, fordblks = free heap bytes
 PROBE = """
