@@ -10,13 +10,22 @@ sequence reuses the longest run of indexed blocks at the start of its tokens and
 the rest is prefilled (``cache_len``). A cached block nobody owns stays indexed on an
 LRU list and is evicted (unindexed and reused) only when no never-used block is left.
 The scheme follows vLLM's automatic prefix caching (chained block hashes).
+
+Locality: a sequence's blocks are taken as consecutive ids where the pool allows (a new
+prompt starts on a free run long enough for it and its expected growth; a decode step
+takes the id after the sequence's last block), and the ids after a new sequence's last
+block are set aside (reserved, still free and taken by others only once the unreserved
+blocks run out) for the tokens it will generate. Paged kernels read any block table at
+the same speed, but a reader that copies non-consecutive blocks before attending (the
+CPU attention path) reads a consecutive table in place.
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
-from collections import OrderedDict, deque
+import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 
 
@@ -73,7 +82,11 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        # never-used or uncached free blocks, taken from the front; freed ones join the end
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # free blocks set aside for the growth of the sequence whose last block precedes
+        # them (oldest reservation first); taken by others only once _free is empty
+        self._reserved: OrderedDict[int, None] = OrderedDict()
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, no owner; LRU first
         self._ref_counts = [0] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
@@ -83,7 +96,13 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks with no owner (never used, or cached and evictable)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._reserved) + len(self._evictable)
+
+    @property
+    def num_reserved(self) -> int:
+        """Free blocks set aside for the growth of the tables before them (see
+        :meth:`allocate`)."""
+        return len(self._reserved)
 
     @property
     def num_cached(self) -> int:
@@ -98,9 +117,24 @@ class BlockManager:
         """Whether ``num_blocks`` blocks can be allocated (evicting cached ones if needed)."""
         return num_blocks <= self.num_free
 
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(
+        self, num_blocks: int, after: int | None = None, lookahead: int = 0
+    ) -> list[int]:
         """Take ``num_blocks`` blocks, each with reference count 1; never-used blocks
-        first, then the least recently used cached blocks (which leave the index).
+        first, then reserved ones, then the least recently used cached blocks (which
+        leave the index). Ids run on from ``after`` (or, without it, from the start of a
+        free run of ``num_blocks + lookahead`` blocks when one is among the first few
+        candidates) while the next id is free.
+
+        Args:
+            num_blocks: Blocks to take.
+            after: The block the new ones follow in the caller's block table (its last
+                one), or None for a table that starts here.
+            lookahead: Blocks the caller expects to append later: the free ids after the
+                last block taken are reserved for it, up to this many.
+
+        Returns:
+            The block ids, in table order.
 
         Raises:
             OutOfBlocksError: fewer than ``num_blocks`` blocks are free.
@@ -108,16 +142,72 @@ class BlockManager:
         if num_blocks > self.num_free:
             raise OutOfBlocksError(f"need {num_blocks} KV blocks, {self.num_free} free")
         blocks = []
+        previous = after if after is not None else self._run_start(num_blocks + lookahead)
         for _ in range(num_blocks):
-            if self._free:
-                block = self._free.popleft()
-            else:
-                block, _ = self._evictable.popitem(last=False)
-                del self._hash_to_block[self._block_to_hash.pop(block)]
+            block = self._take_next(previous) if previous is not None else None
+            if block is None:
+                block = self._take_any()
             assert self._ref_counts[block] == 0, f"free block {block} has an owner"
             self._ref_counts[block] = 1
             blocks.append(block)
+            previous = block
+        self._reserve(blocks[-1] if blocks else after, lookahead)
         return blocks
+
+    # NOTE: at most this many free-list candidates are checked for a run long enough
+    # for a new table: a bounded search, so that admission stays O(blocks).
+    _RUN_CANDIDATES = 8
+
+    def _run_start(self, length: int) -> int | None:
+        """The id before the first of the first few ``_free`` candidates that starts a
+        run of ``length`` free, unreserved ids (None: take from the front)."""
+        if length <= 1:
+            return None
+        free = self._free
+        for start in itertools.islice(free, self._RUN_CANDIDATES):
+            if all(start + k in free for k in range(1, length)):
+                return start - 1
+        return None
+
+    def _take_next(self, previous: int) -> int | None:
+        """Take ``previous + 1`` if it is free (unreserved or reserved), else None."""
+        block = previous + 1
+        for pool in (self._free, self._reserved):
+            if block in pool:
+                del pool[block]
+                return block
+        return None
+
+    def _take_any(self) -> int:
+        """The front of the free list, else the oldest reservation, else the least
+        recently used cached block (unindexed)."""
+        if self._free:
+            return self._free.popitem(last=False)[0]
+        if self._reserved:
+            return self._reserved.popitem(last=False)[0]
+        block, _ = self._evictable.popitem(last=False)
+        del self._hash_to_block[self._block_to_hash.pop(block)]
+        return block
+
+    def _reserve(self, last: int | None, count: int) -> None:
+        """Move up to ``count`` free ids after ``last`` from the free list to the
+        reserved ones, stopping at the first id that is not on the free list."""
+        if last is None:
+            return
+        for block in range(last + 1, min(last + 1 + count, self.num_blocks)):
+            if block not in self._free:
+                return
+            del self._free[block]
+            self._reserved[block] = None
+
+    def release_reservation(self, last: int) -> None:
+        """Return the reserved ids right after ``last`` (a finished or preempted
+        sequence's last block) to the free list."""
+        block = last + 1
+        while block in self._reserved:
+            del self._reserved[block]
+            self._free[block] = None
+            block += 1
 
     def share(self, blocks: Sequence[int]) -> None:
         """Add one owner to each of ``blocks`` (owned or cached)."""
@@ -129,8 +219,10 @@ class BlockManager:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one owner from each of ``blocks``; a block left with none becomes free
-        (kept in the index as evictable when cached). Blocks are released last to first,
-        so a sequence's tail is evicted before its head."""
+        (kept in the index as evictable when cached). Cached blocks are released last to
+        first, so a sequence's tail is evicted before its head; uncached ones join the
+        free list in table order, so a later table can take them as a run."""
+        uncached = []
         for block in reversed(blocks):
             assert self._ref_counts[block] > 0, f"block {block} freed twice"
             self._ref_counts[block] -= 1
@@ -138,7 +230,9 @@ class BlockManager:
                 if block in self._block_to_hash:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    uncached.append(block)
+        for block in reversed(uncached):
+            self._free[block] = None
 
     def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Cached blocks holding the longest indexed run of ``hashes`` (block digests of
@@ -170,9 +264,10 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """Assert that pools, reference counts and the index agree (used by tests)."""
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not free & evictable, "a block is both free and evictable"
+        free, reserved, evictable = set(self._free), set(self._reserved), set(self._evictable)
+        assert not free & reserved, "a block is both free and reserved"
+        assert not (free | reserved) & evictable, "a block is both free and evictable"
+        free |= reserved
         for block, count in enumerate(self._ref_counts):
             assert count >= 0, f"block {block} has a negative reference count"
             unowned = block in free or block in evictable

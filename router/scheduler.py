@@ -140,11 +140,26 @@ class Scheduler:
         ):
             return False
         manager.share(cached)
-        seq.block_ids = cached + manager.allocate(needed)
+        seq.block_ids = cached + manager.allocate(
+            needed, after=cached[-1] if cached else None, lookahead=self._growth_blocks(seq)
+        )
         seq.num_computed = len(cached) * manager.block_size
         manager.hit_tokens += seq.num_computed
         seq.status = Status.PREFILLING
         return True
+
+    # NOTE: blocks reserved after a new table at most (see BlockManager.allocate): the
+    # reservation is a locality hint that costs one dict move per block at admission.
+    _MAX_LOOKAHEAD_BLOCKS = 128
+
+    def _growth_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` will append if it generates all its remaining tokens (within
+        ``max_total_tokens``), at most ``_MAX_LOOKAHEAD_BLOCKS``."""
+        manager = self.block_manager
+        remaining = seq.request.stopping.max_new_tokens - len(seq.output_ids)
+        final = min(seq.num_tokens + max(remaining, 0), self.config.max_total_tokens)
+        growth = manager.blocks_for_tokens(final) - manager.blocks_for_tokens(seq.num_tokens)
+        return min(max(growth, 0), self._MAX_LOOKAHEAD_BLOCKS)
 
     def _hashes(self, seq: Sequence) -> list[bytes]:
         """Block digests of ``seq``'s full blocks, extended to its current length."""
@@ -201,7 +216,9 @@ class Scheduler:
                 index += 1
                 continue
             if self.block_manager.can_allocate(needed):
-                new_blocks = self.block_manager.allocate(needed)
+                new_blocks = self.block_manager.allocate(
+                    needed, after=seq.block_ids[-1] if seq.block_ids else None
+                )
                 seq.block_ids.extend(new_blocks)
                 plan.block_appends.setdefault(seq.id, []).extend(new_blocks)
                 index += 1
@@ -246,6 +263,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_ids:
+            self.block_manager.release_reservation(seq.block_ids[-1])
             self.block_manager.free(seq.block_ids)
             seq.block_ids = []
         seq.num_computed = 0

@@ -25,8 +25,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.content: dict[int, tuple[int, ...]] = {}  # indexed block → prefix it ends
         self.next_id = 0
 
-    def _allocate(self, count: int) -> list[int]:
-        blocks = self.manager.allocate(count)
+    def _allocate(self, count: int, after: int | None = None, lookahead: int = 0) -> list[int]:
+        blocks = self.manager.allocate(count, after=after, lookahead=lookahead)
         for block in blocks:  # an evicted block no longer holds its old prefix
             self.content.pop(block, None)
         return blocks
@@ -45,7 +45,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not manager.can_allocate(needed + unowned):
             return
         manager.share(cached)
-        blocks = cached + self._allocate(needed)
+        blocks = cached + self._allocate(needed, cached[-1] if cached else None, lookahead=2)
         manager.register(block_hashes(tokens, BLOCK_SIZE), blocks)
         for index, _ in enumerate(block_hashes(tokens, BLOCK_SIZE)):
             self.content.setdefault(blocks[index], tuple(tokens[: (index + 1) * BLOCK_SIZE]))
@@ -60,7 +60,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if self.manager.blocks_for_tokens(len(tokens) + 1) > len(blocks):
             if not self.manager.can_allocate(1):
                 return
-            blocks.extend(self._allocate(1))
+            blocks.extend(self._allocate(1, after=blocks[-1]))
         tokens.append(token)
 
     @precondition(lambda self: self.sequences)
@@ -68,6 +68,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.sequences)))
         _, blocks = self.sequences.pop(seq_id)
+        self.manager.release_reservation(blocks[-1])
         self.manager.free(blocks)
 
     @invariant()

@@ -138,3 +138,27 @@ def test_recompute_after_preemption_is_chunked_even_without_chunked_prefill() ->
         assert sum(c.num_tokens for c in chunks) <= 32
         spans += [(c.cache_len, c.end) for c in chunks]
     assert spans[-1][1] == 80 and all(end - start <= 32 for start, end in spans)
+
+
+def test_decoding_sequences_keep_consecutive_block_tables() -> None:
+    """Sequences admitted together and decoded in lockstep each append the id after
+    their last block (reserved for their max_new_tokens at admission), so every table
+    stays one run; finishing returns the reservations."""
+    scheduler = make_scheduler(200, prefill=64)
+    seqs = [make_seq(i, 6 + 5 * i, first_token=100 * i) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    prefill_all(scheduler)
+    assert scheduler.block_manager.num_reserved > 0
+    for _ in range(40):
+        for seq in seqs:
+            seq.output_ids.append(5)
+        assert not scheduler.plan_decode().preempted
+    for seq in seqs:
+        assert len(seq.block_ids) == -(-seq.num_tokens // 4)
+        assert seq.block_ids == list(range(seq.block_ids[0], seq.block_ids[0] + len(seq.block_ids)))
+    for seq in seqs:
+        scheduler.finish(seq)
+    assert scheduler.block_manager.num_free == 200
+    assert scheduler.block_manager.num_reserved == 0
+    scheduler.block_manager.check_integrity()
