@@ -246,15 +246,19 @@ QUICK_GRID = list(itertools.product((64, 128), (4,), (3, 4), (528,)))
 
 
 def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: list[int],
-                 grid: list[tuple[int, ...]], orders: tuple[bool, ...] = (True,)) -> list[str]:
+                 grid: list[tuple[int, ...]], orders: tuple[bool, ...] = (True,),
+                 tables: tuple[str, ...] = ("permuted",)) -> list[str]:
     """Each configuration of ``grid`` in each launch order of ``orders`` (``heads_first``
-    values; with both, each output is checked against the other order's)."""
-    rows = ["| block size | batch × ctx | block_n | warps | stages | target programs | splits "
-            "| heads first | µs | KV TB/s |",
-            "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for block_size, (batch, ctx) in itertools.product(block_sizes, points):
+    values; with both, each output is checked against the other order's), over block
+    tables of each layout in ``tables`` ("permuted": the cache's blocks in random order;
+    "consecutive": each sequence's blocks consecutive)."""
+    rows = ["| tables | block size | batch × ctx | block_n | warps | stages | target programs "
+            "| splits | heads first | µs | KV TB/s |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for layout, block_size, (batch, ctx) in itertools.product(tables, block_sizes, points):
         case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
-                         torch.bfloat16, "cuda", spare_blocks=0)
+                         torch.bfloat16, "cuda", spare_blocks=0,
+                         consecutive=layout == "consecutive")
         q, key, value = case.q, case.cache.key, case.cache.value
         tables, seq_lens = case.metadata.block_tables, case.metadata.seq_lens
         out = torch.empty_like(q)
@@ -286,7 +290,8 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
                                                       default.target_programs)]
         shown = results[:6] + [r for r in defaults if r not in results[:6]]
         for us, block_n, warps, stages, target, splits, first in shown:
-            rows.append(f"| {block_size} | {batch} × {ctx} | {block_n} | {warps} | {stages} | "
+            rows.append(f"| {layout} | {block_size} | {batch} × {ctx} | {block_n} | {warps} | "
+                        f"{stages} | "
                         f"{target} | {splits} | {'yes' if first else 'no'} | {us:.1f} | "
                         f"{kv_bytes / us / 1e6:.2f} |")
         del case, key, value
@@ -532,6 +537,8 @@ def main() -> None:
                    "cuBLAS + silu·mul at these token counts")
     p.add_argument("--split-k", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time each projection as a batched product over K slices")
+    p.add_argument("--tables", nargs="+", choices=["permuted", "consecutive"],
+                   default=["permuted"], help="decode block-table layouts to time")
     p.add_argument("--max-seqlen", type=int, default=4096,
                    help="max_seqlen_k the server's graphs are captured with")
     args = p.parse_args()
@@ -567,7 +574,7 @@ def main() -> None:
         grid = QUICK_GRID if args.quick_decode else FULL_GRID
         orders = (False, True) if args.both_orders else (DecodeConfig().heads_first,)
         print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid,  # type: ignore[arg-type]
-                                      orders)),
+                                      orders, tuple(args.tables))),
               flush=True)
 
 

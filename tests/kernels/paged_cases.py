@@ -51,17 +51,22 @@ def make_case(
     device: str | torch.device = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    consecutive: bool = False,
 ) -> PagedCase:
     """Build a case: sequence ``i`` has ``seq_lens[i]`` context tokens, the last
     ``q_lens[i]`` of them new. Decode when every q_len is 1 and ``seq_lens`` > 1 is
-    not required (``is_prefill`` is False iff all q_lens are 1)."""
+    not required (``is_prefill`` is False iff all q_lens are 1). Block tables are a
+    random permutation of the cache's blocks, or with ``consecutive`` each sequence's
+    blocks are consecutive ids, one sequence after another (as the router's allocator
+    lays out tables that grow side by side)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     # NOTE: the cache is drawn on the device itself: a GPU benchmark's cache is GBs
     dev_gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    perm = (list(range(num_blocks)) if consecutive
+            else torch.randperm(num_blocks, generator=gen).tolist())
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
     value = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
