@@ -1,6 +1,7 @@
 """The virtual devices the CPU benchmarks measure the router against: the router's
 period follows the device's step (locally and behind gRPC), scheduling runs a GPU
-workload to the end, and the shard's host step runs without a model forward."""
+workload to the end, and the shard's host step runs without a model forward; the
+block-locality benchmark's schedule tells the allocators apart."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import router_step, schedule_sim, shard_step, step_chain
+from benchmarks import block_locality, router_step, schedule_sim, shard_step, step_chain
 from benchmarks.workloads import Workload
 from router.config import SchedulerConfig
 from router.tokenizer import Tokenizer
@@ -99,3 +100,13 @@ def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: 
     for k, total in enumerate(chain):
         assert sum(values[k] for values in hops) == pytest.approx(total, abs=1e-6)
         assert all(values[k] >= 0 for values in hops)
+
+
+def test_the_locality_schedule_tells_the_allocators_apart() -> None:
+    # serving.py's shape: prompts of 13-634 tokens, 64 new tokens, 8 in flight
+    lens = [13, 14, 17, 24, 51, 171, 323, 633] * 3
+    ours = block_locality.schedule_locality(lens, 8, 64, block_locality.BlockManager(4000, 16))
+    fifo = block_locality.schedule_locality(lens, 8, 64,
+                                            block_locality.FifoBlockManager(4000, 16))
+    assert ours[0] > 0.9 and ours[1] < 0.1  # read in place, nothing gathered
+    assert fifo[0] < 0.3 and fifo[1] > 0.7
