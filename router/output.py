@@ -128,6 +128,5 @@ class OutputProcessor:
                 continue
             seq.held_events.append(event)
             if event.finish is not None:
-                for held in seq.held_events:
-                    seq.events.put_nowait(held)
-                seq.held_events.clear()
+                seq.events.put_all(seq.held_events)
+                seq.held_events = []

@@ -119,6 +119,15 @@ class EventStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def put_all(self, events: list[Event]) -> None:
+        """Append ``events`` in order and wake the reader once."""
+        if not events:
+            return
+        self._events.extend(events)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def empty(self) -> bool:
         return not self._events
 

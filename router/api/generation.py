@@ -134,10 +134,13 @@ async def run_all(
 
     async def collect() -> None:
         async with MergedStream(engine, requests) as stream:
-            async for index, event in stream:
-                completions[index].tokens.append(event)
-                if event.finish is not None:
-                    completions[index].finish = event.finish
+            async for first in stream:
+                # the events handed over together (a whole answer at its end) are taken
+                # in one go, not one iteration each
+                for index, event in [first, *stream.take_ready()]:
+                    completions[index].tokens.append(event)
+                    if event.finish is not None:
+                        completions[index].finish = event.finish
 
     await _unless_gone(collect(), gone)
     return completions

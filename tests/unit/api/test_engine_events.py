@@ -7,9 +7,16 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+from router.api.generation import run_all
 from router.config import SchedulerConfig
 from router.engine import Engine
-from router.request import GenerationRequest, SamplingParams, StoppingParams, TokenEvent
+from router.request import (
+    EventStream,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+    TokenEvent,
+)
 from router.tokenizer import Tokenizer
 from tests.unit.api.scripted import ScriptedShardClient
 
@@ -89,6 +96,34 @@ async def test_whole_answers_decode_their_text_once_at_the_end(tokenizer: Tokeni
         assert "".join(texts) == " café 🤗 and so on, stop" and sum(map(bool, texts)) > 1
     finally:
         await engine.stop()
+
+
+async def test_whole_answers_handed_over_at_once_arrive_complete(tokenizer: Tokenizer) -> None:
+    said = list(range(100, 140))
+    shard = ScriptedShardClient(lambda _prompt: said)
+    engine = _started_engine(shard, tokenizer)
+    try:
+        stopping = StoppingParams(max_new_tokens=len(said), ignore_eos=True)
+        requests = [GenerationRequest((5, 6, 7), SamplingParams(), stopping),
+                    GenerationRequest((8, 9), SamplingParams(), stopping)]
+        # several requests (merged through their pumps) and one (read directly)
+        for batch in (requests, requests[:1]):
+            for done in await run_all(engine, batch, token_texts=False):
+                assert [event.id for event in done.tokens] == said
+                assert done.finish is not None and done.finish.generated_tokens == len(said)
+    finally:
+        await engine.stop()
+
+
+async def test_an_event_stream_takes_a_list_in_order_with_one_wake_up() -> None:
+    stream = EventStream()
+    events = [TokenEvent(id=i, logprob=0.0, text=str(i), special=False) for i in range(5)]
+    reader = asyncio.create_task(stream.get())
+    await asyncio.sleep(0)  # the reader waits
+    stream.put_all(events)
+    stream.put_all([])
+    assert await reader is events[0]
+    assert [stream.get_nowait() for _ in range(4)] == events[1:] and stream.empty()
 
 
 async def test_the_decode_period_leaves_out_periods_with_a_prefill(tokenizer: Tokenizer) -> None:
