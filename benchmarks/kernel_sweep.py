@@ -240,11 +240,9 @@ def _chain(xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]], 
                 F.linear(xs[name], weights[name][i])
 
 
-# decode configurations swept: (block_n, num_warps, num_stages, target_programs[, all_heads])
+# decode configurations swept: (block_n, num_warps, num_stages, target_programs)
 FULL_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (132, 528, 2112)))
 QUICK_GRID = list(itertools.product((64, 128), (4,), (3, 4), (528,)))
-# one program per sequence over all KV heads (block_n: tokens of every head)
-ALL_HEADS_GRID = list(itertools.product((8, 16, 32), (4, 8), (2, 3), (132, 264), (True,)))
 
 
 def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: list[int],
@@ -268,11 +266,9 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
                                     HEAD_DIM ** -0.5).float()  # the default configuration
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         results = []
-        for (block_n, warps, stages, target, *all_heads), first in itertools.product(grid,
-                                                                                       orders):
+        for (block_n, warps, stages, target), first in itertools.product(grid, orders):
             config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                                  target_programs=target, heads_first=first,
-                                  all_heads=bool(all_heads and all_heads[0]))
+                                  target_programs=target, heads_first=first)
             run = functools.partial(decode_attention, q, key, value, tables, seq_lens,
                                     max_seqlen, HEAD_DIM ** -0.5, out=out, config=config)
             try:
@@ -283,7 +279,7 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
             error = (out.float() - expected).abs().max().item()
             if error > 2e-2:  # bf16 outputs of another summation order differ by ~1e-3
                 print(f"MISMATCH {batch}x{ctx} {config}: max error {error:.3g}")
-            if len(orders) > 1 and not config.all_heads:
+            if len(orders) > 1:
                 got = out.clone()
                 decode_attention(q, key, value, tables, seq_lens, max_seqlen,
                                  HEAD_DIM ** -0.5, out=out,
@@ -291,8 +287,7 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
                 if not torch.equal(got, out):
                     print(f"MISMATCH launch orders {batch}x{ctx} {config}")
             splits = num_decode_splits(batch, KV_HEADS, max_seqlen, config)
-            launch = ("all heads" if config.all_heads else "heads first" if first
-                      else "sequences first")
+            launch = "heads first" if first else "sequences first"
             results.append((us, block_n, warps, stages, target, splits, launch))
         results.sort()
         default = DecodeConfig()
@@ -533,8 +528,6 @@ def main() -> None:
                    help="sweep the decode kernel in both launch orders (DecodeConfig.heads_first)")
     p.add_argument("--quick-decode", action="store_true",
                    help=f"only the decode configurations {QUICK_GRID}")
-    p.add_argument("--all-heads", action="store_true",
-                   help=f"also the all-heads decode configurations {ALL_HEADS_GRID}")
     p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
                    help="also sweep the prefill kernel's configurations at these points "
                    "(e.g. 16x1024 4x4096)")
@@ -584,8 +577,7 @@ def main() -> None:
     if not args.no_decode:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")
-        grid: list[tuple[int, ...]] = [*(QUICK_GRID if args.quick_decode else FULL_GRID),
-                                       *(ALL_HEADS_GRID if args.all_heads else [])]
+        grid = QUICK_GRID if args.quick_decode else FULL_GRID
         orders = (False, True) if args.both_orders else (DecodeConfig().heads_first,)
         print("\n".join(decode_sweep(points, args.max_seqlen, args.block_sizes, grid,  # type: ignore[arg-type]
                                       orders, tuple(args.tables))),

@@ -119,10 +119,6 @@ def _run_wrappers() -> None:
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,
                      config=DecodeConfig(block_n=64, target_programs=10**4))
-    for splits in (1, 10**4):  # one program per sequence over all KV heads, direct and split
-        decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
-                         case.metadata.seq_lens, 300, case.scale,
-                         config=DecodeConfig(block_n=16, target_programs=splits, all_heads=True))
     qkv = torch.randn(2, 48 * 128, dtype=bf16)
     cos = sin = torch.randn(2, 128, dtype=bf16)
     weight = torch.ones(128, dtype=bf16)

@@ -14,8 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ["_cache_write_kernel", "_decode_kernel", "_decode_all_heads_kernel",
-           "_prefill_kernel", "_combine_kernel",
+KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_combine_kernel",
            "_rope_write_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel", "_greedy_kernel",
            "_skinny_gemm_kernel", "_gate_up_silu_kernel"]
 
@@ -38,7 +37,6 @@ def test_every_kernel_compiles_for_sm90() -> None:
     # both rope_write variants (with and without q/k norms), both decode paths
     assert plain.count("compiled _rope_write_kernel") == 2
     assert plain.count("compiled _decode_kernel") == 2
-    assert plain.count("compiled _decode_all_heads_kernel") == 2  # one split, and splits
     assert plain.count("compiled _rms_norm_kernel") == 2  # with and without residual
     # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles
     assert plain.count("compiled _skinny_gemm_kernel") == 5

@@ -74,13 +74,9 @@ def test_backend_prefill_over_cached_prefix(group: int, head_dim: int) -> None:
         DecodeConfig(block_n=32, target_programs=24, max_splits=3),
         DecodeConfig(target_programs=1, heads_first=False),
         DecodeConfig(block_n=32, target_programs=24, max_splits=3, heads_first=False),
-        DecodeConfig(block_n=8, target_programs=1, all_heads=True),
-        DecodeConfig(block_n=8, target_programs=10**6, all_heads=True),
-        DecodeConfig(block_n=16, target_programs=12, max_splits=3, all_heads=True),
     ],
     ids=["one-split", "split-per-tile", "three-splits", "sequences-first",
-         "sequences-first-splits", "all-heads", "all-heads-split-per-tile",
-         "all-heads-three-splits"],
+         "sequences-first-splits"],
 )
 def test_decode_split_counts(config: DecodeConfig) -> None:
     case = make_case([5, 50, 33, 120, 64], [1] * 5, 8, 2, 64, block_size=8, device=DEVICE,
@@ -93,25 +89,6 @@ def test_decode_split_counts(config: DecodeConfig) -> None:
     decode_attention(case.q, cache.key, cache.value, md.block_tables, md.seq_lens,
                      md.max_seqlen_k, case.scale, out=out, config=config)
     _check(out, ref)
-
-
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-@pytest.mark.parametrize("kv_heads", [2, 3])
-def test_decode_all_heads(group: int, kv_heads: int) -> None:
-    """One program per sequence over every KV head: grouped-query ratios, a KV head
-    count that is not a power of two (padded key rows), padded query rows."""
-    case = make_case(DECODE_SEQS, [1] * 4, group * kv_heads, kv_heads, 64, device=DEVICE,
-                     seed=group * 10 + kv_heads)
-    ref, _ = reference(case)
-    cache = case.fresh_cache()
-    write_kv_cache(case.k, case.v, cache.key, cache.value, case.metadata.slot_mapping)
-    md = case.metadata
-    for config in (DecodeConfig(block_n=16, target_programs=1, all_heads=True),
-                   DecodeConfig(block_n=8, target_programs=16, all_heads=True)):
-        out = torch.full_like(case.q, float("nan"))
-        decode_attention(case.q, cache.key, cache.value, md.block_tables, md.seq_lens,
-                         md.max_seqlen_k, case.scale, out=out, config=config)
-        _check(out, ref)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -9,14 +9,6 @@ the ``num_heads / num_kv_heads`` query heads that share that KV head as the rows
 matrix, so each KV tile is read from memory once for the whole group. With one split the
 program writes the output directly; otherwise it writes a partial output and its
 log-sum-exp (base 2) and a second kernel combines the splits.
-
-With ``DecodeConfig.all_heads`` a program instead handles every KV head of one sequence
-(and one split): a tile is ``block_n`` whole token rows of the cache (all KV heads, one
-contiguous stretch per block), multiplied against all the query heads at once, with the
-products of a query head against another head's keys masked out of the softmax. That
-spends ``num_kv_heads`` times the tensor-core work (decode is bound by the cache reads,
-not by it) for a program per sequence instead of per (sequence, KV head): fewer, longer
-programs, each starting once.
 """
 
 from __future__ import annotations
@@ -49,9 +41,6 @@ class DecodeConfig:
             of one KV head of consecutive sequences. On the H200 at the default tiles:
             within 2% either way at 1-256 rows of 256-640 tokens, 530 against 535-598
             µs at 512 × 1100 (benchmarks/results/kernels-h200.md).
-        all_heads: one program per (sequence, split) over all KV heads (see the module
-            docstring); ``block_n`` then counts tokens, each a row of every KV head, and
-            ``target_programs`` counts (sequence, split) programs.
     """
 
     block_n: int = 64
@@ -60,7 +49,6 @@ class DecodeConfig:
     target_programs: int = 528
     max_splits: int = 64
     heads_first: bool = True
-    all_heads: bool = False
 
 
 @triton.jit
@@ -165,104 +153,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_all_heads_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    scale_log2,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    GROUP: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    KV_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_start(USE_PDL)
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    r = tl.arange(0, HEADS_PAD)  # query head of each row
-    rmask = r < NUM_HEADS
-    d = tl.arange(0, D_PAD)
-    dmask = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qt + r[:, None] * stride_qh + d[None, :],
-        mask=rmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    # key rows of a tile: token c // KV_PAD, KV head c % KV_PAD (a token's heads adjacent,
-    # as in the cache); query row r may use the keys of its own KV head only (padded
-    # query rows take every key, so that their softmax stays finite; never stored)
-    c = tl.arange(0, BLOCK_N * KV_PAD)
-    c_tok = c // KV_PAD
-    c_head = c % KV_PAD
-    own = ((r // GROUP)[:, None] == c_head[None, :]) | (r >= NUM_HEADS)[:, None]
-    m_i = tl.full([HEADS_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([HEADS_PAD], tl.float32)
-    acc = tl.zeros([HEADS_PAD, D_PAD], tl.float32)
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        n = tile * BLOCK_N + c_tok
-        nmask = (n < seq_len) & (c_head < NUM_KV_HEADS)
-        page = tl.load(bt_row + n // BLOCK_SIZE, mask=n < seq_len, other=0).to(tl.int64)
-        kv_off = (
-            page[:, None] * stride_cb
-            + (n % BLOCK_SIZE)[:, None] * stride_cs
-            + c_head[:, None] * stride_ch
-            + d[None, :]
-        )
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(own & nmask[None, :], s, float("-inf"))  # [HEADS_PAD, BLOCK_N * KV_PAD]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    omask = rmask[:, None] & dmask[None, :]
-    if SINGLE_SPLIT:
-        dst = out_ptr + b.to(tl.int64) * stride_ot + r[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        row = b.to(tl.int64) * NUM_HEADS + r
-        part = part_out_ptr + (row[:, None] * num_splits + split) * D_PAD + d[None, :]
-        tl.store(part, o, mask=omask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row * num_splits + split, lse, mask=rmask)
-
-
-@triton.jit
 def _combine_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -304,11 +194,9 @@ def _combine_kernel(
 def num_decode_splits(
     batch: int, num_kv_heads: int, max_seqlen_k: int, config: DecodeConfig
 ) -> int:
-    """Splits per sequence: enough programs to fill the GPU, at least one tile each (with
-    ``config.all_heads``, a program spans every KV head)."""
+    """Splits per sequence: enough programs to fill the GPU, at least one tile each."""
     tiles = max(1, triton.cdiv(max_seqlen_k, config.block_n))
-    programs_per_split = batch * (1 if config.all_heads else num_kv_heads)
-    want = triton.cdiv(config.target_programs, programs_per_split)
+    want = triton.cdiv(config.target_programs, batch * num_kv_heads)
     return max(1, min(want, tiles, config.max_splits))
 
 
@@ -358,76 +246,39 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     pdl = launch_options(q.device)
-    if config.all_heads:
-        kv_pad = triton.next_power_of_2(num_kv_heads)
-        _decode_all_heads_kernel[(batch, splits)](
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            out,
-            part_out,
-            part_lse,
-            scale * LOG2E,
-            splits,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEADS_PAD=max(16, triton.next_power_of_2(num_heads)),
-            GROUP=group,
-            NUM_KV_HEADS=num_kv_heads,
-            KV_PAD=kv_pad,
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_N=max(config.block_n, triton.cdiv(16, kv_pad)),
-            SINGLE_SPLIT=splits == 1,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **pdl,
-        )
-    else:
-        grid = (num_kv_heads, batch) if config.heads_first else (batch, num_kv_heads)
-        _decode_kernel[(*grid, splits)](
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            out,
-            part_out,
-            part_lse,
-            scale * LOG2E,
-            splits,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_N=config.block_n,
-            SINGLE_SPLIT=splits == 1,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            HEADS_FIRST=config.heads_first,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **pdl,
-        )
+    grid = (num_kv_heads, batch) if config.heads_first else (batch, num_kv_heads)
+    _decode_kernel[(*grid, splits)](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        SINGLE_SPLIT=splits == 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HEADS_FIRST=config.heads_first,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl,
+    )
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](
             part_out,
