@@ -95,7 +95,8 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        """Blocks with no owner (never used, or cached and evictable)."""
+        """Blocks with no owner (never used or uncached, reserved, or cached and
+        evictable)."""
         return len(self._free) + len(self._reserved) + len(self._evictable)
 
     @property
