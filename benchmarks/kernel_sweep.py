@@ -297,8 +297,7 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
         shown = results[:6] + [r for r in defaults if r not in results[:6]]
         for us, block_n, warps, stages, target, splits, launch in shown:
             rows.append(f"| {layout} | {block_size} | {batch} × {ctx} | {block_n} | {warps} | "
-                        f"{stages} | "
-                        f"{target} | {splits} | {launch} | {us:.1f} | "
+                        f"{stages} | {target} | {splits} | {launch} | {us:.1f} | "
                         f"{kv_bytes / us / 1e6:.2f} |")
         del case, key, value
         torch.cuda.empty_cache()

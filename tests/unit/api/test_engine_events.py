@@ -67,9 +67,10 @@ async def test_tokens_reach_the_stream_after_the_next_call_is_sent(tokenizer: To
 
 async def _texts(engine: Engine, request: GenerationRequest) -> list[str]:
     texts = []
-    async for event in engine.generate(request):
-        assert isinstance(event, TokenEvent), event
-        texts.append(event.text)
+    async with asyncio.timeout(30.0):  # a stream left waiting fails here, not hangs
+        async for event in engine.generate(request):
+            assert isinstance(event, TokenEvent), event
+            texts.append(event.text)
     return texts
 
 
@@ -108,7 +109,9 @@ async def test_whole_answers_handed_over_at_once_arrive_complete(tokenizer: Toke
                     GenerationRequest((8, 9), SamplingParams(), stopping)]
         # several requests (merged through their pumps) and one (read directly)
         for batch in (requests, requests[:1]):
-            for done in await run_all(engine, batch, token_texts=False):
+            # a stream left waiting after its events arrived fails here, not hangs
+            answers = await asyncio.wait_for(run_all(engine, batch, token_texts=False), 30.0)
+            for done in answers:
                 assert [event.id for event in done.tokens] == said
                 assert done.finish is not None and done.finish.generated_tokens == len(said)
     finally:
@@ -122,7 +125,7 @@ async def test_an_event_stream_takes_a_list_in_order_with_one_wake_up() -> None:
     await asyncio.sleep(0)  # the reader waits
     stream.put_all(events)
     stream.put_all([])
-    assert await reader is events[0]
+    assert await asyncio.wait_for(reader, 5.0) is events[0]  # woken, not left waiting
     assert [stream.get_nowait() for _ in range(4)] == events[1:] and stream.empty()
 
 
