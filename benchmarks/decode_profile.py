@@ -35,11 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_power import PowerLog, PowerStats
 from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
 from shard.config import ShardConfig
 from shard.layers import fused
 from shard.layers.linear import SKINNY
 from shard.model_runner import ModelRunner
+from shard.pending_decode import PendingDecode
 from shard.records import PrefillBatch, RequestInput
 from shard.sampling_types import SamplingParams
 
@@ -89,10 +91,13 @@ _ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActiv
 
 
 def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
-                  top: int) -> str:
-    """Markdown: median wall step and the top kernels by GPU time per decode step."""
+                  top: int, pipelined: int = 0) -> str:
+    """Markdown: median wall step and the top kernels by GPU time per decode step; with
+    ``pipelined``, that many more steps launched as the server launches them, timed on
+    the device, then the replay alone over as many replays, each with the GPU's clocks
+    and power while it ran (:class:`benchmarks.gpu_power.PowerLog`)."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    ids = prefill_requests(runner, batch, prompt_len, steps * 2 + 6)
+    ids = prefill_requests(runner, batch, prompt_len, steps * 2 + 6 + pipelined)
     runner.decode(ids)  # merges the prefill batches into one
     for _ in range(3):
         runner.decode(ids[:1])
@@ -108,10 +113,54 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
             runner.decode(ids[:1])
         sync()
     replay = replay_ms(runner, batch)
+    extra: list[str] = []
+    if pipelined and runner.device.type == "cuda":
+        extra = ["", "| loop | ms per step (device) | per-step timer p50 / p90 | SM MHz p50 "
+                 "(min) | power W mean (max) | samples at the power cap |",
+                 "|---|---:|---:|---:|---:|---:|"]
+        with PowerLog(torch.cuda.current_device()) as log:
+            t0 = time.time()
+            mean, timers = pipelined_steps(runner, ids[0], pipelined)
+            t1 = time.time()
+            again = replay_ms(runner, batch, reps=pipelined)
+            t2 = time.time()
+        deciles = statistics.quantiles(timers, n=10)
+        extra.append(f"| pipelined launch_decode/finish_decode | {mean:.3f} | "
+                     f"{deciles[4]:.3f} / {deciles[8]:.3f} | {_power_cells(log.window(t0, t1))} |")
+        extra.append(f"| graph replay alone (final contexts) | {again:.3f} | — | "
+                     f"{_power_cells(log.window(t1, t2))} |")
     runner.clear_cache()
     title = (f"decode, batch {batch}: step {statistics.median(walls):.3f} ms wall, "
              f"graph replay {replay:.3f} ms")
-    return "\n".join(_kernel_table(prof, steps, top, title)) + "\n"
+    return "\n".join(_kernel_table(prof, steps, top, title) + extra) + "\n"
+
+
+def _power_cells(stats: PowerStats | None) -> str:
+    if stats is None:
+        return "— | — | —"
+    return (f"{stats.sm_mhz_p50:.0f} ({stats.sm_mhz_min:.0f}) | {stats.mean_w:.0f} "
+            f"({stats.max_w:.0f}) | {stats.capped:.0%}")
+
+
+def pipelined_steps(runner: ModelRunner, batch_id: int, steps: int) -> tuple[float, list[float]]:
+    """``steps`` decode steps launched as the shard's servicer launches them (step k+1
+    before step k's tokens are read, so the device never waits for the host): device ms
+    per step from CUDA events around the loop, and each step's own timer (ms)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    pending = runner.launch_decode([batch_id])
+    timers = []
+    for _ in range(steps - 1):
+        following = runner.launch_decode([batch_id])
+        assert isinstance(pending, PendingDecode)
+        timers.append(runner.finish_decode(pending).forward_ns / 1e6)
+        pending = following
+    assert isinstance(pending, PendingDecode)
+    timers.append(runner.finish_decode(pending).forward_ns / 1e6)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps, timers
 
 
 def replay_ms(runner: ModelRunner, batch: int, reps: int = 50) -> float:
@@ -194,6 +243,9 @@ def main() -> None:
                    help="without the skinny GEMM kernel (cuBLAS at every batch size), for A/B")
     p.add_argument("--trace", type=Path, default=None, metavar="FILE",
                    help="write the prefill profile as a Chrome trace (with --prefill)")
+    p.add_argument("--pipelined", type=int, default=0, metavar="STEPS",
+                   help="also time STEPS decode steps launched as the server launches "
+                        "them, and as many graph replays, with the GPU's clocks and power")
     p.add_argument("--pdl", choices=["on", "off", "both"], default="on",
                    help="our kernels with programmatic dependent launch (where it runs), "
                         "without, or both in turn (graphs captured again), for A/B")
@@ -236,7 +288,7 @@ def run(args: argparse.Namespace) -> None:
                           "times)\n")
                 for batch in args.batch:
                     print(profile_batch(runner, batch, args.prompt_len, args.steps,
-                                        args.top))
+                                        args.top, args.pipelined))
                 if args.prefill:
                     trace = args.trace
                     if trace is not None and len(modes) > 1:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,9 @@ class PeerError(RuntimeError):
 def run_nano_vllm(runner: Path, nano_vllm: Path, extra_site: str | None, model: Path,
                   workloads: list[str], log_path: Path, timeout: float) -> list[dict]:
     """Run the nano-vllm runner on ``model``; its JSON lines (one dict per workload, keys
-    ``workload``, ``requests``, ``output_tokens``, ``seconds``, ``output_tok_per_s``).
+    ``workload``, ``requests``, ``output_tokens``, ``seconds``, ``output_tok_per_s``),
+    each with ``ended_at`` added: ``time.time()`` when the line was read (the runner
+    flushes each line as its workload ends).
 
     ``PYTHONPATH`` = ``extra_site`` (where flash-attn is installed) : ``nano_vllm`` : the
     current ``PYTHONPATH``. stderr goes to ``log_path``, stdout to ``log_path`` with the
@@ -40,26 +43,38 @@ def run_nano_vllm(runner: Path, nano_vllm: Path, extra_site: str | None, model: 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     cmd = [sys.executable, str(runner), "--model", str(model), "--workloads", ",".join(workloads)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    stamped: list[tuple[float, str]] = []
     with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        reader = threading.Thread(target=_stamp_lines, args=(proc, stamped), daemon=True)
+        reader.start()
         try:
-            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=env,
-                                  timeout=timeout, check=False)
+            returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as error:
+            proc.kill()
+            proc.wait()
             raise PeerError(f"nano-vllm timed out after {timeout:.0f}s:\n{tail(log_path)}") \
                 from error
-    log_path.with_suffix(".stdout").write_bytes(done.stdout)
-    lines = done.stdout.decode(errors="replace").splitlines()
-    if done.returncode != 0:
-        raise PeerError(f"nano-vllm exited with {done.returncode}:\n{tail(log_path)}")
+        finally:
+            reader.join(timeout=10)
+    log_path.with_suffix(".stdout").write_text("".join(line for _, line in stamped))
+    if returncode != 0:
+        raise PeerError(f"nano-vllm exited with {returncode}:\n{tail(log_path)}")
     results = []
-    for line in lines:
+    for ended_at, line in stamped:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and "workload" in record:
-            results.append(record)
+            results.append({**record, "ended_at": ended_at})
     return results
+
+
+def _stamp_lines(proc: subprocess.Popen[str], into: list[tuple[float, str]]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        into.append((time.time(), line))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks.completions_load import LoadRun
 from benchmarks.gpu_peers import HFRun
+from benchmarks.gpu_power import PowerLog, PowerStats
 from benchmarks.harness import cpu_model, decode_step_means, percentile, prefix_hits
 from benchmarks.random_checkpoint import ARCHITECTURES
 from benchmarks.request_timeline import Timeline
@@ -50,6 +51,7 @@ class Report:
     server_startup_s: float | None = None
     hf_setup: str = ""
     notes: list[str] = field(default_factory=list)
+    power: PowerLog | None = None  # the GPU's power over the whole run
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
 
     def write(self, out: Path | None) -> str:
@@ -163,6 +165,43 @@ def floor_line(report: Report) -> str:
     return line
 
 
+def _power_cell(stats: PowerStats | None, tokens: int) -> tuple[str, float | None]:
+    if stats is None:
+        return "- | -", None
+    per_token = stats.energy_j / tokens
+    return (f"{stats.mean_w:.0f} W, SM {stats.sm_mhz_p50:.0f} MHz, {stats.capped:.0%} "
+            f"| {per_token:.3f}"), per_token
+
+
+def power_table(report: Report) -> list[str]:
+    """Markdown: the GPU's power during each engine's throughput pass of each workload
+    (mean power, SM clock p50, share of samples at the power cap) and the energy per
+    output token; nothing when no power was sampled."""
+    log = report.power
+    if log is None or not log.samples:
+        return []
+    lines = ["", "GPU power during the throughput passes (`nvidia-smi` every "
+             f"{log.interval_ms} ms; \"at cap\": share of samples whose clocks the "
+             "software power cap held back):", "",
+             "| workload | ours: mean power, SM clock p50, at cap | ours J per output token "
+             "| nano-vllm: mean power, SM clock p50, at cap | nano-vllm J per output token "
+             "| ours / nano-vllm energy per token |", "|---|---|---:|---|---:|---:|"]
+    for name, row in report.rows.items():
+        tokens = row.workload.output_tokens
+        ours = (log.window(row.ours.started_at, row.ours.ended_at)
+                if row.ours and row.ours.ended_at else None)
+        nano = None
+        if row.nano and "ended_at" in row.nano:
+            end = float(row.nano["ended_at"])
+            nano = log.window(end - float(row.nano["seconds"]), end)
+        ours_cells, ours_j = _power_cell(ours, tokens)
+        nano_cells, nano_j = _power_cell(nano, int(row.nano["output_tokens"]) if row.nano
+                                         else tokens)
+        ratio = "-" if ours_j is None or nano_j is None else f"{ours_j / nano_j:.2f}×"
+        lines.append(f"| {name} | {ours_cells} | {nano_cells} | {ratio} |")
+    return lines
+
+
 def render(report: Report) -> str:
     """The report as markdown: header bullets, the table, then notes."""
     info = report.server_info
@@ -189,6 +228,7 @@ def render(report: Report) -> str:
         "| transformers tok/s | ours / transformers |",
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
+        *power_table(report),
     ]
     all_notes = [*report.notes, *notes]
     if all_notes:

@@ -19,7 +19,10 @@ in one run that prints one markdown table.
 3. nano-vllm (``--nano-vllm`` and ``--nano-vllm-runner``; skipped when not given) in a
    subprocess on the same folder and workloads; its token counts are checked against ours.
 4. transformers ``generate`` (static batches of at most ``--hf-max-batch``, greedy, sdpa).
-5. The table, and the weight-read floor of a batch-1 decode step: weight bytes read per
+5. The GPU's power over the run (``nvidia-smi`` in the background,
+   benchmarks/gpu_power.py): per throughput pass of ours and nano-vllm, mean power, SM
+   clock, the share of time at the power cap, and joules per output token.
+6. The table, and the weight-read floor of a batch-1 decode step: weight bytes read per
    step (embedding table left out unless tied) / device copy bandwidth measured in this
    run (bytes read + written by a large ``Tensor.copy_``), with batch1's TPOT p50 as a
    multiple of it.
@@ -59,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import gpu_report
 from benchmarks.completions_load import run_load
 from benchmarks.gpu_peers import run_nano_vllm, run_transformers
+from benchmarks.gpu_power import PowerLog
 from benchmarks.gpu_report import Report, Row
 from benchmarks.harness import (
     REPO_ROOT,
@@ -275,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None if args.checkpoint_dir else Path(tempfile.mkdtemp(prefix="gpu-serving-ckpt-"))
     ckpt = args.checkpoint_dir or tmp
     assert ckpt is not None
+    if args.device.startswith("cuda"):
+        import torch
+
+        report.power = PowerLog(torch.device(args.device).index or 0)
+        report.power.start()
     try:
         report.weight_bytes = stage.run("checkpoint", prepare_checkpoint, args, ckpt)
         if report.weight_bytes is None:
@@ -300,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.rows.setdefault(run.workload, Row(build_workload(
                     run.workload, args.vocab).head(args.limit_requests))).hf = run
     finally:
+        if report.power is not None:
+            report.power.stop()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     text = report.write(args.out)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from safetensors.torch import save_file
 
 from benchmarks.completions_load import LoadRun
 from benchmarks.gpu_peers import HFRun, PeerError, run_nano_vllm
-from benchmarks.gpu_report import Report, Row, floor_line, render
+from benchmarks.gpu_power import HW_SLOWDOWN, SW_POWER_CAP, PowerLog, Sample, parse_sample
+from benchmarks.gpu_report import Report, Row, floor_line, power_table, render
 from benchmarks.harness import decode_step_means, metric_delta, percentile, scrape
 from benchmarks.random_checkpoint import weight_bytes
 from benchmarks.request_timeline import between, read_finished, split_runs, timeline
@@ -114,13 +116,14 @@ def test_table_cells_ratios_missing_values_and_floor() -> None:
 
 
 FAKE_RUNNER = """
-import json, os, sys
+import json, os, sys, time
 print("a line that is not JSON")
 print(json.dumps({"argv": sys.argv[1:], "pythonpath": os.environ["PYTHONPATH"]}))
 for name in sys.argv[sys.argv.index("--workloads") + 1].split(","):
     print(json.dumps({"engine": "nano-vllm", "workload": name, "requests": 1,
                       "output_tokens": 256, "seconds": 2.0, "output_tok_per_s": 128.0}))
 print("loading on stderr", file=sys.stderr)
+time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
 sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
 """
 
@@ -132,8 +135,11 @@ def test_nano_vllm_runner_output_parsed_and_failure_reported(
     log = tmp_path / "logs" / "nano.log"
     args = (runner, tmp_path / "nano-vllm", "/site/fa", tmp_path / "ckpt",
             ["batch1", "bench"], log, 60.0)
+    t0 = time.time()
     records = run_nano_vllm(*args)
     assert [r["workload"] for r in records] == ["batch1", "bench"]
+    # each line stamped as it was read: in order, within the call
+    assert t0 <= records[0]["ended_at"] <= records[1]["ended_at"] <= time.time()
     assert records[0]["output_tok_per_s"] == 128.0
     assert log.read_text() == "loading on stderr\n"
     seen = json.loads(log.with_suffix(".stdout").read_text().splitlines()[1])
@@ -142,6 +148,74 @@ def test_nano_vllm_runner_output_parsed_and_failure_reported(
     monkeypatch.setenv("FAKE_EXIT", "3")
     with pytest.raises(PeerError, match="exited with 3:\nloading on stderr"):
         run_nano_vllm(*args)
+    monkeypatch.setenv("FAKE_SLEEP", "30")
+    t0 = time.perf_counter()
+    with pytest.raises(PeerError, match="timed out after 1s"):
+        run_nano_vllm(*args[:-1], 1.0)
+    assert time.perf_counter() - t0 < 15
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# the arguments gpu_power.PowerLog passes, then samples as nvidia-smi prints them
+echo "$@" > "$(dirname "$0")/argv"
+echo "650.5, 1620, 3201, 0x0000000000000004"
+echo "[N/A], 1980, 3201, 0x0000000000000000"
+echo "450.0, 1980, 3201, 0x0000000000000000"
+sleep 60
+"""
+
+
+def test_power_log_reads_nvidia_smi_in_the_background(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    log = PowerLog(index=3, interval_ms=50)
+    t0 = time.time()
+    assert log.start()
+    deadline = time.time() + 10
+    while len(log.samples) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    t0_stop = time.perf_counter()
+    log.stop()
+    assert time.perf_counter() - t0_stop < 5  # the sampler is terminated, not waited for
+    assert "-i 3" in (tmp_path / "argv").read_text()
+    assert "-lms 50" in (tmp_path / "argv").read_text()
+    assert [(s.watts, s.sm_mhz, s.reasons) for s in log.samples] == [
+        (650.5, 1620.0, SW_POWER_CAP), (450.0, 1980.0, 0)]  # the [N/A] line skipped
+    stats = log.window(t0, time.time() + 1)
+    assert stats is not None
+    assert (stats.samples, stats.mean_w, stats.max_w) == (2, 550.25, 650.5)
+    assert (stats.sm_mhz_p50, stats.sm_mhz_min, stats.capped) == (1800.0, 1620.0, 0.5)
+    assert stats.energy_j == pytest.approx(550.25 * stats.seconds)
+    assert log.window(t0 - 10, t0 - 5) is None
+
+
+def test_power_sample_parsing() -> None:
+    assert parse_sample("700.1, 1500, 3201, 0x000000000000000C", 5.0) == Sample(
+        5.0, 700.1, 1500.0, 3201.0, SW_POWER_CAP | HW_SLOWDOWN)
+    for bad in ["power.draw [W], clocks.sm [MHz]", "1, 2, 3", "[N/A], 1, 2, 0x0", ""]:
+        assert parse_sample(bad, 0.0) is None
+
+
+def test_power_table_per_engine_and_workload() -> None:
+    w = Workload("decode_heavy", [[1] * 128] * 2, [500, 500])
+    row = Row(w, ours=LoadRun(requests=2, output_tokens=1000, wall=1.0, started_at=100.0,
+                              ended_at=101.0),
+              nano={"workload": "decode_heavy", "requests": 2, "output_tokens": 1000,
+                    "seconds": 2.0, "output_tok_per_s": 500.0, "ended_at": 205.0})
+    log = PowerLog()
+    # ours: 100-101 s at 700 W, capped; nano-vllm: 203-205 s at 600 W, half capped
+    log.samples = [Sample(100.0 + i / 10, 700.0, 1600.0, 3201.0, SW_POWER_CAP)
+                   for i in range(11)]
+    log.samples += [Sample(203.0 + i / 10, 600.0, 1900.0, 3201.0, SW_POWER_CAP * (i % 2))
+                    for i in range(20)]
+    report = Report(rows={"decode_heavy": row}, power=log)
+    text = render(report)
+    assert ("| decode_heavy | 700 W, SM 1600 MHz, 100% | 0.700 | 600 W, SM 1900 MHz, 50% "
+            "| 1.200 | 0.58× |") in text
+    assert power_table(Report(rows={"decode_heavy": row})) == []
 
 
 def _finish_line(stamp: str, rid: int, generated: int, ttft: float, e2e: float) -> str:
