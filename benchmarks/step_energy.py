@@ -1,0 +1,185 @@
+"""Power and energy of a decode step's kernel classes on one GPU, sustained: each class is
+captured in a CUDA graph and replayed back to back for ``--seconds`` while
+:class:`benchmarks.gpu_power.PowerLog` samples the board's power and clocks. A script,
+not a test: prints one markdown table (device, versions, date).
+
+Where the board's power cap binds, a step runs at the clock its kernels' power allows,
+so which kernels draw the power tells what a faster step needs (less energy, not only
+less time at full clock). Classes, at the shapes of the GPU benchmark's model
+(Llama-3-8B dimensions, vocabulary 49152, bf16):
+
+- ``gemm256``: a 256-row decode step's projections (``qkv``, ``o``, ``gate_up``,
+  ``down`` of 32 layers with distinct weights, and the LM head), cuBLAS;
+- ``attention256``: 32 layers of decode attention at 256 sequences × 384 tokens (our
+  Triton kernel, block size 16);
+- ``step256``: both, layer by layer (``qkv``, attention, ``o``, ``gate_up``, ``down``),
+  the mix of a 256-row step less its norms and activations;
+- ``gemm16384``: a 16384-token prefill's projections over 4 layers;
+- ``copy``: a 2 GiB device-to-device copy (bandwidth-bound reference).
+
+Reported per class: ms per replay at the start (median of the first replays) and
+sustained (mean over the loop), its rate (TFLOP/s of the products, or TB/s of the bytes
+the class must move), mean power, SM clock p50, the share of samples at the power cap,
+joules per replay, and picojoules per FLOP or per byte.
+
+    python benchmarks/step_energy.py --seconds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_power import PowerLog
+from benchmarks.kernel_sweep import HEAD_DIM, HEADS, KV_HEADS, PROJECTIONS, _weights
+from shard.attention.triton_kernels import decode_attention
+from tests.kernels.paged_cases import make_case
+
+
+@dataclass
+class Work:
+    """One class: what a replay runs, and the FLOPs and the bytes it must move."""
+
+    name: str
+    run: Callable[[], object]
+    flops: float
+    bytes: float
+
+
+def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside capture (cuBLAS handles, Triton compiles)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _replays_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Mean ms per replay over ``reps`` back-to-back replays (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def measure(work: Work, seconds: float, log: PowerLog) -> str:
+    """The markdown row of ``work``: replayed for ``seconds`` after a pause of 2 s (the
+    board cools to its idle draw), power from the loop's last three quarters."""
+    graph = _capture(work.run)
+    time.sleep(2.0)
+    first = statistics.median(_replays_ms(graph, 1) for _ in range(5))
+    reps = max(5, int(seconds * 1e3 / first))
+    t0 = time.time()
+    sustained = _replays_ms(graph, reps)
+    t1 = time.time()
+    stats = log.window(t0 + (t1 - t0) / 4, t1)
+    del graph
+    if work.flops:
+        rate = f"{work.flops / sustained / 1e9:.0f} TFLOP/s"
+    else:
+        rate = f"{work.bytes / sustained / 1e9:.2f} TB/s"
+    if stats is None:
+        return f"| {work.name} | {first:.3f} | {sustained:.3f} | {rate} | — | — | — | — | — |"
+    joules = stats.mean_w * sustained / 1e3
+    per = (f"{joules / work.flops * 1e12:.2f} pJ/FLOP" if work.flops
+           else f"{joules / work.bytes * 1e12:.1f} pJ/B")
+    return (f"| {work.name} | {first:.3f} | {sustained:.3f} | {rate} | {stats.mean_w:.0f} | "
+            f"{stats.sm_mhz_p50:.0f} | {stats.capped:.0%} | {joules:.3f} | {per} |")
+
+
+def _projection_weights(layers: int) -> dict[str, list[torch.Tensor]]:
+    return {name: _weights(n, k, 1 if name == "lm_head" else layers)
+            for name, n, k in PROJECTIONS}
+
+
+def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.Tensor]],
+               lm_head: bool) -> Work:
+    inputs = {p: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+              for p, _, k in PROJECTIONS}
+
+    def run() -> None:
+        for i in range(layers):
+            for p, _, _ in PROJECTIONS[:4]:
+                F.linear(inputs[p], weights[p][i])
+        if lm_head:
+            F.linear(inputs["lm_head"], weights["lm_head"][0])
+
+    used = [(n, k, layers) for _, n, k in PROJECTIONS[:4]] + ([(PROJECTIONS[4][1],
+                                                               PROJECTIONS[4][2], 1)]
+                                                             if lm_head else [])
+    flops = sum(2.0 * rows * n * k * copies for n, k, copies in used)
+    moved = sum(2.0 * (n * k + rows * (n + k)) * copies for n, k, copies in used)
+    return Work(name, run, flops, moved)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=4.0, help="sustained loop per class")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=384)
+    args = p.parse_args()
+    print(f"# step energy, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+          f"python {platform.python_version()}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}\n")
+    batch, ctx, layers = args.batch, args.context, args.layers
+    weights = _projection_weights(layers)
+    gemms = _gemm_work(f"gemm{batch}", batch, layers, weights, lm_head=True)
+    case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, 16,
+                     torch.bfloat16, "cuda", spare_blocks=0, consecutive=True)
+    meta = case.metadata
+    q, out = case.q, torch.empty_like(case.q)
+
+    def attend() -> None:
+        decode_attention(q, case.cache.key, case.cache.value, meta.block_tables,
+                         meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out)
+
+    kv_bytes = 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+    attention = Work(f"attention{batch}", lambda: [attend() for _ in range(layers)], 0.0,
+                     kv_bytes * layers)
+    xs = {p: torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
+          for p, _, k in PROJECTIONS}
+
+    def step() -> None:
+        for i in range(layers):
+            F.linear(xs["qkv"], weights["qkv"][i])
+            attend()
+            for name in ("o", "gate_up", "down"):
+                F.linear(xs[name], weights[name][i])
+        F.linear(xs["lm_head"], weights["lm_head"][0])
+
+    mixed = Work(f"step{batch}", step, gemms.flops, gemms.bytes + attention.bytes)
+    src = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy = Work("copy", lambda: dst.copy_(src), 0.0, 2.0 * src.numel() * 2)
+    prefill = _gemm_work("gemm16384", 16384, 4, weights, lm_head=False)
+    print("| class | ms per replay, start | ms per replay, sustained | rate | mean W | "
+          "SM MHz p50 | at power cap | J per replay | energy per unit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    with PowerLog(torch.cuda.current_device(), interval_ms=50) as log:
+        for work in (gemms, attention, mixed, prefill, copy):
+            print(measure(work, args.seconds, log), flush=True)
+
+
+if __name__ == "__main__":
+    main()
