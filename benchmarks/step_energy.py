@@ -14,6 +14,8 @@ less time at full clock). Classes, at the shapes of the GPU benchmark's model
   Triton kernel, block size 16);
 - ``step256``: both, layer by layer (``qkv``, attention, ``o``, ``gate_up``, ``down``),
   the mix of a 256-row step less its norms and activations;
+- ``gemm256 through cuBLASLt``: the same products captured with
+  ``torch.backends.cuda.preferred_blas_library("cublaslt")`` (other kernels, other energy);
 - ``gemm16384``: a 16384-token prefill's projections over 4 layers;
 - ``copy``: a 2 GiB device-to-device copy (bandwidth-bound reference).
 
@@ -28,6 +30,7 @@ joules per replay, and picojoules per FLOP or per byte.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import statistics
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_power import PowerLog
 from benchmarks.kernel_sweep import HEAD_DIM, HEADS, KV_HEADS, PROJECTIONS, _weights
-from shard.attention.triton_kernels import decode_attention
+from shard.attention.triton_kernels import DecodeConfig, decode_attention
 from tests.kernels.paged_cases import make_case
 
 
@@ -56,6 +59,7 @@ class Work:
     run: Callable[[], object]
     flops: float
     bytes: float
+    blas: str = "cublas"  # the BLAS library the graph is captured with
 
 
 def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -85,7 +89,11 @@ def _replays_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
 def measure(work: Work, seconds: float, log: PowerLog) -> str:
     """The markdown row of ``work``: replayed for ``seconds`` after a pause of 2 s (the
     board cools to its idle draw), power from the loop's last three quarters."""
-    graph = _capture(work.run)
+    torch.backends.cuda.preferred_blas_library(work.blas)
+    try:
+        graph = _capture(work.run)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
     time.sleep(2.0)
     first = statistics.median(_replays_ms(graph, 1) for _ in range(5))
     reps = max(5, int(seconds * 1e3 / first))
@@ -132,12 +140,62 @@ def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.
     return Work(name, run, flops, moved)
 
 
+def _attention_variants(specs: list[str]) -> list[tuple[int, DecodeConfig]]:
+    out = []
+    for spec in specs:
+        block_size, block_n, warps, stages = (int(v) for v in spec.split(":"))
+        out.append((block_size, DecodeConfig(block_n=block_n, num_warps=warps,
+                                             num_stages=stages)))
+    return out
+
+
+def attention_work(batch: int, ctx: int, layers: int, block_size: int,
+                   config: DecodeConfig) -> Work:
+    """Our decode kernel with ``config`` over ``block_size``-token KV blocks."""
+    case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
+                     torch.bfloat16, "cuda", spare_blocks=0, consecutive=True)
+    meta, out = case.metadata, torch.empty_like(case.q)
+
+    def run() -> None:
+        for _ in range(layers):
+            decode_attention(case.q, case.cache.key, case.cache.value, meta.block_tables,
+                             meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config)
+
+    name = (f"attention{batch}, block {block_size}, tiles {config.block_n}/{config.num_warps}"
+            f"/{config.num_stages}")
+    return Work(name, run, 0.0, 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
+
+
+def flash_attention_work(batch: int, ctx: int, layers: int) -> Work:
+    """flash-attn's paged decode over 256-token blocks (its paged API's multiple)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, 256,
+                     torch.bfloat16, "cuda", spare_blocks=0, consecutive=True)
+    meta, q = case.metadata, case.q.unsqueeze(1)
+
+    def run() -> None:
+        for _ in range(layers):
+            flash_attn_with_kvcache(q, case.cache.key, case.cache.value,
+                                    cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
+                                    softmax_scale=HEAD_DIM ** -0.5, causal=True)
+
+    return Work(f"attention{batch}, flash-attn, block 256", run, 0.0,
+                2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=4.0, help="sustained loop per class")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=384)
+    p.add_argument("--attention-configs", nargs="*", default=[],
+                   metavar="BS:BLOCK_N:WARPS:STAGES",
+                   help="more decode attention classes: KV block size and launch parameters")
+    p.add_argument("--flash-attn", action="store_true",
+                   help="also flash-attn's paged decode (flash_attn_with_kvcache, 256-token "
+                        "blocks) over the same contexts")
     args = p.parse_args()
     print(f"# step energy, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
           f"python {platform.python_version()}, torch {torch.__version__}, "
@@ -157,6 +215,9 @@ def main() -> None:
     kv_bytes = 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2
     attention = Work(f"attention{batch}", lambda: [attend() for _ in range(layers)], 0.0,
                      kv_bytes * layers)
+    variants = [attention_work(batch, ctx, layers, block_size, config)
+                for block_size, config in _attention_variants(args.attention_configs)]
+    flash = flash_attention_work(batch, ctx, layers) if args.flash_attn else None
     xs = {p: torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
           for p, _, k in PROJECTIONS}
 
@@ -173,11 +234,13 @@ def main() -> None:
     dst = torch.empty_like(src)
     copy = Work("copy", lambda: dst.copy_(src), 0.0, 2.0 * src.numel() * 2)
     prefill = _gemm_work("gemm16384", 16384, 4, weights, lm_head=False)
+    lt = dataclasses.replace(gemms, name=f"gemm{batch} through cuBLASLt", blas="cublaslt")
     print("| class | ms per replay, start | ms per replay, sustained | rate | mean W | "
           "SM MHz p50 | at power cap | J per replay | energy per unit |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with PowerLog(torch.cuda.current_device(), interval_ms=50) as log:
-        for work in (gemms, attention, mixed, prefill, copy):
+        for work in (gemms, lt, attention, *variants, *([flash] if flash else []), mixed,
+                     prefill, copy):
             print(measure(work, args.seconds, log), flush=True)
 
 
