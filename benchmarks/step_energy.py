@@ -143,9 +143,10 @@ def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.
 def _attention_variants(specs: list[str]) -> list[tuple[int, DecodeConfig]]:
     out = []
     for spec in specs:
-        block_size, block_n, warps, stages = (int(v) for v in spec.split(":"))
+        fields = spec.split(":")
+        block_size, block_n, warps, stages = (int(v) for v in fields[:4])
         out.append((block_size, DecodeConfig(block_n=block_n, num_warps=warps,
-                                             num_stages=stages)))
+                                             num_stages=stages, tma=fields[4:] == ["tma"])))
     return out
 
 
@@ -162,7 +163,7 @@ def attention_work(batch: int, ctx: int, layers: int, block_size: int,
                              meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config)
 
     name = (f"attention{batch}, block {block_size}, tiles {config.block_n}/{config.num_warps}"
-            f"/{config.num_stages}")
+            f"/{config.num_stages}{', TMA' if config.tma else ''}")
     return Work(name, run, 0.0, 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
 
 
@@ -191,8 +192,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--attention-configs", nargs="*", default=[],
-                   metavar="BS:BLOCK_N:WARPS:STAGES",
-                   help="more decode attention classes: KV block size and launch parameters")
+                   metavar="BS:BLOCK_N:WARPS:STAGES[:tma]",
+                   help="more decode attention classes: KV block size and launch parameters "
+                        "(``:tma``: DecodeConfig.tma)")
+    p.add_argument("--only", nargs="*", default=[],
+                   help="only the classes whose names contain one of these")
     p.add_argument("--flash-attn", action="store_true",
                    help="also flash-attn's paged decode (flash_attn_with_kvcache, 256-token "
                         "blocks) over the same contexts")
@@ -239,8 +243,10 @@ def main() -> None:
           "SM MHz p50 | at power cap | J per replay | energy per unit |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with PowerLog(torch.cuda.current_device(), interval_ms=50) as log:
-        for work in (gemms, lt, attention, *variants, *([flash] if flash else []), mixed,
-                     prefill, copy):
+        classes = [gemms, lt, attention, *variants, *([flash] if flash else []), mixed,
+                   prefill, copy]
+        for work in classes if not args.only else [c for c in classes
+                                                     if any(o in c.name for o in args.only)]:
             print(measure(work, args.seconds, log), flush=True)
 
 
