@@ -143,10 +143,9 @@ def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.
 def _attention_variants(specs: list[str]) -> list[tuple[int, DecodeConfig]]:
     out = []
     for spec in specs:
-        fields = spec.split(":")
-        block_size, block_n, warps, stages = (int(v) for v in fields[:4])
+        block_size, block_n, warps, stages = (int(v) for v in spec.split(":"))
         out.append((block_size, DecodeConfig(block_n=block_n, num_warps=warps,
-                                             num_stages=stages, tma=fields[4:] == ["tma"])))
+                                             num_stages=stages)))
     return out
 
 
@@ -163,7 +162,7 @@ def attention_work(batch: int, ctx: int, layers: int, block_size: int,
                              meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config)
 
     name = (f"attention{batch}, block {block_size}, tiles {config.block_n}/{config.num_warps}"
-            f"/{config.num_stages}{', TMA' if config.tma else ''}")
+            f"/{config.num_stages}")
     return Work(name, run, 0.0, 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
 
 
@@ -192,9 +191,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--attention-configs", nargs="*", default=[],
-                   metavar="BS:BLOCK_N:WARPS:STAGES[:tma]",
-                   help="more decode attention classes: KV block size and launch parameters "
-                        "(``:tma``: DecodeConfig.tma)")
+                   metavar="BS:BLOCK_N:WARPS:STAGES",
+                   help="more decode attention classes: KV block size and launch parameters")
     p.add_argument("--only", nargs="*", default=[],
                    help="only the classes whose names contain one of these")
     p.add_argument("--flash-attn", action="store_true",

@@ -31,7 +31,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
@@ -47,9 +46,6 @@ GLOBAL_MEMORY = re.compile(r"\b(ld|st|cp\.async|atom|red)(\.\w+)*\.global\b|\bcp
 def _arg_type(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return POINTER_TYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):  # a host-side TMA descriptor
-        shape = ",".join(str(n) for n in value.block_shape)
-        return f"tensordesc<{POINTER_TYPES[value.base.dtype][1:]}[{shape}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -123,11 +119,6 @@ def _run_wrappers() -> None:
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,
                      config=DecodeConfig(block_n=64, target_programs=10**4))
-    case = make_case([300, 7], [1, 1], 32, 8, 128, block_size=64, dtype=bf16)
-    for target in (1, 10**4):  # bulk tensor copies, without and with splits
-        decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
-                         case.metadata.seq_lens, 300, case.scale,
-                         config=DecodeConfig(block_n=64, target_programs=target, tma=True))
     qkv = torch.randn(2, 48 * 128, dtype=bf16)
     cos = sin = torch.randn(2, 128, dtype=bf16)
     weight = torch.ones(128, dtype=bf16)

@@ -34,11 +34,9 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert 2 * len(pdl) == result.stdout.count("compiled "), result.stdout
     plain = "\n".join(line for line in result.stdout.splitlines()
                       if "'USE_PDL': False" in line)
-    # both rope_write variants (with and without q/k norms); the decode kernel with one
-    # split and with several, each with per-thread gathers and with TMA copies
+    # both rope_write variants (with and without q/k norms), both decode paths
     assert plain.count("compiled _rope_write_kernel") == 2
-    assert plain.count("compiled _decode_kernel") == 4
-    assert plain.count("'USE_TMA': True") == 2
+    assert plain.count("compiled _decode_kernel") == 2
     assert plain.count("compiled _rms_norm_kernel") == 2  # with and without residual
     # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles
     assert plain.count("compiled _skinny_gemm_kernel") == 5

@@ -74,11 +74,9 @@ def test_backend_prefill_over_cached_prefix(group: int, head_dim: int) -> None:
         DecodeConfig(block_n=32, target_programs=24, max_splits=3),
         DecodeConfig(target_programs=1, heads_first=False),
         DecodeConfig(block_n=32, target_programs=24, max_splits=3, heads_first=False),
-        DecodeConfig(block_n=8, target_programs=1, tma=True),
-        DecodeConfig(block_n=8, target_programs=24, max_splits=3, tma=True),
     ],
     ids=["one-split", "split-per-tile", "three-splits", "sequences-first",
-         "sequences-first-splits", "tma", "tma-splits"],
+         "sequences-first-splits"],
 )
 def test_decode_split_counts(config: DecodeConfig) -> None:
     case = make_case([5, 50, 33, 120, 64], [1] * 5, 8, 2, 64, block_size=8, device=DEVICE,
@@ -91,41 +89,6 @@ def test_decode_split_counts(config: DecodeConfig) -> None:
     decode_attention(case.q, cache.key, cache.value, md.block_tables, md.seq_lens,
                      md.max_seqlen_k, case.scale, out=out, config=config)
     _check(out, ref)
-
-
-def test_decode_tma_ignores_stale_slots_past_the_context() -> None:
-    """A tile is a whole KV block read in one copy: its slots past the context (here NaN,
-    as a reused block's may be) must not reach the output."""
-    case = make_case([5, 50, 33, 120, 64], [1] * 5, 8, 2, 64, block_size=16, device=DEVICE,
-                     seed=4)
-    ref, _ = reference(case)
-    md = case.metadata
-    cache = case.fresh_cache()
-    cache.key.fill_(float("nan"))
-    cache.value.fill_(float("nan"))
-    write_kv_cache(case.k, case.v, cache.key, cache.value, md.slot_mapping)
-    # the rest of each context: the reference's cache, the slots past it stay NaN
-    ref_cache = case.cache
-    for row, length in enumerate(md.seq_lens.tolist()):
-        for pos in range(length - 1):
-            block = md.block_tables[row, pos // 16]
-            cache.key[block, pos % 16] = ref_cache.key[block, pos % 16]
-            cache.value[block, pos % 16] = ref_cache.value[block, pos % 16]
-    for target in (1, 10**6):  # whole contexts, and a split per tile
-        out = torch.full_like(case.q, float("nan"))
-        decode_attention(case.q, cache.key, cache.value, md.block_tables, md.seq_lens,
-                         md.max_seqlen_k, case.scale, out=out,
-                         config=DecodeConfig(block_n=16, target_programs=target, tma=True))
-        _check(out, ref)
-
-
-def test_decode_tma_needs_a_tile_of_one_block() -> None:
-    case = make_case([20], [1], 8, 2, 64, block_size=16, device=DEVICE)
-    md = case.metadata
-    with pytest.raises(ValueError, match="block_n == the block size"):
-        decode_attention(case.q, case.cache.key, case.cache.value, md.block_tables,
-                         md.seq_lens, md.max_seqlen_k, case.scale,
-                         config=DecodeConfig(block_n=32, tma=True))
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

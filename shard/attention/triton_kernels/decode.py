@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shard.pdl import launch_options, pdl_start
 
@@ -42,9 +41,6 @@ class DecodeConfig:
             of one KV head of consecutive sequences. On the H200 at the default tiles:
             within 2% either way at 1-256 rows of 256-640 tokens, 530 against 535-598
             µs at 512 × 1100 (benchmarks/results/kernels-h200.md).
-        tma: read each K/V tile with one bulk tensor copy (a TMA tensor descriptor over
-            the cache, sm_90+) instead of per-thread gathers; needs a tile of exactly one
-            KV block (``block_n`` = the cache's block size) and a power-of-two head size.
     """
 
     block_n: int = 64
@@ -53,7 +49,6 @@ class DecodeConfig:
     target_programs: int = 528
     max_splits: int = 64
     heads_first: bool = True
-    tma: bool = False
 
 
 @triton.jit
@@ -85,12 +80,8 @@ def _decode_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
-    USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # With USE_TMA, k_cache_ptr and v_cache_ptr are tensor descriptors over the caches
-    # viewed as [num_blocks * BLOCK_SIZE, num_kv_heads, HEAD_DIM], blocks [BLOCK_N, 1,
-    # HEAD_DIM], and a tile is one KV block (BLOCK_N == BLOCK_SIZE, D_PAD == HEAD_DIM).
     pdl_start(USE_PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
@@ -125,33 +116,23 @@ def _decode_kernel(
     for tile in range(tile_lo, tile_hi):
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < seq_len
-        if USE_TMA:
-            first = tl.load(bt_row + tile).to(tl.int32) * BLOCK_SIZE
-            k = k_cache_ptr.load([first, kvh, 0]).reshape(BLOCK_N, D_PAD)
-        else:
-            page = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-            # kv_off: [BLOCK_N, D_PAD] element offsets of this tile's keys/values
-            kv_off = (
-                page[:, None] * stride_cb
-                + (n % BLOCK_SIZE)[:, None] * stride_cs
-                + kvh * stride_ch
-                + d[None, :]
-            )
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        page = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        # kv_off: [BLOCK_N, D_PAD] element offsets of this tile's keys/values
+        kv_off = (
+            page[:, None] * stride_cb
+            + (n % BLOCK_SIZE)[:, None] * stride_cs
+            + kvh * stride_ch
+            + d[None, :]
+        )
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(nmask[None, :], s, float("-inf"))  # s: [GROUP_PAD, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA:
-            # the block's slots past the context hold stale values (NaN possible): p is
-            # 0 there, but 0 * NaN is not, so they are replaced, not weighted
-            v = v_cache_ptr.load([first, kvh, 0]).reshape(BLOCK_N, D_PAD)
-            v = tl.where(nmask[:, None], v, 0.0)
-        else:
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -210,14 +191,6 @@ def _combine_kernel(
     )
 
 
-def _tile_descriptor(cache: torch.Tensor, block_size: int) -> TensorDescriptor:
-    """A TMA descriptor over ``cache`` ([num_blocks, block_size, num_kv_heads, head_dim])
-    viewed as token rows, copying one KV head of one block per load."""
-    num_blocks, _, num_kv_heads, head_dim = cache.shape
-    rows = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    return TensorDescriptor.from_tensor(rows, [block_size, 1, head_dim])
-
-
 def num_decode_splits(
     batch: int, num_kv_heads: int, max_seqlen_k: int, config: DecodeConfig
 ) -> int:
@@ -274,18 +247,10 @@ def decode_attention(
         part_out = part_lse = out  # unused
     pdl = launch_options(q.device)
     grid = (num_kv_heads, batch) if config.heads_first else (batch, num_kv_heads)
-    keys: object = key_cache
-    values: object = value_cache
-    if config.tma:
-        if config.block_n != block_size or d_pad != head_dim:
-            raise ValueError(f"DecodeConfig.tma needs block_n == the block size ({block_size}) "
-                             f"and a power-of-two head size ({head_dim}); got block_n "
-                             f"{config.block_n}")
-        keys, values = (_tile_descriptor(c, block_size) for c in (key_cache, value_cache))
     _decode_kernel[(*grid, splits)](
         q,
-        keys,
-        values,
+        key_cache,
+        value_cache,
         block_tables,
         seq_lens,
         out,
@@ -310,7 +275,6 @@ def decode_attention(
         SINGLE_SPLIT=splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HEADS_FIRST=config.heads_first,
-        USE_TMA=config.tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl,
