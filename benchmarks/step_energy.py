@@ -184,6 +184,43 @@ def flash_attention_work(batch: int, ctx: int, layers: int) -> Work:
                 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
 
 
+def sm_limited(work: Work, sms: list[int], seconds: float, log: PowerLog) -> list[str]:
+    """Rows of ``work`` run eagerly on a green context's stream of each SM count in
+    ``sms`` (``torch.cuda.green_contexts``): does a bandwidth-bound class keep its rate on
+    fewer SMs, and at what power?"""
+    from torch.cuda.green_contexts import GreenContext
+
+    rows = []
+    for n in sms:
+        ctx = GreenContext.create(num_sms=n, device_id=torch.cuda.current_device())
+        stream = ctx.Stream()
+        with torch.cuda.stream(stream):
+            work.run()
+            torch.cuda.synchronize()
+            time.sleep(2.0)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            reps = max(5, int(seconds * 1e3 / 3.2))
+            t0 = time.time()
+            start.record(stream)
+            for _ in range(reps):
+                work.run()
+            end.record(stream)
+            end.synchronize()
+            t1 = time.time()
+        ms = start.elapsed_time(end) / reps
+        stats = log.window(t0 + (t1 - t0) / 4, t1)
+        if stats is None:
+            rows.append(f"| {work.name} on {n} SMs (eager) | — | {ms:.3f} |" + " — |" * 6)
+            continue
+        joules = stats.mean_w * ms / 1e3
+        rows.append(f"| {work.name} on {n} SMs (eager) | — | {ms:.3f} | "
+                    f"{work.bytes / ms / 1e9:.2f} TB/s | {stats.mean_w:.0f} | "
+                    f"{stats.sm_mhz_p50:.0f} | {stats.capped:.0%} | {joules:.3f} | "
+                    f"{joules / work.bytes * 1e12:.1f} pJ/B |")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=4.0, help="sustained loop per class")
@@ -193,6 +230,9 @@ def main() -> None:
     p.add_argument("--attention-configs", nargs="*", default=[],
                    metavar="BS:BLOCK_N:WARPS:STAGES",
                    help="more decode attention classes: KV block size and launch parameters")
+    p.add_argument("--sm-limits", type=int, nargs="*", default=[],
+                   help="also run the attention class eagerly on green contexts of these "
+                        "SM counts")
     p.add_argument("--only", nargs="*", default=[],
                    help="only the classes whose names contain one of these")
     p.add_argument("--flash-attn", action="store_true",
@@ -246,6 +286,9 @@ def main() -> None:
         for work in classes if not args.only else [c for c in classes
                                                      if any(o in c.name for o in args.only)]:
             print(measure(work, args.seconds, log), flush=True)
+        if args.sm_limits:
+            print("\n".join(sm_limited(attention, args.sm_limits, args.seconds, log)),
+                  flush=True)
 
 
 if __name__ == "__main__":
