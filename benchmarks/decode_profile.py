@@ -250,6 +250,8 @@ def main() -> None:
                    help="our kernels with programmatic dependent launch (where it runs), "
                         "without, or both in turn (graphs captured again), for A/B")
     args = p.parse_args()
+    if args.pipelined == 1:
+        p.error("--pipelined needs at least 2 steps (0: off)")
     with contextlib.ExitStack() as stack:
         if args.no_skinny:
             stack.enter_context(fused.triton_kernels_disabled(SKINNY))

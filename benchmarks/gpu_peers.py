@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -45,13 +47,16 @@ def run_nano_vllm(runner: Path, nano_vllm: Path, extra_site: str | None, model: 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stamped: list[tuple[float, str]] = []
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        # its own process group, so that a timeout also ends the runner's children
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+                                errors="replace", start_new_session=True)
         reader = threading.Thread(target=_stamp_lines, args=(proc, stamped), daemon=True)
         reader.start()
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as error:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise PeerError(f"nano-vllm timed out after {timeout:.0f}s:\n{tail(log_path)}") \
                 from error

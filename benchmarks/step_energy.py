@@ -200,7 +200,12 @@ def sm_limited(work: Work, sms: list[int], seconds: float, log: PowerLog) -> lis
             time.sleep(2.0)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            reps = max(5, int(seconds * 1e3 / 3.2))
+            one = torch.cuda.Event(enable_timing=True)
+            one.record(stream)
+            work.run()
+            end.record(stream)
+            end.synchronize()
+            reps = max(5, int(seconds * 1e3 / one.elapsed_time(end)))
             t0 = time.time()
             start.record(stream)
             for _ in range(reps):

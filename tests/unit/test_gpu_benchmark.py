@@ -5,6 +5,7 @@ log."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
@@ -118,10 +119,13 @@ def test_table_cells_ratios_missing_values_and_floor() -> None:
 FAKE_RUNNER = """
 import json, os, sys, time
 print("a line that is not JSON")
+sys.stdout.buffer.write(b"not UTF-8: \\xff\\n")
 print(json.dumps({"argv": sys.argv[1:], "pythonpath": os.environ["PYTHONPATH"]}))
 for name in sys.argv[sys.argv.index("--workloads") + 1].split(","):
     print(json.dumps({"engine": "nano-vllm", "workload": name, "requests": 1,
-                      "output_tokens": 256, "seconds": 2.0, "output_tok_per_s": 128.0}))
+                      "output_tokens": 256, "seconds": 2.0, "output_tok_per_s": 128.0}),
+          flush=True)  # as the runner: each line as its workload ends
+    time.sleep(0.3)
 print("loading on stderr", file=sys.stderr)
 time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
 sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
@@ -138,11 +142,12 @@ def test_nano_vllm_runner_output_parsed_and_failure_reported(
     t0 = time.time()
     records = run_nano_vllm(*args)
     assert [r["workload"] for r in records] == ["batch1", "bench"]
-    # each line stamped as it was read: in order, within the call
-    assert t0 <= records[0]["ended_at"] <= records[1]["ended_at"] <= time.time()
+    # each line stamped as it was read, not at the runner's exit
+    assert t0 <= records[0]["ended_at"] < records[1]["ended_at"] <= time.time()
+    assert records[1]["ended_at"] - records[0]["ended_at"] >= 0.25
     assert records[0]["output_tok_per_s"] == 128.0
     assert log.read_text() == "loading on stderr\n"
-    seen = json.loads(log.with_suffix(".stdout").read_text().splitlines()[1])
+    seen = json.loads(log.with_suffix(".stdout").read_text().splitlines()[2])
     assert seen["argv"] == ["--model", str(tmp_path / "ckpt"), "--workloads", "batch1,bench"]
     assert seen["pythonpath"].split(os.pathsep)[:2] == ["/site/fa", str(tmp_path / "nano-vllm")]
     monkeypatch.setenv("FAKE_EXIT", "3")
@@ -156,47 +161,91 @@ def test_nano_vllm_runner_output_parsed_and_failure_reported(
 
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
-# the arguments gpu_power.PowerLog passes, then samples as nvidia-smi prints them
+# as nvidia-smi: the probe of power.draw.instant, then samples every -lms ms
+case "$*" in
+  *-lms*) ;;
+  *) echo "${FAKE_INSTANT:-651.0}"; exit 0 ;;
+esac
 echo "$@" > "$(dirname "$0")/argv"
-echo "650.5, 1620, 3201, 0x0000000000000004"
-echo "[N/A], 1980, 3201, 0x0000000000000000"
-echo "450.0, 1980, 3201, 0x0000000000000000"
-sleep 60
+echo "2026/12/03 13:47:01.000, 650.5, 1620, 3201, 0x0000000000000004"
+echo "2026/12/03 13:47:01.050, [N/A], 1980, 3201, 0x0000000000000000"
+echo "2026/12/03 13:47:01.100, 450.0, 1980, 3201, 0x0000000000000000"
+echo "a warning" >&2
+exec sleep 60
 """
 
+STAMP = datetime.datetime(2026, 12, 3, 13, 47, 1).timestamp()  # local time, as nvidia-smi's
 
-def test_power_log_reads_nvidia_smi_in_the_background(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+def _fake_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     smi = tmp_path / "nvidia-smi"
     smi.write_text(FAKE_NVIDIA_SMI)
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    log = PowerLog(index=3, interval_ms=50)
-    t0 = time.time()
-    assert log.start()
+    return tmp_path / "argv"
+
+
+def _sample_until(log: PowerLog, n: int) -> None:
     deadline = time.time() + 10
-    while len(log.samples) < 2 and time.time() < deadline:
+    while len(log.samples) < n and time.time() < deadline:
         time.sleep(0.02)
+
+
+def test_power_log_reads_nvidia_smi_in_the_background(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = _fake_nvidia_smi(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    log = PowerLog(index=1, interval_ms=50)
+    assert log.start()
+    _sample_until(log, 2)
     t0_stop = time.perf_counter()
     log.stop()
     assert time.perf_counter() - t0_stop < 5  # the sampler is terminated, not waited for
-    assert "-i 3" in (tmp_path / "argv").read_text()
-    assert "-lms 50" in (tmp_path / "argv").read_text()
-    assert [(s.watts, s.sm_mhz, s.reasons) for s in log.samples] == [
-        (650.5, 1620.0, SW_POWER_CAP), (450.0, 1980.0, 0)]  # the [N/A] line skipped
-    stats = log.window(t0, time.time() + 1)
+    args = argv.read_text()
+    assert "-i 5 " in args and "-lms 50" in args  # CUDA device 1 is the machine's GPU 5
+    assert "--query-gpu=timestamp,power.draw.instant,clocks.sm" in args
+    assert log.errors == "a warning"
+    assert [(s.t - STAMP, s.watts, s.sm_mhz, s.reasons) for s in log.samples] == [
+        (0.0, 650.5, 1620.0, SW_POWER_CAP), (pytest.approx(0.1), 450.0, 1980.0, 0)]
+    stats = log.window(STAMP, STAMP + 0.1)  # the [N/A] line skipped
     assert stats is not None
     assert (stats.samples, stats.mean_w, stats.max_w) == (2, 550.25, 650.5)
     assert (stats.sm_mhz_p50, stats.sm_mhz_min, stats.capped) == (1800.0, 1620.0, 0.5)
-    assert stats.energy_j == pytest.approx(550.25 * stats.seconds)
-    assert log.window(t0 - 10, t0 - 5) is None
+    assert stats.energy_j == pytest.approx(550.25 * 0.1)
+    assert log.window(STAMP + 0.01, STAMP + 0.09) is None
+
+
+def test_power_log_falls_back_to_the_averaged_power_and_needs_nvidia_smi(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _fake_nvidia_smi(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_INSTANT", "[N/A]")  # a driver without power.draw.instant
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with PowerLog(index=2) as log:
+        _sample_until(log, 2)
+    assert "-i 2 " in argv.read_text()
+    assert "--query-gpu=timestamp,power.draw,clocks.sm" in argv.read_text()
+    assert log.power_field == "power.draw" and len(log.samples) == 2
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    missing = PowerLog()
+    assert not missing.start()
+    missing.stop()
+    assert missing.window(0.0, time.time()) is None
+    # a sampler that printed nothing is reported on stderr
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'no GPU' >&2\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    quiet = PowerLog()
+    assert quiet.start()
+    quiet.stop()
+    assert "no samples from nvidia-smi (no GPU)" in capsys.readouterr().err
 
 
 def test_power_sample_parsing() -> None:
-    assert parse_sample("700.1, 1500, 3201, 0x000000000000000C", 5.0) == Sample(
-        5.0, 700.1, 1500.0, 3201.0, SW_POWER_CAP | HW_SLOWDOWN)
-    for bad in ["power.draw [W], clocks.sm [MHz]", "1, 2, 3", "[N/A], 1, 2, 0x0", ""]:
-        assert parse_sample(bad, 0.0) is None
+    assert parse_sample("2026/12/03 13:47:01.250, 700.1, 1500, 3201, 0x000000000000000C") \
+        == Sample(STAMP + 0.25, 700.1, 1500.0, 3201.0, SW_POWER_CAP | HW_SLOWDOWN)
+    for bad in ["timestamp, power.draw [W], clocks.sm [MHz]", "1, 2, 3, 4",
+                "2026/12/03 13:47:01.000, [N/A], 1, 2, 0x0", ""]:
+        assert parse_sample(bad) is None
 
 
 def test_power_table_per_engine_and_workload() -> None:
