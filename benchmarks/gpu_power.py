@@ -98,6 +98,7 @@ class PowerStats:
 
     @classmethod
     def of(cls, samples: list[Sample], seconds: float) -> PowerStats | None:
+        """Stats of ``samples`` over a window of ``seconds``; None when there are none."""
         if not samples:
             return None
         sm = [s.sm_mhz for s in samples]
@@ -155,6 +156,8 @@ class PowerLog:
                 self.samples.append(sample)
 
     def stop(self) -> None:
+        """End the sampler (its whole process group) and keep its stderr in
+        :attr:`errors`; says so on stderr when no sample came. Samples stay readable."""
         if self._proc is None:
             return
         with contextlib.suppress(ProcessLookupError):

@@ -75,19 +75,26 @@ PROJECTIONS = [
 ]
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after one run on a side stream outside the capture
+    (library handles, autotuning and Triton compiles happen there, as capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
     """Median µs of one replay of ``fn`` captured in a CUDA graph. Unlike
     ``benchmarks/attention.py``'s ``bench`` it does not flush L2 between replays: the
     GEMM sweep streams its weights through distinct copies, and it times a fixed
     number of replays of graphs that can take a third of a second."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside capture (library handles, autotuning, Triton compiles)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     times = []

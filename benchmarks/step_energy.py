@@ -45,10 +45,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_power import PowerLog
-from benchmarks.kernel_sweep import HEAD_DIM, HEADS, KV_HEADS, PROJECTIONS, _weights
+from benchmarks.gpu_power import PowerLog, PowerStats
+from benchmarks.kernel_sweep import (
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    PROJECTIONS,
+    _weights,
+    capture_graph,
+)
 from shard.attention.triton_kernels import DecodeConfig, decode_attention
-from tests.kernels.paged_cases import make_case
+from tests.kernels.paged_cases import PagedCase, make_case
 
 
 @dataclass
@@ -60,19 +67,6 @@ class Work:
     flops: float
     bytes: float
     blas: str = "cublas"  # the BLAS library the graph is captured with
-
-
-def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside capture (cuBLAS handles, Triton compiles)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def _replays_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
@@ -91,7 +85,8 @@ def measure(work: Work, seconds: float, log: PowerLog) -> str:
     board cools to its idle draw), power from the loop's last three quarters."""
     torch.backends.cuda.preferred_blas_library(work.blas)
     try:
-        graph = _capture(work.run)
+        graph = capture_graph(work.run)
+        torch.cuda.synchronize()
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
     time.sleep(2.0)
@@ -100,19 +95,23 @@ def measure(work: Work, seconds: float, log: PowerLog) -> str:
     t0 = time.time()
     sustained = _replays_ms(graph, reps)
     t1 = time.time()
-    stats = log.window(t0 + (t1 - t0) / 4, t1)
     del graph
-    if work.flops:
-        rate = f"{work.flops / sustained / 1e9:.0f} TFLOP/s"
-    else:
-        rate = f"{work.bytes / sustained / 1e9:.2f} TB/s"
+    return _row(work, f"{work.name} | {first:.3f}", sustained, log.window(t0 + (t1 - t0) / 4, t1))
+
+
+def _row(work: Work, name_and_start: str, ms: float, stats: PowerStats | None) -> str:
+    """The markdown row of ``work`` at ``ms`` per run with the power ``stats`` of its loop
+    (``name_and_start``: the name cell, then the start column's cell)."""
+    rate = (f"{work.flops / ms / 1e9:.0f} TFLOP/s" if work.flops
+            else f"{work.bytes / ms / 1e9:.2f} TB/s")
+    head = f"| {name_and_start} | {ms:.3f} | {rate} |"
     if stats is None:
-        return f"| {work.name} | {first:.3f} | {sustained:.3f} | {rate} | — | — | — | — | — |"
-    joules = stats.mean_w * sustained / 1e3
+        return head + " — |" * 5
+    joules = stats.mean_w * ms / 1e3
     per = (f"{joules / work.flops * 1e12:.2f} pJ/FLOP" if work.flops
            else f"{joules / work.bytes * 1e12:.1f} pJ/B")
-    return (f"| {work.name} | {first:.3f} | {sustained:.3f} | {rate} | {stats.mean_w:.0f} | "
-            f"{stats.sm_mhz_p50:.0f} | {stats.capped:.0%} | {joules:.3f} | {per} |")
+    return (f"{head} {stats.mean_w:.0f} | {stats.sm_mhz_p50:.0f} | {stats.capped:.0%} | "
+            f"{joules:.3f} | {per} |")
 
 
 def _projection_weights(layers: int) -> dict[str, list[torch.Tensor]]:
@@ -132,9 +131,8 @@ def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.
         if lm_head:
             F.linear(inputs["lm_head"], weights["lm_head"][0])
 
-    used = [(n, k, layers) for _, n, k in PROJECTIONS[:4]] + ([(PROJECTIONS[4][1],
-                                                               PROJECTIONS[4][2], 1)]
-                                                             if lm_head else [])
+    used = [(n, k, 1 if name == "lm_head" else layers) for name, n, k in PROJECTIONS
+            if lm_head or name != "lm_head"]
     flops = sum(2.0 * rows * n * k * copies for n, k, copies in used)
     moved = sum(2.0 * (n * k + rows * (n + k)) * copies for n, k, copies in used)
     return Work(name, run, flops, moved)
@@ -149,29 +147,47 @@ def _attention_variants(specs: list[str]) -> list[tuple[int, DecodeConfig]]:
     return out
 
 
-def attention_work(batch: int, ctx: int, layers: int, block_size: int,
-                   config: DecodeConfig) -> Work:
-    """Our decode kernel with ``config`` over ``block_size``-token KV blocks."""
-    case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
+def _kv_bytes(batch: int, ctx: int, layers: int) -> float:
+    """K and V bytes (bf16) a decode step reads over ``layers`` layers."""
+    return 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers
+
+
+def _case(batch: int, ctx: int, block_size: int) -> PagedCase:
+    return make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, block_size,
                      torch.bfloat16, "cuda", spare_blocks=0, consecutive=True)
+
+
+def decode_layer(batch: int, ctx: int, block_size: int,
+                 config: DecodeConfig | None = None) -> Callable[[], None]:
+    """One layer's decode attention (our kernel, ``config`` or the defaults) over
+    ``batch`` sequences of ``ctx`` tokens in ``block_size``-token KV blocks."""
+    case = _case(batch, ctx, block_size)
     meta, out = case.metadata, torch.empty_like(case.q)
+
+    def attend() -> None:
+        decode_attention(case.q, case.cache.key, case.cache.value, meta.block_tables,
+                         meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config)
+
+    return attend
+
+
+def attention_work(name: str, batch: int, ctx: int, layers: int, block_size: int,
+                   config: DecodeConfig | None = None) -> Work:
+    """``layers`` launches of our decode kernel (:func:`decode_layer`)."""
+    attend = decode_layer(batch, ctx, block_size, config)
 
     def run() -> None:
         for _ in range(layers):
-            decode_attention(case.q, case.cache.key, case.cache.value, meta.block_tables,
-                             meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config)
+            attend()
 
-    name = (f"attention{batch}, block {block_size}, tiles {config.block_n}/{config.num_warps}"
-            f"/{config.num_stages}")
-    return Work(name, run, 0.0, 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
+    return Work(name, run, 0.0, _kv_bytes(batch, ctx, layers))
 
 
 def flash_attention_work(batch: int, ctx: int, layers: int) -> Work:
     """flash-attn's paged decode over 256-token blocks (its paged API's multiple)."""
     from flash_attn import flash_attn_with_kvcache
 
-    case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, 256,
-                     torch.bfloat16, "cuda", spare_blocks=0, consecutive=True)
+    case = _case(batch, ctx, 256)
     meta, q = case.metadata, case.q.unsqueeze(1)
 
     def run() -> None:
@@ -181,7 +197,7 @@ def flash_attention_work(batch: int, ctx: int, layers: int) -> Work:
                                     softmax_scale=HEAD_DIM ** -0.5, causal=True)
 
     return Work(f"attention{batch}, flash-attn, block 256", run, 0.0,
-                2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2 * layers)
+                _kv_bytes(batch, ctx, layers))
 
 
 def sm_limited(work: Work, sms: list[int], seconds: float, log: PowerLog) -> list[str]:
@@ -213,16 +229,8 @@ def sm_limited(work: Work, sms: list[int], seconds: float, log: PowerLog) -> lis
             end.record(stream)
             end.synchronize()
             t1 = time.time()
-        ms = start.elapsed_time(end) / reps
-        stats = log.window(t0 + (t1 - t0) / 4, t1)
-        if stats is None:
-            rows.append(f"| {work.name} on {n} SMs (eager) | — | {ms:.3f} |" + " — |" * 6)
-            continue
-        joules = stats.mean_w * ms / 1e3
-        rows.append(f"| {work.name} on {n} SMs (eager) | — | {ms:.3f} | "
-                    f"{work.bytes / ms / 1e9:.2f} TB/s | {stats.mean_w:.0f} | "
-                    f"{stats.sm_mhz_p50:.0f} | {stats.capped:.0%} | {joules:.3f} | "
-                    f"{joules / work.bytes * 1e12:.1f} pJ/B |")
+        rows.append(_row(work, f"{work.name} on {n} SMs (eager) | —",
+                         start.elapsed_time(end) / reps, log.window(t0 + (t1 - t0) / 4, t1)))
     return rows
 
 
@@ -250,19 +258,11 @@ def main() -> None:
     batch, ctx, layers = args.batch, args.context, args.layers
     weights = _projection_weights(layers)
     gemms = _gemm_work(f"gemm{batch}", batch, layers, weights, lm_head=True)
-    case = make_case([ctx] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, 16,
-                     torch.bfloat16, "cuda", spare_blocks=0, consecutive=True)
-    meta = case.metadata
-    q, out = case.q, torch.empty_like(case.q)
-
-    def attend() -> None:
-        decode_attention(q, case.cache.key, case.cache.value, meta.block_tables,
-                         meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out)
-
-    kv_bytes = 2.0 * batch * ctx * KV_HEADS * HEAD_DIM * 2
-    attention = Work(f"attention{batch}", lambda: [attend() for _ in range(layers)], 0.0,
-                     kv_bytes * layers)
-    variants = [attention_work(batch, ctx, layers, block_size, config)
+    attend = decode_layer(batch, ctx, 16)
+    attention = attention_work(f"attention{batch}", batch, ctx, layers, 16)
+    variants = [attention_work(f"attention{batch}, block {block_size}, tiles {config.block_n}"
+                               f"/{config.num_warps}/{config.num_stages}", batch, ctx, layers,
+                               block_size, config)
                 for block_size, config in _attention_variants(args.attention_configs)]
     flash = flash_attention_work(batch, ctx, layers) if args.flash_attn else None
     xs = {p: torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)

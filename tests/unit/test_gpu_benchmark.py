@@ -169,7 +169,7 @@ esac
 echo "$@" > "$(dirname "$0")/argv"
 echo "2026/12/03 13:47:01.000, 650.5, 1620, 3201, 0x0000000000000004"
 echo "2026/12/03 13:47:01.050, [N/A], 1980, 3201, 0x0000000000000000"
-echo "2026/12/03 13:47:01.100, 450.0, 1980, 3201, 0x0000000000000000"
+echo "2026/12/03 13:47:01.100, 450.0, 1980, 3201, 0x0000000000000001"  # idle, not capped
 echo "a warning" >&2
 exec sleep 60
 """
@@ -206,7 +206,7 @@ def test_power_log_reads_nvidia_smi_in_the_background(
     assert "--query-gpu=timestamp,power.draw.instant,clocks.sm" in args
     assert log.errors == "a warning"
     assert [(s.t - STAMP, s.watts, s.sm_mhz, s.reasons) for s in log.samples] == [
-        (0.0, 650.5, 1620.0, SW_POWER_CAP), (pytest.approx(0.1), 450.0, 1980.0, 0)]
+        (0.0, 650.5, 1620.0, SW_POWER_CAP), (pytest.approx(0.1), 450.0, 1980.0, 1)]
     stats = log.window(STAMP, STAMP + 0.1)  # the [N/A] line skipped
     assert stats is not None
     assert (stats.samples, stats.mean_w, stats.max_w) == (2, 550.25, 650.5)
