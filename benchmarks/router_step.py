@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import gc
 import itertools
 import json
 import platform
@@ -181,10 +183,49 @@ class StepCost:
     """Per decode step of one run: the process's CPU seconds (CPU rather than wall time,
     so that other processes on the machine count less) and the step period the router
     sees (its mean time between two decode results, as in the server's
-    ``decode_step_wall_seconds``)."""
+    ``decode_step_wall_seconds``); over the run, the garbage collector's full
+    (generation 2) collections, the longest of them and all its pauses together,
+    seconds."""
 
     cpu_s: float
     period_s: float
+    full_collections: int = 0
+    longest_full_s: float = 0.0
+    collecting_s: float = 0.0
+
+
+class CollectorPauses:
+    """The cyclic garbage collector's pauses while in use (``gc.callbacks``): each
+    collection stops the event loop, and with it the next step's send."""
+
+    def __init__(self) -> None:
+        self.full = 0
+        self.longest_full_s = 0.0
+        self.total_s = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        self.total_s += pause
+        if info["generation"] == 2:
+            self.full += 1
+            self.longest_full_s = max(self.longest_full_s, pause)
+
+    def cost(self, cost: StepCost) -> StepCost:
+        """``cost`` with this run's collections."""
+        return dataclasses.replace(cost, full_collections=self.full,
+                                   longest_full_s=self.longest_full_s,
+                                   collecting_s=self.total_s)
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def step_cost(engine: Engine, cpu_s: float, new_tokens: int) -> StepCost:
@@ -214,11 +255,14 @@ async def _run_engine(engine: Engine, tokenizer: Tokenizer, requests: int, new_t
         )
         return sum([1 async for _ in engine.generate(request)])
 
-    started = time.process_time()
-    counts = await asyncio.gather(*(one() for _ in range(requests)))
-    cost = step_cost(engine, time.process_time() - started, new_tokens)
+    gc.collect()
+    gc.freeze()  # as the server does once started
+    with CollectorPauses() as pauses:
+        started = time.process_time()
+        counts = await asyncio.gather(*(one() for _ in range(requests)))
+        cost = step_cost(engine, time.process_time() - started, new_tokens)
     assert counts == [new_tokens] * requests, counts
-    return cost
+    return pauses.cost(cost)
 
 
 CLIENT = """
@@ -261,12 +305,17 @@ async def run_http(tokenizer: Tokenizer, requests: int, new_tokens: int, stream:
         serving = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)
-        started = time.process_time()
-        client = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1/completions",
-            str(requests), str(new_tokens), "1" if stream else "0", stdout=subprocess.PIPE)
-        out, _ = await client.communicate()
-        cost = step_cost(engine, time.process_time() - started, new_tokens)
+        gc.collect()
+        gc.freeze()  # as the server does once started
+        with CollectorPauses() as pauses:
+            started = time.process_time()
+            client = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1/completions",
+                str(requests), str(new_tokens), "1" if stream else "0",
+                stdout=subprocess.PIPE)
+            out, _ = await client.communicate()
+            cost = step_cost(engine, time.process_time() - started, new_tokens)
+        cost = pauses.cost(cost)
         server.should_exit = True
         await serving
     counts = json.loads(out)
@@ -299,8 +348,9 @@ def main() -> None:
     if args.device_ms:
         print(f"virtual device: {args.device_ms:g} ms per step")
     print("| mode | shards | requests | streaming | steps in flight | CPU ms per step | "
-          "CPU µs per token | step period, ms |")
-    print("|---|---|---:|---|---:|---:|---:|---:|")
+          "CPU µs per token | step period, ms | full collections | longest full, ms | "
+          "collecting, ms per run |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     runners = {"engine": run_engine, "http": run_http}
     for mode in args.modes:
         for requests in args.requests:
@@ -315,9 +365,13 @@ def main() -> None:
                             for _ in range(args.repeats)]
                     cpu_s = min(run.cpu_s for run in runs)
                     period_s = min(run.period_s for run in runs)
+                    full = max(run.full_collections for run in runs)
+                    longest = max(run.longest_full_s for run in runs)
+                    collecting = min(run.collecting_s for run in runs)
                     print(f"| {mode} | {shards} | {requests} | {streaming} | {in_flight} | "
                           f"{cpu_s * 1e3:.2f} | {cpu_s / requests * 1e6:.1f} | "
-                          f"{period_s * 1e3:.2f} |", flush=True)
+                          f"{period_s * 1e3:.2f} | {full} | {longest * 1e3:.1f} | "
+                          f"{collecting * 1e3:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

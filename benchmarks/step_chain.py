@@ -98,6 +98,31 @@ def hop_table(
     return rows
 
 
+def idle_table(shard: dict[str, list[tuple[int, int, int]]]) -> list[str]:
+    """The device's idle time before each step of the run, by the kind of step that
+    followed it (``device_gap`` rows, µs; a step is a prefill when the shard marked it
+    ``prefill``), as markdown lines: steps, total seconds, share of the traced span (the
+    shard's first mark to its last), p50/p99/max ms."""
+    prefills = {step for step, _, _ in shard.get("prefill", [])}
+    gaps: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for step, _, us in shard.get("device_gap", []):
+        gaps["prefill" if step in prefills else "decode"].append(us / 1e3)
+    gaps["all"] = gaps["prefill"] + gaps["decode"]
+    stamps = [ns for rows in shard.values() for _, ns, _ in rows]
+    span_ms = (max(stamps) - min(stamps)) / 1e6 if stamps else float("nan")
+    lines = [f"device idle before each step (CUDA events), traced span {span_ms / 1e3:.2f} s:",
+             "", "| next step | steps | idle s | share of span | p50 ms | p99 ms | max ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for kind, values in gaps.items():
+        if not values:
+            continue
+        total = sum(values)
+        lines.append(f"| {kind} | {len(values)} | {total / 1e3:.3f} | {total / span_ms:.2%} | "
+                     f"{percentile(values, 50):.3f} | {percentile(values, 99):.3f} | "
+                     f"{max(values):.3f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", type=Path)
@@ -110,6 +135,7 @@ def main() -> None:
                         help="the router's --steps-in-flight in the traced run")
     args = parser.parse_args()
     router, shard = read_trace(args.trace_dir)
+    print("\n".join(idle_table(shard)) + "\n")
     sizes = {step: size for step, _, size in router["send"]}
     if not sizes:
         raise SystemExit(f"no decode step in the trace of {args.trace_dir}")

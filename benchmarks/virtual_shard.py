@@ -37,6 +37,7 @@ IDS = tuple(range(1000, 1050))
 class _VirtualPending(PendingDecode):
     ends_at: float = 0.0  # perf_counter() when the virtual device finishes the step
     tokens: tuple[Generation, ...] = ()
+    idle_s: float = 0.0  # how long the virtual device sat idle before the step
 
 
 class VirtualRunner:
@@ -55,11 +56,14 @@ class VirtualRunner:
         self._busy_until = 0.0
         self._clock = threading.Lock()
 
-    def _occupy(self, seconds: float) -> float:
-        """Queue ``seconds`` of device work; returns when it ends (perf_counter)."""
+    def _occupy(self, seconds: float) -> tuple[float, float]:
+        """Queue ``seconds`` of device work; returns when it ends (perf_counter) and how
+        long the device sat idle before it (seconds; 0 for the first step)."""
         with self._clock:
-            self._busy_until = max(time.perf_counter(), self._busy_until) + seconds
-            return self._busy_until
+            now = time.perf_counter()
+            idle = max(0.0, now - self._busy_until) if self._busy_until else 0.0
+            self._busy_until = max(now, self._busy_until) + seconds
+            return self._busy_until, idle
 
     def _next(self, request_id: int) -> Generation:
         count = self._generated.get(request_id, 0)
@@ -76,11 +80,12 @@ class VirtualRunner:
                max_batch_size: int) -> int:
         return self.num_blocks
 
-    def prefill(self, batch: PrefillBatch) -> StepOutput:
+    def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
         tokens = sum(len(r.input_ids) - r.cache_len for r in batch.requests)
         started = time.perf_counter()
-        ends_at = self._occupy(self.step_s + tokens * self.prefill_token_s)
+        ends_at, idle_s = self._occupy(self.step_s + tokens * self.prefill_token_s)
         time.sleep(max(0.0, ends_at - time.perf_counter()))
+        step_trace.mark("device_gap", trace_step, int(idle_s * 1e6))
         final = [r.request_id for r in batch.requests if not r.partial]
         if final:
             self._batches[batch.batch_id] = final
@@ -98,7 +103,7 @@ class VirtualRunner:
             return StepOutput((), CachedBatchInfo(batch_ids[0], ()), 0)
         self._batches[batch_ids[0]] = ids
         pending = _VirtualPending(batch_ids[0], [], None, None)  # type: ignore[arg-type]
-        pending.ends_at = self._occupy(self.step_s)
+        pending.ends_at, pending.idle_s = self._occupy(self.step_s)
         pending.tokens = tuple(self._next(rid) for rid in ids)
         return pending
 
@@ -106,6 +111,7 @@ class VirtualRunner:
         assert isinstance(pending, _VirtualPending)
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
         step_trace.mark("ready", pending.trace_step)
+        step_trace.mark("device_gap", pending.trace_step, int(pending.idle_s * 1e6))
         ids = tuple(g.request_id for g in pending.tokens)
         return StepOutput(pending.tokens, CachedBatchInfo(pending.batch_id, ids),
                           int(self.step_s * 1e9))

@@ -176,8 +176,9 @@ class Sequence:
     pending_tokens: int = 0
     # Bumped on preemption: results of calls sent before it no longer apply.
     epoch: int = 0
-    # Token events held back until the end (requests with stream=False).
-    held_events: list[Event] = field(default_factory=list)
+    # Token events held back until the end (requests with stream=False); one without
+    # alternatives or finish is held as (id, logprob, text, special), see OutputProcessor.
+    held_events: list[Event | tuple[int, float, str, bool]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None
     first_token_time: float | None = None

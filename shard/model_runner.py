@@ -118,6 +118,9 @@ class ModelRunner:
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
         self.graphs: DecodeGraphs | None = None
         self._last_pending: PendingDecode | None = None  # the last launched decode step
+        # the device timer of the last launched step of any kind (the idle time between
+        # steps, when shard.step_trace is on)
+        self._last_timer: StepTimer | None = None
         self.grammars = GrammarCompiler(config.model_path, mc.vocab_size)
 
     @property
@@ -189,6 +192,7 @@ class ModelRunner:
         """
         self.batches.clear()
         self._last_pending = None
+        self._last_timer = None
         self.unbind_kv_cache()  # a failed warmup leaves the shard without a cache
         buckets = self.graph_buckets(max_batch_size)
         if max_batch_prefill_tokens <= 0 or max_total_tokens <= 0:
@@ -318,9 +322,10 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch) -> StepOutput:
+    def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
         """Compute ``input_ids[cache_len:]`` of every request, sample the first token of
-        each non-partial one and keep those under ``batch.batch_id``.
+        each non-partial one and keep those under ``batch.batch_id``. ``trace_step``: the
+        router's step number, for :mod:`shard.step_trace`.
 
         Raises:
             ValueError: invalid request (see :mod:`shard.step_checks`) or batch id already held.
@@ -334,7 +339,11 @@ class ModelRunner:
             raise ValueError(f"batch id {batch.batch_id} is already cached")
         t0 = time.perf_counter_ns()
         chunks = [_prefill_chunk(r) for r in batch.requests]
-        inputs, hidden = self.run_chunks(chunks, is_prefill=True)
+        inputs = build_inputs(chunks, self.block_size, True, self.device)
+        # started after the host built the inputs: the device's wait for them counts as
+        # idle time before the step
+        timer = StepTimer(self.device)
+        hidden = self.forward(inputs)
         generations: list[Generation] = []
         states: list[RequestState] = []
         if final:
@@ -343,6 +352,7 @@ class ModelRunner:
             matchers = [self._prefill_matcher(r) for r in final]
             mask = self._token_mask(matchers, logits.device)
             out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)
+            timer.stop()
             prompt_lps = [
                 self._prompt_logprobs(r, c, i, inputs, hidden)
                 for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)
@@ -354,7 +364,13 @@ class ModelRunner:
                 _new_state(r, g.token_id, m)
                 for r, g, m in zip(final, generations, matchers, strict=True)
             ]
+        else:
+            timer.stop()
         forward_ns = time.perf_counter_ns() - t0
+        if step_trace.enabled:
+            timer.synchronize()  # a prefill of partial chunks only reads nothing back
+            timer.trace_gap_after(self._last_timer, trace_step)
+        self._last_timer = timer
         if states:
             device_rows = DecodeRows.build(
                 [s.last_token for s in states],
@@ -503,8 +519,10 @@ class ModelRunner:
             host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
             timer=timer,
             previous=self._last_pending,
+            previous_timer=self._last_timer,
         )
         self._last_pending = pending
+        self._last_timer = timer
         return pending
 
     @torch.inference_mode()
@@ -516,13 +534,11 @@ class ModelRunner:
         try:
             if pending.previous is not None and not pending.previous.finished.wait(120.0):
                 raise RuntimeError("the previous decode step was not finished within 120 s")
-            previous, pending.previous = pending.previous, None  # let the chain be freed
+            pending.previous = None  # let the chain be freed
             tokens, logprobs, top_ids, top_lps = pending.host.wait()
             step_trace.mark("ready", pending.trace_step)
-            if step_trace.enabled and previous is not None:
-                gap = pending.timer.gap_ns_after(previous.timer)
-                if gap is not None:
-                    step_trace.mark("device_gap", pending.trace_step, gap // 1000)
+            pending.timer.trace_gap_after(pending.previous_timer, pending.trace_step)
+            pending.previous_timer = None
             assert tokens is not None and logprobs is not None
             out = SamplerOutput(tokens, logprobs, top_ids, top_lps)
             requests = pending.requests
@@ -574,6 +590,7 @@ class ModelRunner:
         self.batches.clear(batch_id)
         if batch_id is None:
             self._last_pending = None
+            self._last_timer = None
 
 
 def _prefill_chunk(r: RequestInput) -> SeqChunk:

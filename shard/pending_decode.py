@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shard import step_trace
 from shard.batch import RequestState
 from shard.host_copy import HostCopy
 
@@ -30,6 +31,8 @@ class PendingDecode:
             a request are recorded in order).
         finished: set once :meth:`ModelRunner.finish_decode` has recorded the tokens.
         trace_step: the router's step number, for :mod:`shard.step_trace` (-1: none).
+        previous_timer: the device timer of the step launched before it, of any kind
+            (a prefill included), for the device's idle time between the two.
     """
 
     batch_id: int
@@ -39,6 +42,7 @@ class PendingDecode:
     previous: PendingDecode | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     trace_step: int = -1
+    previous_timer: StepTimer | None = None
 
 
 class StepTimer:
@@ -61,6 +65,11 @@ class StepTimer:
             self._events[1].record()
         self._end_ns = time.perf_counter_ns()
 
+    def synchronize(self) -> None:
+        """Wait until the device has run the step (a no-op off CUDA)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+
     def gap_ns_after(self, previous: StepTimer) -> int | None:
         """Device time between the end of ``previous`` (an earlier step's timer) and the
         start of this one, nanoseconds: how long the device sat idle, or ran work
@@ -69,6 +78,15 @@ class StepTimer:
         if self._events is None or previous._events is None:
             return None
         return int(previous._events[1].elapsed_time(self._events[0]) * 1e6)
+
+    def trace_gap_after(self, previous: StepTimer | None, step: int) -> None:
+        """Record ``device_gap`` for ``step`` in :mod:`shard.step_trace` (µs since
+        ``previous`` ended on the device), when tracing is on and the gap is known."""
+        if not step_trace.enabled or previous is None:
+            return
+        gap = self.gap_ns_after(previous)
+        if gap is not None:
+            step_trace.mark("device_gap", step, gap // 1000)
 
     def elapsed_ns(self) -> int:
         """Nanoseconds; on CUDA call once the step's results are read."""

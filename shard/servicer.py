@@ -150,8 +150,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         out = await self._run(
             context,
             "Prefill",
-            lambda: self.runner.prefill(pb_convert.prefill_batch_from_pb(request.batch)),
+            lambda: self.runner.prefill(
+                pb_convert.prefill_batch_from_pb(request.batch), request.step
+            ),
         )
+        step_trace.mark("prefill", request.step, out.forward_ns // 1000)
         return pb.PrefillResponse(
             generations=pb_convert.step_generations_to_pb(out),
             batch=pb_convert.cached_batch_to_pb(out.batch),

@@ -15,9 +15,11 @@ shard echoes in its response; -1 for a step launched outside the servicer, as
   (its tokens are applied and the next step can be scheduled);
 - shard: ``arrive`` (the Decode reaches the servicer), ``launched`` (its kernels are
   queued), ``ready`` (its sampled ids reached the host: the device finished it),
-  ``answer`` (its response is built), ``device_gap`` (carries the device time in µs
-  between the end of the previous decode step's kernels and the start of this one's,
-  by CUDA events: idle, or a prefill).
+  ``answer`` (its response is built), ``prefill`` (a Prefill's response is built;
+  carries its forward's host time in µs), ``device_gap`` (a Prefill or Decode: carries
+  the device time in µs between the end of the previous step's kernels, of any kind,
+  and the start of this one's, by CUDA events: the device's idle time; a prefill's
+  starts once the host has built its inputs).
 """
 
 from __future__ import annotations

@@ -100,6 +100,16 @@ def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: 
     for k, total in enumerate(chain):
         assert sum(values[k] for values in hops) == pytest.approx(total, abs=1e-6)
         assert all(values[k] >= 0 for values in hops)
+    # every step after the first carries the device's idle time before it, a prefill too
+    prefills = {step for step, _, _ in shard["prefill"]}
+    assert prefills and not prefills & steps
+    gapped = {step for step, _, _ in shard["device_gap"]}
+    assert gapped == prefills | steps  # the virtual device knows its idle time before its first
+    table = step_chain.idle_table(shard)
+    counts = {line.split(" | ")[0][2:]: int(line.split(" | ")[1]) for line in table[4:]}
+    decode_gaps = len(gapped - prefills)
+    assert counts["decode"] == decode_gaps and counts["all"] == len(gapped)
+    assert counts.get("prefill", 0) == len(gapped & prefills)
 
 
 def test_the_locality_schedule_tells_the_allocators_apart() -> None:

@@ -4,6 +4,7 @@ so the stream handlers' work overlaps the shards' compute instead of delaying it
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import replace
 from typing import Any
 
@@ -14,9 +15,12 @@ from router.request import (
     EventStream,
     GenerationRequest,
     SamplingParams,
+    Sequence,
     StoppingParams,
     TokenEvent,
+    TopToken,
 )
+from router.shard_steps import TokenExtras
 from router.tokenizer import Tokenizer
 from tests.unit.api.scripted import ScriptedShardClient
 
@@ -164,3 +168,60 @@ async def test_the_decode_period_leaves_out_periods_with_a_prefill(tokenizer: To
         before = [n for n in log[:index] if n != "decode_step_wall"]
         after_prefill = not before or before[-1] == "prefill_step"
         assert (log[index - 1] == "decode_step_wall") != after_prefill, (index, log)
+
+
+async def _events(engine: Engine, request: GenerationRequest) -> list[TokenEvent]:
+    events = []
+    async with asyncio.timeout(30.0):
+        async for event in engine.generate(request):
+            assert isinstance(event, TokenEvent), event
+            events.append(event)
+    return events
+
+
+async def test_a_whole_answer_carries_the_events_a_stream_does(tokenizer: Tokenizer) -> None:
+    # held until the end in a compact form, then handed over as the same events: ids,
+    # logprobs, texts, special flags, alternatives, prompt logprobs and the finish
+    said = [*tokenizer.encode(" one two three", add_special_tokens=False),
+            *tokenizer.eos_token_ids]
+    shard = ScriptedShardClient(lambda _prompt: said)
+    engine = _started_engine(shard, tokenizer)
+    try:
+        for extras in ({}, {"top_n_tokens": 2, "prompt_logprobs": True}):
+            stopping = StoppingParams(max_new_tokens=len(said) + 3, ignore_eos=True)
+            request = GenerationRequest((5, 6, 7), SamplingParams(), stopping, **extras)
+            streamed = await _events(engine, request)
+            whole = await _events(engine, replace(request, stream=False))
+            assert whole == streamed
+            assert len(whole) == len(said) + 3 and whole[-1].finish is not None
+            assert any(e.special for e in whole) and not all(e.special for e in whole)
+            assert bool(whole[0].top_tokens) == bool(extras)
+    finally:
+        await engine.stop()
+
+
+async def test_held_events_are_not_scanned_by_the_garbage_collector(
+    tokenizer: Tokenizer,
+) -> None:
+    # a whole answer's events wait in its sequence until the end: a plain event must not
+    # stay an object the collector tracks (every full collection would scan all of them,
+    # a pause of the engine loop), an event with alternatives keeps its form
+    shard = ScriptedShardClient(lambda _prompt: [100, 101, 102])
+    engine = _started_engine(shard, tokenizer)
+    await engine.stop()
+    output = engine.output  # driven by hand
+    stopping = StoppingParams(max_new_tokens=10, ignore_eos=True)
+    plain = Sequence(1, GenerationRequest((5, 6), SamplingParams(), stopping, stream=False))
+    rich = Sequence(2, GenerationRequest((5, 6), SamplingParams(), stopping, stream=False,
+                                         top_n_tokens=1))
+    for seq in (plain, rich):
+        output.add(seq)
+        for token in (100, 101):
+            seq.output_ids.append(token)
+            extras = TokenExtras((TopToken(token, -0.5),), ()) if seq is rich else None
+            assert output.on_token(seq, token, -0.5, extras) is None
+    output.deliver()
+    gc.collect()
+    assert [gc.is_tracked(e) for e in plain.held_events] == [False, False]
+    assert all(isinstance(e, TokenEvent) for e in rich.held_events)
+    assert plain.events.empty() and rich.events.empty()  # nothing before the finish
