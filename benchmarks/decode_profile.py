@@ -41,7 +41,7 @@ from shard.config import ShardConfig
 from shard.layers import fused
 from shard.layers.linear import SKINNY
 from shard.model_runner import ModelRunner
-from shard.pending_decode import PendingDecode
+from shard.pending_step import PendingStep
 from shard.records import PrefillBatch, RequestInput
 from shard.sampling_types import SamplingParams
 
@@ -125,7 +125,7 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
             again = replay_ms(runner, batch, reps=pipelined)
             t2 = time.time()
         deciles = statistics.quantiles(timers, n=10)
-        extra.append(f"| pipelined launch_decode/finish_decode | {mean:.3f} | "
+        extra.append(f"| pipelined launch_decode/finish_step | {mean:.3f} | "
                      f"{deciles[4]:.3f} / {deciles[8]:.3f} | {_power_cells(log.window(t0, t1))} |")
         extra.append(f"| graph replay alone (final contexts) | {again:.3f} | — | "
                      f"{_power_cells(log.window(t1, t2))} |")
@@ -153,11 +153,11 @@ def pipelined_steps(runner: ModelRunner, batch_id: int, steps: int) -> tuple[flo
     timers = []
     for _ in range(steps - 1):
         following = runner.launch_decode([batch_id])
-        assert isinstance(pending, PendingDecode)
-        timers.append(runner.finish_decode(pending).forward_ns / 1e6)
+        assert isinstance(pending, PendingStep)
+        timers.append(runner.finish_step(pending).forward_ns / 1e6)
         pending = following
-    assert isinstance(pending, PendingDecode)
-    timers.append(runner.finish_decode(pending).forward_ns / 1e6)
+    assert isinstance(pending, PendingStep)
+    timers.append(runner.finish_step(pending).forward_ns / 1e6)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / steps, timers

@@ -1,5 +1,5 @@
 """The shard's host work per decode step: :meth:`ModelRunner.launch_decode` then
-:meth:`ModelRunner.finish_decode`, with the forward replaced by a fixed logits tensor,
+:meth:`ModelRunner.finish_step`, with the forward replaced by a fixed logits tensor,
 so that what is timed is the Python around the forward (batch checks, sampling choice,
 block appends, token bookkeeping, the results), not the model.
 
@@ -47,7 +47,7 @@ def host_step_s(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(steps):
-                runner.finish_decode(runner.launch_decode(ids[:1]))
+                runner.finish_step(runner.launch_decode(ids[:1]))
             best = min(best, (time.perf_counter() - started) / steps)
     finally:
         del runner._decode_logits

@@ -6,7 +6,7 @@ a known device step without a GPU (``benchmarks/router_step.py --shards grpc``).
 The runner keeps the shard's protocol (cached batches, concatenation, removals, step
 order, launch while the previous step computes) and emits each request's ids from a
 fixed cycle. Its device runs steps one after another, each from the later of its
-launch and the previous step's end; ``finish_decode`` sleeps until the step's end.
+launch and the previous step's end; ``finish_step`` sleeps until the step's end.
 
     python -m benchmarks.virtual_shard --port 50071 --step-ms 10
 """
@@ -26,7 +26,7 @@ import grpc
 from shard import step_trace
 from shard.config import ShardConfig
 from shard.pb import shard_pb2_grpc
-from shard.pending_decode import PendingDecode
+from shard.pending_step import PendingStep
 from shard.records import CachedBatchInfo, Generation, PrefillBatch, ShardInfo, StepOutput
 from shard.servicer import ShardServicer
 
@@ -34,10 +34,11 @@ IDS = tuple(range(1000, 1050))
 
 
 @dataclass
-class _VirtualPending(PendingDecode):
+class _VirtualPending(PendingStep):
     ends_at: float = 0.0  # perf_counter() when the virtual device finishes the step
     tokens: tuple[Generation, ...] = ()
     idle_s: float = 0.0  # how long the virtual device sat idle before the step
+    seconds: float = 0.0  # the step's device time
 
 
 class VirtualRunner:
@@ -81,40 +82,48 @@ class VirtualRunner:
         return self.num_blocks
 
     def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
+        launched = self.launch_prefill(batch, trace_step)
+        return launched if isinstance(launched, StepOutput) else self.finish_step(launched)
+
+    def launch_prefill(self, batch: PrefillBatch,
+                       trace_step: int = -1) -> PendingStep | StepOutput:
         tokens = sum(len(r.input_ids) - r.cache_len for r in batch.requests)
-        started = time.perf_counter()
-        ends_at, idle_s = self._occupy(self.step_s + tokens * self.prefill_token_s)
-        time.sleep(max(0.0, ends_at - time.perf_counter()))
-        step_trace.mark("device_gap", trace_step, int(idle_s * 1e6))
+        seconds = self.step_s + tokens * self.prefill_token_s
         final = [r.request_id for r in batch.requests if not r.partial]
-        if final:
-            self._batches[batch.batch_id] = final
-        return StepOutput(tuple(self._next(rid) for rid in final),
-                          CachedBatchInfo(batch.batch_id, tuple(final)),
-                          int((time.perf_counter() - started) * 1e9))
+        if not final:
+            ends_at, idle_s = self._occupy(seconds)
+            step_trace.mark("device_gap", trace_step, int(idle_s * 1e6))
+            return StepOutput((), CachedBatchInfo(batch.batch_id, ()), int(seconds * 1e9))
+        self._batches[batch.batch_id] = final
+        return self._pending(batch.batch_id, final, seconds)
 
     def launch_decode(self, batch_ids: Sequence[int],
                       block_appends: Sequence[tuple[int, Sequence[int]]] = (),
-                      remove_request_ids: Sequence[int] = ()) -> PendingDecode | StepOutput:
+                      remove_request_ids: Sequence[int] = ()) -> PendingStep | StepOutput:
         removed = set(remove_request_ids)
         ids = [rid for bid in batch_ids for rid in self._batches.pop(bid)
                if rid not in removed]
         if not ids:
             return StepOutput((), CachedBatchInfo(batch_ids[0], ()), 0)
         self._batches[batch_ids[0]] = ids
-        pending = _VirtualPending(batch_ids[0], [], None, None)  # type: ignore[arg-type]
-        pending.ends_at, pending.idle_s = self._occupy(self.step_s)
+        return self._pending(batch_ids[0], ids, self.step_s)
+
+    def _pending(self, batch_id: int, ids: list[int], seconds: float) -> _VirtualPending:
+        """A step of ``seconds`` queued on the virtual device, its tokens chosen now."""
+        pending = _VirtualPending(batch_id, [], None, None)  # type: ignore[arg-type]
+        pending.ends_at, pending.idle_s = self._occupy(seconds)
+        pending.seconds = seconds
         pending.tokens = tuple(self._next(rid) for rid in ids)
         return pending
 
-    def finish_decode(self, pending: PendingDecode) -> StepOutput:
+    def finish_step(self, pending: PendingStep) -> StepOutput:
         assert isinstance(pending, _VirtualPending)
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
         step_trace.mark("ready", pending.trace_step)
         step_trace.mark("device_gap", pending.trace_step, int(pending.idle_s * 1e6))
         ids = tuple(g.request_id for g in pending.tokens)
         return StepOutput(pending.tokens, CachedBatchInfo(pending.batch_id, ids),
-                          int(self.step_s * 1e9))
+                          int(pending.seconds * 1e9))
 
     def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
         keep = set(request_ids)

@@ -41,22 +41,24 @@ class DecodeRows:
     @classmethod
     def build(
         cls,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | torch.Tensor,
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         device: torch.device,
     ) -> DecodeRows:
-        """Rows from host values (new requests, after their prefill).
+        """Rows of new requests, after their prefill.
 
         Args:
-            tokens: each request's last sampled token.
+            tokens: each request's last sampled token: host ids, or an int64 tensor on
+                ``device`` (a prefill's sampled ids, taken over without a copy).
             seq_lens: tokens in the cache per request.
             block_tables: each request's block ids.
         """
         width = max(1, *(len(t) for t in block_tables))
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
         return cls(
-            tokens=to_device(tokens, torch.int64, device),
+            tokens=(tokens if isinstance(tokens, torch.Tensor)
+                    else to_device(tokens, torch.int64, device)),
             seq_lens=to_device(seq_lens, torch.int32, device),
             block_tables=to_device(padded, torch.int32, device),
         )

@@ -33,7 +33,7 @@ from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
-from shard.pending_decode import PendingDecode, StepTimer
+from shard.pending_step import PendingStep, StepTimer
 from shard.progress import PhaseProgress
 from shard.records import (
     CachedBatchInfo,
@@ -117,7 +117,7 @@ class ModelRunner:
         self.kv_cache: list[KVCacheLayer] = []
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
         self.graphs: DecodeGraphs | None = None
-        self._last_pending: PendingDecode | None = None  # the last launched decode step
+        self._last_pending: PendingStep | None = None  # the last launched step that samples
         # the device timer of the last launched step of any kind (the idle time between
         # steps, when shard.step_trace is on)
         self._last_timer: StepTimer | None = None
@@ -321,11 +321,27 @@ class ModelRunner:
         self.backend.prepare(inputs.metadata)
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
-    @torch.inference_mode()
     def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
+        """One prefill step: :meth:`launch_prefill`, then :meth:`finish_step`."""
+        launched = self.launch_prefill(batch, trace_step)
+        if isinstance(launched, StepOutput):
+            return launched
+        return self.finish_step(launched)
+
+    @torch.inference_mode()
+    def launch_prefill(self, batch: PrefillBatch, trace_step: int = -1) -> PendingStep | StepOutput:
         """Compute ``input_ids[cache_len:]`` of every request, sample the first token of
-        each non-partial one and keep those under ``batch.batch_id``. ``trace_step``: the
-        router's step number, for :mod:`shard.step_trace`.
+        each non-partial one and keep those under ``batch.batch_id``; the tokens are read
+        by :meth:`finish_step`. ``trace_step``: the router's step number, for
+        :mod:`shard.step_trace`.
+
+        Launching does not wait for the device (unless a request asked for prompt
+        logprobs): the new batch's first tokens stay on the device, where a decode step
+        launched next reads them, so the next step is launched while this one computes.
+
+        Returns:
+            the pending step, or an empty :class:`StepOutput` when every request is a
+            partial chunk (nothing is sampled or kept).
 
         Raises:
             ValueError: invalid request (see :mod:`shard.step_checks`) or batch id already held.
@@ -344,43 +360,43 @@ class ModelRunner:
         # idle time before the step
         timer = StepTimer(self.device)
         hidden = self.forward(inputs)
-        generations: list[Generation] = []
-        states: list[RequestState] = []
-        if final:
-            rows = [i for i, r in enumerate(batch.requests) if not r.partial]
-            logits = self.model.compute_logits(hidden[inputs.last_token_indices[rows]])
-            matchers = [self._prefill_matcher(r) for r in final]
-            mask = self._token_mask(matchers, logits.device)
-            out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)
+        previous_timer, self._last_timer = self._last_timer, timer
+        if not final:
             timer.stop()
-            prompt_lps = [
-                self._prompt_logprobs(r, c, i, inputs, hidden)
-                for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)
-            ]
-            generations = _generations(
-                [r.request_id for r in final], [r.top_n_tokens for r in final], out, prompt_lps
-            )
-            states = [
-                _new_state(r, g.token_id, m)
-                for r, g, m in zip(final, generations, matchers, strict=True)
-            ]
-        else:
-            timer.stop()
-        forward_ns = time.perf_counter_ns() - t0
-        if step_trace.enabled:
-            timer.synchronize()  # a prefill of partial chunks only reads nothing back
-            timer.trace_gap_after(self._last_timer, trace_step)
-        self._last_timer = timer
-        if states:
-            device_rows = DecodeRows.build(
-                [s.last_token for s in states],
-                [s.seq_len for s in states],
-                [s.block_table for s in states],
-                self.device,
-            )
-            self.batches.add(CachedBatch(batch.batch_id, states, device_rows))
-        info = CachedBatchInfo(batch.batch_id, tuple(s.request_id for s in states))
-        return StepOutput(tuple(generations), info, forward_ns)
+            if step_trace.enabled:
+                timer.synchronize()  # nothing is read back from a partial-only prefill
+                timer.trace_gap_after(previous_timer, trace_step)
+            return StepOutput((), CachedBatchInfo(batch.batch_id, ()),
+                              time.perf_counter_ns() - t0)
+        rows = [i for i, r in enumerate(batch.requests) if not r.partial]
+        logits = self.model.compute_logits(hidden[inputs.last_token_indices[rows]])
+        matchers = [self._prefill_matcher(r) for r in final]
+        mask = self._token_mask(matchers, logits.device)
+        out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)
+        timer.stop()
+        prompt_lps = tuple(
+            self._prompt_logprobs(r, c, i, inputs, hidden)
+            for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)
+        )
+        states = [_launched_state(r, m) for r, m in zip(final, matchers, strict=True)]
+        self.batches.add(CachedBatch(batch.batch_id, states, DecodeRows.build(
+            out.token_ids.clone(),  # the next input of each row, read on the device
+            [s.seq_len for s in states],
+            [s.block_table for s in states],
+            self.device,
+        )))
+        pending = PendingStep(
+            batch_id=batch.batch_id,
+            requests=states,
+            host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
+            timer=timer,
+            previous=self._last_pending,
+            trace_step=trace_step,
+            previous_timer=previous_timer,
+            prompt_logprobs=prompt_lps,
+        )
+        self._last_pending = pending
+        return pending
 
     def _prefill_matcher(self, r: RequestInput) -> GrammarMatcher | None:
         """The grammar state of a constrained request: fresh, or after a recompute
@@ -427,11 +443,11 @@ class ModelRunner:
         block_appends: Sequence[tuple[int, Sequence[int]]] = (),
         remove_request_ids: Sequence[int] = (),
     ) -> StepOutput:
-        """One decode step: :meth:`launch_decode`, then :meth:`finish_decode`."""
+        """One decode step: :meth:`launch_decode`, then :meth:`finish_step`."""
         pending = self.launch_decode(batch_ids, block_appends, remove_request_ids)
         if isinstance(pending, StepOutput):
             return pending
-        return self.finish_decode(pending)
+        return self.finish_step(pending)
 
     @torch.inference_mode()
     def launch_decode(
@@ -439,15 +455,15 @@ class ModelRunner:
         batch_ids: Sequence[int],
         block_appends: Sequence[tuple[int, Sequence[int]]] = (),
         remove_request_ids: Sequence[int] = (),
-    ) -> PendingDecode | StepOutput:
+    ) -> PendingStep | StepOutput:
         """Start one decode step over the concatenation of ``batch_ids`` (kept under the
         first id), after dropping ``remove_request_ids`` from it and appending new blocks
-        to the named requests; its results are read by :meth:`finish_decode`.
+        to the named requests; its results are read by :meth:`finish_step`.
 
         Launching does not wait for the device: the step's inputs come from device state
         (the previous step's sampled tokens included), so the next step can be launched
         while this one computes. Only a batch with penalties, which need the host's
-        token history, first waits for the previous step's :meth:`finish_decode`.
+        token history, first waits for the previous step's :meth:`finish_step`.
 
         Returns:
             the pending step, or an empty :class:`StepOutput` when the removals left no
@@ -513,7 +529,7 @@ class ModelRunner:
         for r in requests:
             r.advance()
         timer.stop()
-        pending = PendingDecode(
+        pending = PendingStep(
             batch_id=batch.batch_id,
             requests=requests,
             host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
@@ -526,14 +542,17 @@ class ModelRunner:
         return pending
 
     @torch.inference_mode()
-    def finish_decode(self, pending: PendingDecode) -> StepOutput:
-        """Wait for a launched step's results and record its tokens on the host.
+    def finish_step(self, pending: PendingStep) -> StepOutput:
+        """Wait for a launched prefill or decode step's results and record its tokens on
+        the host. Steps are finished in the order they were launched: each first waits
+        for the one before it.
 
-        Steps must be finished in the order they were launched.
+        Raises:
+            RuntimeError: the step launched before it was not finished within 120 s.
         """
         try:
             if pending.previous is not None and not pending.previous.finished.wait(120.0):
-                raise RuntimeError("the previous decode step was not finished within 120 s")
+                raise RuntimeError("the previous step was not finished within 120 s")
             pending.previous = None  # let the chain be freed
             tokens, logprobs, top_ids, top_lps = pending.host.wait()
             step_trace.mark("ready", pending.trace_step)
@@ -546,7 +565,7 @@ class ModelRunner:
                 [r.request_id for r in requests],
                 [r.top_n_tokens for r in requests],
                 out,
-                [()] * len(requests),
+                pending.prompt_logprobs or [()] * len(requests),
             )
             for r, g in zip(requests, generations, strict=True):
                 r.record_token(g.token_id)
@@ -560,7 +579,7 @@ class ModelRunner:
         pending = self._last_pending
         if pending is not None and not pending.finished.wait(timeout_s):
             raise RuntimeError(
-                f"the previous decode step was not finished within {timeout_s:.0f} s"
+                f"the previous step was not finished within {timeout_s:.0f} s"
             )
 
     def _decode_logits(self, rows: DecodeRows, max_seqlen_k: int) -> torch.Tensor:
@@ -613,15 +632,14 @@ def _decode_sampling_row(r: RequestState) -> SamplingRow:
     return SamplingRow(r.sampling, r.num_generated, r.token_ids, generated, r.top_n_tokens)
 
 
-def _new_state(
-    r: RequestInput, token_id: int, grammar: GrammarMatcher | None = None
-) -> RequestState:
-    if grammar is not None:
-        grammar.accept(token_id)
+def _launched_state(r: RequestInput, grammar: GrammarMatcher | None) -> RequestState:
+    """The state of a request whose prefill was launched: its prompt is cached (once the
+    step runs) and one token is generated, whose id :meth:`RequestState.record_token`
+    adds when the step is read."""
     return RequestState(
         request_id=r.request_id,
         block_table=list(r.block_ids),
-        token_ids=[*r.input_ids, token_id],
+        token_ids=list(r.input_ids),
         seq_len=len(r.input_ids),
         num_generated=r.num_generated + 1,
         sampling=r.sampling,

@@ -22,7 +22,8 @@ from shard.errors import NotWarmedUpError, UnknownBatchError
 from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
-from shard.pending_decode import PendingDecode
+from shard.pending_step import PendingStep
+from shard.records import StepOutput
 
 T = TypeVar("T")
 
@@ -114,6 +115,25 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await context.abort(code, message)
             raise AssertionError("unreachable: context.abort raises") from exc
 
+    async def _launch_then_finish(
+        self,
+        context: grpc.aio.ServicerContext,
+        rpc: str,
+        step: int,
+        launch: Callable[[], PendingStep | StepOutput],
+    ) -> StepOutput:
+        """Launch a step under the lock, then wait for its results without it: the next
+        step (already sent by the router) is launched while this one computes."""
+        launched = await self._run(context, rpc, launch)
+        step_trace.mark("launched", step)
+        if not isinstance(launched, PendingStep):
+            return launched
+        pending = launched
+        pending.trace_step = step
+        return await self._run(
+            context, rpc, lambda: self.runner.finish_step(pending), locked=False
+        )
+
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
@@ -147,10 +167,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     ) -> pb.PrefillResponse:
         t0 = time.perf_counter_ns()
         await self._wait_turn(context, request.step)
-        out = await self._run(
+        out = await self._launch_then_finish(
             context,
             "Prefill",
-            lambda: self.runner.prefill(
+            request.step,
+            lambda: self.runner.launch_prefill(
                 pb_convert.prefill_batch_from_pb(request.batch), request.step
             ),
         )
@@ -170,20 +191,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         appends = pb_convert.block_appends_from_pb(list(request.block_appends))
         removed = list(request.remove_request_ids)
         await self._wait_turn(context, request.step)
-        # Launch under the lock, then wait for the results without it: the next step
-        # (already sent by the router) is launched while this one computes.
-        launched = await self._run(
-            context, "Decode", lambda: self.runner.launch_decode(batch_ids, appends, removed)
+        out = await self._launch_then_finish(
+            context,
+            "Decode",
+            request.step,
+            lambda: self.runner.launch_decode(batch_ids, appends, removed),
         )
-        step_trace.mark("launched", request.step)
-        if isinstance(launched, PendingDecode):
-            pending = launched
-            pending.trace_step = request.step
-            out = await self._run(
-                context, "Decode", lambda: self.runner.finish_decode(pending), locked=False
-            )
-        else:
-            out = launched
         response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
         response.step = request.step
         step_trace.mark("answer", request.step, out.forward_ns // 1000)

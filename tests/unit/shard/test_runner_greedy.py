@@ -139,9 +139,9 @@ def _batch(batch_id, *requests):
 
 
 def test_next_step_launched_before_the_previous_is_read(llama, expected_greedy) -> None:
-    """launch_decode of step N+1 before finish_decode of step N (what the servicer does
+    """launch_decode of step N+1 before finish_step of step N (what the servicer does
     when the router has sent N+1 already) gives the same tokens as one step at a time."""
-    from shard.pending_decode import PendingDecode
+    from shard.pending_step import PendingStep
 
     runner = make_runner(llama[0])
     pool = BlockPool(runner.num_blocks, seed=3)
@@ -150,12 +150,75 @@ def test_next_step_launched_before_the_previous_is_read(llama, expected_greedy) 
     got = [first[1]]
     pending = runner.launch_decode([1])
     for _ in range(5):
-        assert isinstance(pending, PendingDecode)
+        assert isinstance(pending, PendingStep)
         following = runner.launch_decode([1])
-        got.append(runner.finish_decode(pending).generations[0].token_id)
+        got.append(runner.finish_step(pending).generations[0].token_id)
         pending = following
-    assert isinstance(pending, PendingDecode)
-    got.append(runner.finish_decode(pending).generations[0].token_id)
+    assert isinstance(pending, PendingStep)
+    got.append(runner.finish_step(pending).generations[0].token_id)
     assert got == expected_greedy[2][:7]
     state = runner.batches.get(1).requests[0]
     assert state.token_ids[len(prompt):] == got and state.seq_len == len(prompt) + 6
+
+
+def test_decodes_launched_before_the_prefill_is_read(llama, expected_greedy) -> None:
+    """A new batch's prefill is launched, then decodes of it joined with a running batch
+    are launched before the prefill's tokens are read (the servicer launches the next
+    step while one computes): the decodes take the first tokens on the device, and the
+    tokens equal one step at a time."""
+    from shard.pending_step import PendingStep
+
+    runner = make_runner(llama[0])
+    pool = BlockPool(runner.num_blocks, seed=5)
+    a, b = PROMPTS[1], PROMPTS[2]
+    got = {1: [prefill(runner, 1, request(1, a, pool.for_tokens(len(a) + 8)))[1]]}
+    got[1].append(runner.decode([1]).generations[0].token_id)
+    pending = [runner.launch_prefill(_batch(2, request(2, b, pool.for_tokens(len(b) + 8))))]
+    state = runner.batches.get(2).requests[0]
+    assert state.token_ids == list(b) and state.seq_len == len(b)  # its id is not read yet
+    pending.append(runner.launch_decode([1, 2]))
+    pending.append(runner.launch_decode([1]))
+    assert all(isinstance(p, PendingStep) for p in pending)
+    outs = [runner.finish_step(p) for p in pending]  # type: ignore[arg-type]
+    got[2] = [outs[0].generations[0].token_id]
+    for out in outs[1:]:
+        for g in out.generations:
+            got[g.request_id].append(g.token_id)
+    assert got[1] == expected_greedy[1][:4]
+    assert got[2] == expected_greedy[2][:3]
+    assert state.token_ids[len(b):] == got[2] and state.seq_len == len(b) + 2
+
+
+def test_a_penalized_decode_waits_for_the_prefill_it_follows(llama) -> None:
+    """A decode with penalties needs the host's token history, so it waits until the
+    prefill launched before it is read (in another thread, as the servicer does): the
+    same tokens as one step at a time."""
+    import threading
+    import time
+
+    from shard.sampling_types import SamplingParams
+
+    sampling = SamplingParams(repetition_penalty=1.3)
+    runner = make_runner(llama[0])
+    pool = BlockPool(runner.num_blocks, seed=6)
+    prompt = PROMPTS[0]
+    first = prefill(runner, 1, request(1, prompt, pool.for_tokens(len(prompt) + 8),
+                                       sampling=sampling))[1]
+    reference = [first] + [runner.decode([1]).generations[0].token_id for _ in range(3)]
+    runner.clear_cache()
+    pending = runner.launch_prefill(_batch(2, request(2, prompt, pool.for_tokens(
+        len(prompt) + 8), sampling=sampling)))
+    read: list[int] = []
+
+    def finish_later() -> None:
+        time.sleep(0.2)  # the decode below is launched meanwhile and must wait
+        read.append(runner.finish_step(pending).generations[0].token_id)  # type: ignore[arg-type]
+
+    reader = threading.Thread(target=finish_later)
+    reader.start()
+    step = runner.launch_decode([2])
+    assert read  # the launch returned only once the prefill's tokens were read
+    reader.join()
+    got = [*read, runner.finish_step(step).generations[0].token_id]  # type: ignore[arg-type]
+    got += [runner.decode([2]).generations[0].token_id for _ in range(2)]
+    assert got == reference

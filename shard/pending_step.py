@@ -1,8 +1,8 @@
-"""Decode steps launched on the device and not read yet, and their device time.
+"""Steps launched on the device and not read yet, and their device time.
 
-The runner launches step N+1 while step N computes (:meth:`ModelRunner.launch_decode`)
-and reads a step's tokens later (:meth:`ModelRunner.finish_decode`); a
-:class:`PendingDecode` is what lies between the two.
+The runner launches step N+1 while step N computes (:meth:`ModelRunner.launch_prefill`,
+:meth:`ModelRunner.launch_decode`) and reads a step's tokens later
+(:meth:`ModelRunner.finish_step`); a :class:`PendingStep` is what lies between the two.
 """
 
 from __future__ import annotations
@@ -19,30 +19,34 @@ from shard.host_copy import HostCopy
 
 
 @dataclass
-class PendingDecode:
-    """A decode step launched on the device whose results are not read yet.
+class PendingStep:
+    """A prefill or decode step launched on the device whose results are not read yet.
 
     Attributes:
-        batch_id: the batch it stepped.
-        requests: the batch's requests at launch, in order.
+        batch_id: the batch it stepped (a prefill: the batch it created).
+        requests: the batch's requests at launch, in order (a prefill: its non-partial
+            requests, whose first token is recorded when the step is read).
         host: the sampled ids, logprobs and top tokens, on their way to the host.
         timer: the step's device time.
         previous: the step launched before it (finished first, so that the tokens of
             a request are recorded in order).
-        finished: set once :meth:`ModelRunner.finish_decode` has recorded the tokens.
+        finished: set once :meth:`ModelRunner.finish_step` has recorded the tokens.
         trace_step: the router's step number, for :mod:`shard.step_trace` (-1: none).
-        previous_timer: the device timer of the step launched before it, of any kind
-            (a prefill included), for the device's idle time between the two.
+        previous_timer: the device timer of the step launched before it, of any kind,
+            for the device's idle time between the two.
+        prompt_logprobs: a prefill's prompt logprobs per request (computed at launch,
+            only for the requests that asked); empty for a decode.
     """
 
     batch_id: int
     requests: list[RequestState]
     host: HostCopy
     timer: StepTimer
-    previous: PendingDecode | None = None
+    previous: PendingStep | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     trace_step: int = -1
     previous_timer: StepTimer | None = None
+    prompt_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 class StepTimer:
