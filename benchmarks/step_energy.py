@@ -17,6 +17,8 @@ less time at full clock). Classes, at the shapes of the GPU benchmark's model
 - ``gemm256 through cuBLASLt``: the same products captured with
   ``torch.backends.cuda.preferred_blas_library("cublaslt")`` (other kernels, other energy);
 - ``gemm16384``: a 16384-token prefill's projections over 4 layers;
+- ``read256``: the bytes of ``attention256`` read by a plain Triton kernel (a running
+  max): the energy per byte of the reads alone, the floor of any decode attention;
 - ``copy``: a 2 GiB device-to-device copy (bandwidth-bound reference).
 
 Reported per class: ms per replay at the start (median of the first replays) and
@@ -42,6 +44,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -183,6 +187,38 @@ def attention_work(name: str, batch: int, ctx: int, layers: int, block_size: int
     return Work(name, run, 0.0, _kv_bytes(batch, ctx, layers))
 
 
+@triton.jit
+def _read_max(x_ptr, out_ptr, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """out[program] = max of its TILES × BLOCK elements of x (bf16 read, float32 max)."""
+    program = tl.program_id(0)
+    acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    for tile in range(TILES):
+        offsets = (program * TILES + tile) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < n, other=float("-inf"))
+        acc = tl.maximum(acc, x.to(tl.float32))
+    tl.store(out_ptr + program, tl.max(acc, 0))
+
+
+def read_work(batch: int, ctx: int, layers: int, block_size: int) -> Work:
+    """A plain read of the bytes ``attention_work`` reads (each layer's K and V of the
+    same cache, in order, a running max kept per program): the memory system's energy
+    per byte with the least work around it, the floor any decode attention pays."""
+    case = _case(batch, ctx, block_size)
+    parts = [case.cache.key.view(-1), case.cache.value.view(-1)]
+    block, tiles = 4096, 16
+    programs = triton.cdiv(parts[0].numel(), block * tiles)
+    out = torch.empty(programs, device="cuda", dtype=torch.float32)
+
+    def run() -> None:
+        for _ in range(layers):
+            for x in parts:
+                _read_max[(programs,)](x, out, x.numel(), BLOCK=block, TILES=tiles,
+                                      num_warps=8)
+
+    return Work(f"read{batch} (K/V bytes of attention{batch}, SM loads)", run, 0.0,
+                2.0 * parts[0].numel() * 2 * layers)
+
+
 def flash_attention_work(batch: int, ctx: int, layers: int) -> Work:
     """flash-attn's paged decode over 256-token blocks (its paged API's multiple)."""
     from flash_attn import flash_attn_with_kvcache
@@ -286,8 +322,8 @@ def main() -> None:
           "SM MHz p50 | at power cap | J per replay | energy per unit |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with PowerLog(torch.cuda.current_device(), interval_ms=50) as log:
-        classes = [gemms, lt, attention, *variants, *([flash] if flash else []), mixed,
-                   prefill, copy]
+        classes = [gemms, lt, attention, *variants, *([flash] if flash else []),
+                   read_work(batch, ctx, layers, 16), mixed, prefill, copy]
         for work in classes if not args.only else [c for c in classes
                                                      if any(o in c.name for o in args.only)]:
             print(measure(work, args.seconds, log), flush=True)
