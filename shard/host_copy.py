@@ -58,6 +58,10 @@ class HostCopy:
         self._event = torch.cuda.Event()
         self._event.record()
 
+    def ready(self) -> bool:
+        """Whether the copies are done (never blocks)."""
+        return self._event is None or self._event.query()
+
     def wait(self) -> list[torch.Tensor | None]:
         """The host tensors, once the copies are done (blocks until then)."""
         if self._event is not None:

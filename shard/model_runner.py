@@ -369,7 +369,12 @@ class ModelRunner:
             return StepOutput((), CachedBatchInfo(batch.batch_id, ()),
                               time.perf_counter_ns() - t0)
         rows = [i for i, r in enumerate(batch.requests) if not r.partial]
-        logits = self.model.compute_logits(hidden[inputs.last_token_indices[rows]])
+        last = inputs.last_token_indices
+        if len(rows) < len(batch.requests):
+            # NOTE: not last[rows]: indexing by a host list copies it from pageable
+            # memory, which waits for the forward just queued
+            last = last.index_select(0, to_device(rows, torch.int64, last.device))
+        logits = self.model.compute_logits(hidden[last])
         matchers = [self._prefill_matcher(r) for r in final]
         mask = self._token_mask(matchers, logits.device)
         out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)

@@ -6,8 +6,17 @@ from __future__ import annotations
 
 import pytest
 
+from shard.pending_step import PendingStep
 from tests.unit.shard.conftest import NEW_TOKENS
-from tests.unit.shard.helpers import PROMPTS, BlockPool, DecodeDriver, make_runner, prefill, request
+from tests.unit.shard.helpers import (
+    DEVICE,
+    PROMPTS,
+    BlockPool,
+    DecodeDriver,
+    make_runner,
+    prefill,
+    request,
+)
 
 
 @pytest.fixture
@@ -141,8 +150,6 @@ def _batch(batch_id, *requests):
 def test_next_step_launched_before_the_previous_is_read(llama, expected_greedy) -> None:
     """launch_decode of step N+1 before finish_step of step N (what the servicer does
     when the router has sent N+1 already) gives the same tokens as one step at a time."""
-    from shard.pending_step import PendingStep
-
     runner = make_runner(llama[0])
     pool = BlockPool(runner.num_blocks, seed=3)
     prompt = PROMPTS[2]
@@ -166,8 +173,6 @@ def test_decodes_launched_before_the_prefill_is_read(llama, expected_greedy) -> 
     are launched before the prefill's tokens are read (the servicer launches the next
     step while one computes): the decodes take the first tokens on the device, and the
     tokens equal one step at a time."""
-    from shard.pending_step import PendingStep
-
     runner = make_runner(llama[0])
     pool = BlockPool(runner.num_blocks, seed=5)
     a, b = PROMPTS[1], PROMPTS[2]
@@ -222,3 +227,25 @@ def test_a_penalized_decode_waits_for_the_prefill_it_follows(llama) -> None:
     got = [*read, runner.finish_step(step).generations[0].token_id]  # type: ignore[arg-type]
     got += [runner.decode([2]).generations[0].token_id for _ in range(2)]
     assert got == reference
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the host runs ahead of the device only on CUDA")
+def test_launches_do_not_wait_for_the_device(llama, expected_greedy) -> None:
+    """With the device busy, a prefill (a partial chunk beside a whole prompt) and the
+    decode after it are launched without the host waiting: neither step has run when
+    both launches return; their tokens are those of one step at a time."""
+    import torch
+
+    runner = make_runner(llama[0])
+    pool = BlockPool(runner.num_blocks, seed=7)
+    prompt, other = PROMPTS[3], PROMPTS[0]
+    batch = _batch(1, request(2, other[:4], pool.for_tokens(4), partial=True),
+                   request(1, prompt, pool.for_tokens(len(prompt) + 4)))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 31)  # ~1 s of device time queued ahead of the steps
+    prefilled = runner.launch_prefill(batch)
+    decoded = runner.launch_decode([1])
+    assert isinstance(prefilled, PendingStep) and isinstance(decoded, PendingStep)
+    assert not prefilled.host.ready() and not decoded.host.ready()
+    got = [runner.finish_step(p).generations[0].token_id for p in (prefilled, decoded)]
+    assert got == expected_greedy[3][:2]
