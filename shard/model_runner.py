@@ -390,18 +390,8 @@ class ModelRunner:
             [s.block_table for s in states],
             self.device,
         )))
-        pending = PendingStep(
-            batch_id=batch.batch_id,
-            requests=states,
-            host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
-            timer=timer,
-            previous=self._last_pending,
-            trace_step=trace_step,
-            previous_timer=previous_timer,
-            prompt_logprobs=prompt_lps,
-        )
-        self._last_pending = pending
-        return pending
+        return self._pending(batch.batch_id, states, out, timer, previous_timer,
+                             trace_step=trace_step, prompt_logprobs=prompt_lps)
 
     def _prefill_matcher(self, r: RequestInput) -> GrammarMatcher | None:
         """The grammar state of a constrained request: fresh, or after a recompute
@@ -534,16 +524,32 @@ class ModelRunner:
         for r in requests:
             r.advance()
         timer.stop()
+        previous_timer, self._last_timer = self._last_timer, timer
+        return self._pending(batch.batch_id, requests, out, timer, previous_timer)
+
+    def _pending(
+        self,
+        batch_id: int,
+        requests: list[RequestState],
+        out: SamplerOutput,
+        timer: StepTimer,
+        previous_timer: StepTimer | None,
+        trace_step: int = -1,
+        prompt_logprobs: tuple[tuple[float, ...], ...] = (),
+    ) -> PendingStep:
+        """The launched step whose sampled ``out`` is on its way to the host, chained
+        after the last launched one (finished first)."""
         pending = PendingStep(
-            batch_id=batch.batch_id,
+            batch_id=batch_id,
             requests=requests,
             host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
             timer=timer,
             previous=self._last_pending,
-            previous_timer=self._last_timer,
+            trace_step=trace_step,
+            previous_timer=previous_timer,
+            prompt_logprobs=prompt_logprobs,
         )
         self._last_pending = pending
-        self._last_timer = timer
         return pending
 
     @torch.inference_mode()
