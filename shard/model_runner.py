@@ -360,9 +360,10 @@ class ModelRunner:
         # idle time before the step
         timer = StepTimer(self.device)
         hidden = self.forward(inputs)
-        previous_timer, self._last_timer = self._last_timer, timer
+        previous_timer = self._last_timer
         if not final:
             timer.stop()
+            self._last_timer = timer
             if step_trace.enabled:
                 timer.synchronize()  # nothing is read back from a partial-only prefill
                 timer.trace_gap_after(previous_timer, trace_step)
@@ -379,6 +380,7 @@ class ModelRunner:
         mask = self._token_mask(matchers, logits.device)
         out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)
         timer.stop()
+        self._last_timer = timer  # stopped first: the next step reads its end event
         prompt_lps = tuple(
             self._prompt_logprobs(r, c, i, inputs, hidden)
             for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)

@@ -123,8 +123,17 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         launch: Callable[[], PendingStep | StepOutput],
     ) -> StepOutput:
         """Launch a step under the lock, then wait for its results without it: the next
-        step (already sent by the router) is launched while this one computes."""
-        launched = await self._run(context, rpc, launch)
+        step (already sent by the router) is launched while this one computes.
+
+        NOTE: a step launched for an RPC cancelled meanwhile (deadline, client gone) is
+        still read, in a worker thread: the steps after it wait for it in launch order.
+        """
+        launching = asyncio.ensure_future(self._run(context, rpc, launch))
+        try:
+            launched = await asyncio.shield(launching)
+        except asyncio.CancelledError:
+            launching.add_done_callback(self._finish_abandoned)
+            raise
         step_trace.mark("launched", step)
         if not isinstance(launched, PendingStep):
             return launched
@@ -133,6 +142,22 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return await self._run(
             context, rpc, lambda: self.runner.finish_step(pending), locked=False
         )
+
+    def _finish_abandoned(self, launching: asyncio.Future[PendingStep | StepOutput]) -> None:
+        """Read the step ``launching`` launched for a cancelled RPC (see
+        :meth:`_launch_then_finish`); nothing to do when it launched nothing."""
+        if launching.cancelled() or launching.exception() is not None:
+            return
+        launched = launching.result()
+        if isinstance(launched, PendingStep):
+            reading = asyncio.get_running_loop().run_in_executor(
+                None, self.runner.finish_step, launched
+            )
+            reading.add_done_callback(self._log_failed_read)
+
+    def _log_failed_read(self, reading: asyncio.Future[StepOutput]) -> None:
+        if not reading.cancelled() and reading.exception() is not None:
+            self.log.opt(exception=reading.exception()).error("reading an abandoned step failed")
 
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext

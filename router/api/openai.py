@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from loguru import logger
-from sse_starlette.sse import EventSourceResponse
 
 from router.api.generation import (
     Completion,
@@ -62,6 +61,7 @@ from router.api.openai_tools import (
     tool_calls_of,
     tool_plan,
 )
+from router.api.sse import SSEResponse
 from router.api.state import ServerState, State
 from router.chat_template import encode_chat_prompt, render_chat
 from router.parameters import GenerateParameters
@@ -439,7 +439,7 @@ async def _sse(
     on_event: Callable[[int, TokenEvent], list[str]],
     usage_chunk: Callable[[list[Completion]], str], body: SamplingFields,
     http_request: Request,
-) -> EventSourceResponse:
+) -> SSEResponse:
     """Stream ``requests`` as OpenAI chunks; ``[DONE]`` last. The first token (or a 429)
     comes before the response starts; a client that leaves before it cancels them."""
     started = await start_stream(state.engine, requests, client_gone(http_request))
@@ -470,4 +470,4 @@ async def _sse(
         finally:
             await started.stream.aclose()
 
-    return EventSourceResponse(lines())
+    return SSEResponse(lines())

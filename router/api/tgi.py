@@ -14,7 +14,6 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request, Response
-from sse_starlette.sse import EventSourceResponse
 
 from router.api.generation import (
     Completion,
@@ -37,6 +36,7 @@ from router.api.schemas import (
     TokenInfo,
     TokenizeRequest,
 )
+from router.api.sse import SSEResponse
 from router.api.state import ServerState, State
 from router.request import GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
@@ -149,10 +149,10 @@ def _response(tokenizer: Tokenizer, body: GenerateRequest, completions: list[Com
     return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
 
 
-@router.post("/generate_stream", response_class=EventSourceResponse)
+@router.post("/generate_stream", response_class=SSEResponse)
 async def generate_stream(
     body: GenerateRequest, http_request: Request, state: State
-) -> EventSourceResponse:
+) -> SSEResponse:
     """Generate text as server-sent events (TGI ``POST /generate_stream``)."""
     if (body.parameters.best_of or 1) > 1:
         raise RequestValidationError("best_of", "best_of > 1 is not supported when streaming")
@@ -160,7 +160,7 @@ async def generate_stream(
     # The first token (or a 429) before the response starts; a client that leaves
     # while its request is queued cancels it.
     started = await start_stream(state.engine, [request], client_gone(http_request))
-    return EventSourceResponse(_stream(state.engine.tokenizer, body, request, started))
+    return SSEResponse(_stream(state.engine.tokenizer, body, request, started))
 
 
 async def _stream(
@@ -200,7 +200,7 @@ async def _stream(
 @router.post("/", response_model=None)
 async def compat_generate(
     body: GenerateRequest, http_request: Request, state: State
-) -> list[GenerateResponse] | EventSourceResponse:
+) -> list[GenerateResponse] | SSEResponse:
     """TGI's ``POST /``: ``[/generate response]``, or the stream with ``stream: true``."""
     if body.stream:
         return await generate_stream(body, http_request, state)

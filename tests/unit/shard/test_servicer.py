@@ -242,3 +242,34 @@ async def test_steps_run_in_the_routers_order_whatever_the_arrival_order(
         pb.PrefillRequest(batch=pb.Batch(id=6, requests=[req(2, prompt, [3, 4, 5])]), step=1)
     )
     assert again.generations[0].token_id == expected_greedy[1][0]
+
+
+async def test_a_step_launched_for_a_cancelled_call_is_still_read(
+    stub, expected_greedy, monkeypatch
+) -> None:
+    # The Prefill's deadline passes while its launch runs: the launched step is read all
+    # the same, so the steps after it (which wait for it in launch order) go on.
+    import asyncio
+    import time
+
+    from shard.model_runner import ModelRunner
+
+    await stub.Warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=128))
+    a, b = PROMPTS[1], PROMPTS[2]
+    await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[
+        req(1, a, [0, 1, 2, 3, 4])])))
+    launch = ModelRunner.launch_prefill
+
+    def slow_launch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launched = launch(self, *args, **kwargs)
+        time.sleep(1.0)
+        return launched
+
+    monkeypatch.setattr(ModelRunner, "launch_prefill", slow_launch)
+    with pytest.raises(grpc.aio.AioRpcError) as cancelled:
+        await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=2, requests=[
+            req(2, b, [10, 11, 12, 13, 14])])), timeout=0.3)
+    assert cancelled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(1.5)  # the launch ends meanwhile
+    decoded = await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)]), timeout=10.0)
+    assert list(decoded.token_ids) == [expected_greedy[1][1]]
