@@ -246,10 +246,15 @@ class _CompletionAnswer:
     def on_event(self, index: int, event: TokenEvent) -> list[str]:
         """The stream chunk of one token of sequence ``index``."""
         completion = self.streamed[index]
-        completion.tokens.append(event)
+        first = not completion.tokens
+        if first:
+            # NOTE: only the first event is kept (its prompt logprobs lead the echo): a
+            # stream's events held to its end would all be scanned by every full
+            # collection of the garbage collector, a pause of the whole router
+            completion.tokens.append(event)
         echo = self.echoes[index // self.width]
         text = text_without_stop(event.text, event.finish)
-        if len(completion.tokens) == 1 and echo is not None:
+        if first and echo is not None:
             text = echo.text + text
         start = self.offsets[index]
         self.offsets[index] += len(event.text)
@@ -452,7 +457,7 @@ async def _sse(
             async for batch in started.batches():  # one write for each batch
                 chunks: list[str] = []
                 for index, event in batch:
-                    done[index].tokens.append(event)
+                    # the usage chunk reads each finish's count; no event is kept
                     done[index].finish = event.finish or done[index].finish
                     chunks.extend(on_event(index, event))
                 yield sse_events(chunks)

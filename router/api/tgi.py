@@ -40,7 +40,7 @@ from router.api.sse import SSEResponse
 from router.api.state import ServerState, State
 from router.request import GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
-from router.validation import RequestValidationError
+from router.validation import RequestValidationError, public_seed
 
 
 def _token_list_json(
@@ -168,23 +168,24 @@ async def _stream(
     started: StartedStream,
 ) -> AsyncIterator[str | bytes]:
     prefix = body.inputs if body.parameters.return_full_text else ""
-    completion = Completion(request)
+    # each token's text, for the last event's generated_text: strings, which the garbage
+    # collector does not track (the events themselves are not kept)
+    texts: list[str] = []
 
     def message(event: TokenEvent) -> str:
-        completion.tokens.append(event)
+        texts.append(event.text)
         response = StreamResponse(
-            index=len(completion.tokens),
+            index=len(texts),
             token=Token(id=event.id, text=event.text, logprob=event.logprob,
                         special=event.special),
             top_tokens=top_tokens(tokenizer, event),
         )
         if event.finish is not None:
-            completion.finish = event.finish
-            response.generated_text = prefix + completion.text
+            response.generated_text = prefix + "".join(texts)
             response.details = StreamDetails(
                 finish_reason=event.finish.reason.value,
                 generated_tokens=event.finish.generated_tokens,
-                seed=completion.seed,
+                seed=public_seed(request),
             )
         return response.model_dump_json()
 
