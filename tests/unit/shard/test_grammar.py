@@ -177,3 +177,56 @@ def test_matcher_templates_are_cached(runner) -> None:
     second = runner.grammars.matcher(grammar, 2)
     assert runner.grammars._templates[grammar] is cached
     assert first.matcher is not second.matcher  # each request owns its state
+
+
+def test_pipelined_like_the_servicer_equals_one_step_at_a_time(runner) -> None:
+    """Steps launched in one thread and each read in a thread of its own, as the
+    servicer does (the next step launched before the previous is read): a prefill of
+    grammar-constrained, penalized and seeded sampled rows joins a running batch, and
+    every token equals one step at a time."""
+    import threading
+
+    from shard.pending_step import PendingStep
+
+    def reqs(pool: BlockPool) -> tuple[list[RequestInput], list[RequestInput]]:
+        first = [new_request(1, pool), new_request(2, pool, do_sample=True, seed=5)]
+        second = [
+            new_request(3, pool, json_schema_grammar(SCHEMA)),
+            new_request(4, pool, regex_grammar(REGEX), do_sample=True, seed=3),
+            new_request(5, pool, repetition_penalty=1.5, frequency_penalty=0.5),
+            new_request(6, pool, do_sample=True, seed=9),
+        ]
+        return first, second
+
+    def steps(pipelined: bool) -> dict[int, list[int]]:
+        pool = BlockPool(runner.num_blocks, seed=4)
+        first, second = reqs(pool)
+        got: dict[int, list[int]] = {}
+        threads: list[threading.Thread] = []
+
+        def finish(p) -> None:  # type: ignore[no-untyped-def]
+            out = runner.finish_step(p) if isinstance(p, PendingStep) else p
+            for g in out.generations:
+                got.setdefault(g.request_id, []).append(g.token_id)
+
+        def launch(step) -> None:  # type: ignore[no-untyped-def]
+            p = step()
+            if pipelined:
+                t = threading.Thread(target=finish, args=(p,))
+                t.start()
+                threads.append(t)
+            else:
+                finish(p)
+
+        launch(lambda: runner.launch_prefill(PrefillBatch(1, tuple(first))))
+        launch(lambda: runner.launch_decode([1]))
+        launch(lambda: runner.launch_prefill(PrefillBatch(2, tuple(second))))
+        for _ in range(15):
+            launch(lambda: runner.launch_decode([1, 2]) if 2 in runner.batches
+                   else runner.launch_decode([1]))
+        for t in threads:
+            t.join()
+        runner.clear_cache()
+        return got
+
+    assert steps(True) == steps(False)
