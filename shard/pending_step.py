@@ -75,10 +75,10 @@ class StepTimer:
             self._events[1].synchronize()
 
     def gap_ns_after(self, previous: StepTimer) -> int | None:
-        """Device time between the end of ``previous`` (an earlier step's timer) and the
-        start of this one, nanoseconds: how long the device sat idle, or ran work
-        outside the two (a prefill), between them. None off CUDA. Call once this
-        step's results are read."""
+        """Device time between the end of ``previous`` (the timer of the step launched
+        just before, of any kind) and the start of this one, nanoseconds: how long the
+        device sat idle between them. None off CUDA. Call once this step's results are
+        read."""
         if self._events is None or previous._events is None:
             return None
         return int(previous._events[1].elapsed_time(self._events[0]) * 1e6)

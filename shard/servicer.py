@@ -89,12 +89,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         rpc: str,
         fn: Callable[[], T],
         locked: bool = True,
+        abandoned: Callable[[T], None] | None = None,
     ) -> T:
         """Run ``fn`` in a worker thread, under the lock unless ``locked`` is False;
         abort the RPC on error.
 
         NOTE: a cancelled RPC (deadline, client gone) cannot stop the thread, so the lock
-        is held until the thread is done: the next step never runs beside it.
+        is held until the thread is done: the next step never runs beside it. What the
+        thread returned then goes to ``abandoned`` (when given and the thread succeeded).
         """
         try:
             async with self.lock if locked else contextlib.nullcontext():
@@ -103,6 +105,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     return await asyncio.shield(work)
                 except asyncio.CancelledError:
                     await asyncio.wait({work})
+                    if abandoned is not None and work.exception() is None:
+                        abandoned(work.result())
                     raise
         except Exception as exc:
             code = _status_for(exc)
@@ -128,12 +132,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         NOTE: a step launched for an RPC cancelled meanwhile (deadline, client gone) is
         still read, in a worker thread: the steps after it wait for it in launch order.
         """
-        launching = asyncio.ensure_future(self._run(context, rpc, launch))
-        try:
-            launched = await asyncio.shield(launching)
-        except asyncio.CancelledError:
-            launching.add_done_callback(self._finish_abandoned)
-            raise
+        launched = await self._run(context, rpc, launch, abandoned=self._finish_abandoned)
         step_trace.mark("launched", step)
         if not isinstance(launched, PendingStep):
             return launched
@@ -143,12 +142,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context, rpc, lambda: self.runner.finish_step(pending), locked=False
         )
 
-    def _finish_abandoned(self, launching: asyncio.Future[PendingStep | StepOutput]) -> None:
-        """Read the step ``launching`` launched for a cancelled RPC (see
+    def _finish_abandoned(self, launched: PendingStep | StepOutput) -> None:
+        """Read, in a worker thread, the step launched for a cancelled RPC (see
         :meth:`_launch_then_finish`); nothing to do when it launched nothing."""
-        if launching.cancelled() or launching.exception() is not None:
-            return
-        launched = launching.result()
         if isinstance(launched, PendingStep):
             reading = asyncio.get_running_loop().run_in_executor(
                 None, self.runner.finish_step, launched

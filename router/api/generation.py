@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from sse_starlette.event import ServerSentEvent
 from starlette.requests import Request
 
 from router.engine import Engine
@@ -227,12 +226,6 @@ async def start_stream(
         await stream.aclose()
         raise
     return StartedStream(stream, events, first)
-
-
-def sse_events(lines: Iterable[str]) -> bytes:
-    """Server-sent events, one per line of ``lines`` (framed by sse-starlette), as one
-    body part: written at once, several events cost one write to the socket."""
-    return b"".join(ServerSentEvent(data=line).encode() for line in lines)
 
 
 class MergedStream:

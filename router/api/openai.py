@@ -23,7 +23,6 @@ from router.api.generation import (
     GenerationFailed,
     client_gone,
     run_all,
-    sse_events,
     start_stream,
     text_without_stop,
 )
@@ -61,7 +60,7 @@ from router.api.openai_tools import (
     tool_calls_of,
     tool_plan,
 )
-from router.api.sse import SSEResponse
+from router.api.sse import SSEResponse, sse_events
 from router.api.state import ServerState, State
 from router.chat_template import encode_chat_prompt, render_chat
 from router.parameters import GenerateParameters

@@ -11,7 +11,7 @@ Starlette's disconnect watch and by :func:`router.api.generation.client_gone`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 
 from sse_starlette.event import ServerSentEvent
 from starlette.responses import StreamingResponse
@@ -23,7 +23,7 @@ HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 class SSEResponse(StreamingResponse):
     """A ``text/event-stream`` response. Each ``str`` item of ``content`` becomes one
     event's data; ``bytes`` items are events already framed (several may be joined, see
-    :func:`router.api.generation.sse_events`) and are written as they are."""
+    :func:`sse_events`) and are written as they are."""
 
     media_type = "text/event-stream"
 
@@ -37,6 +37,12 @@ class SSEResponse(StreamingResponse):
                          self.media_type)
 
 
+def sse_events(lines: Iterable[str]) -> bytes:
+    """Server-sent events, one per line of ``lines`` (framed by sse-starlette), as one
+    body part: written at once, several events cost one write to the socket."""
+    return b"".join(ServerSentEvent(data=line).encode() for line in lines)
+
+
 async def _framed(content: AsyncIterable[str | bytes]) -> AsyncIterator[bytes]:
     async for item in content:
-        yield item if isinstance(item, bytes) else ServerSentEvent(data=item).encode()
+        yield item if isinstance(item, bytes) else sse_events((item,))

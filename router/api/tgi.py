@@ -21,7 +21,6 @@ from router.api.generation import (
     StartedStream,
     client_gone,
     run_all,
-    sse_events,
     start_stream,
 )
 from router.api.schemas import (
@@ -36,7 +35,7 @@ from router.api.schemas import (
     TokenInfo,
     TokenizeRequest,
 )
-from router.api.sse import SSEResponse
+from router.api.sse import SSEResponse, sse_events
 from router.api.state import ServerState, State
 from router.request import GenerationRequest, TokenEvent
 from router.tokenizer import Tokenizer
