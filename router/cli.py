@@ -128,6 +128,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer <key>` on every HTTP route but "
                         "/health and /metrics, and the same gRPC metadata on every public gRPC "
                         "call but health checks; none = the APIs are open")
+    server.add_argument("--api-server-count", type=int, default=None, metavar="N",
+                        help="processes serving the HTTP and gRPC APIs beside the engine's "
+                        "process, which then only schedules and steps the shards; 0 = the "
+                        "APIs run in the engine's process (default: 1 when the shards run on "
+                        "a GPU, 0 on CPU)")
     server.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="seconds a client has to send a request's headers; slower or "
                         "idle connections are closed")
@@ -345,6 +350,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_bytes=args.max_request_bytes, served_model_names=names,
         api_key=args.api_key, header_timeout_s=args.header_timeout,
         status_interval_s=args.status_interval, step_timeout_s=args.step_timeout,
+        api_server_count=args.api_server_count,
     )
 
 

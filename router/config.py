@@ -195,6 +195,9 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     header_timeout_s: float = 10.0  # to receive a request's headers, seconds
     status_interval_s: float = 5.0  # between status lines of a busy server; 0 = none
+    # API processes beside the engine's (router/api_process.py); 0 = the APIs run in the
+    # engine's process; None = 1 when the shards run on a GPU, else 0.
+    api_server_count: int | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):
@@ -219,6 +222,8 @@ class ServerConfig:
             raise ValueError("--api-key must not be empty")
         if self.header_timeout_s <= 0:
             raise ValueError("--header-timeout must be positive")
+        if self.api_server_count is not None and self.api_server_count < 0:
+            raise ValueError("--api-server-count must be >= 0")
         if self.status_interval_s < 0:
             raise ValueError("--status-interval must be >= 0 (0 = no status lines)")
         names = self.served_model_names

@@ -17,9 +17,9 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from loguru import logger
 
@@ -27,7 +27,16 @@ from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.metrics import Metrics
 from router.output import OutputProcessor
-from router.request import ErrorEvent, Event, Finish, GenerationRequest, Sequence, Status
+from router.request import (
+    ErrorEvent,
+    Event,
+    EventStream,
+    Finish,
+    GenerationRequest,
+    Refusal,
+    Sequence,
+    Status,
+)
 from router.scheduler import PrefillChunk, Scheduler
 from router.shard_client import ShardClient, ShardError
 from router.shard_steps import ShardSteps, StepResults
@@ -41,9 +50,98 @@ HEALTH_RECOVERY_S = 10.0
 class QueueFullError(RuntimeError):
     """More requests than ``--max-concurrent-requests`` are queued or running."""
 
+    refusal = Refusal.QUEUE_FULL
+
 
 class ShuttingDownError(QueueFullError):
     """The server is draining (SIGTERM, or its shard group is gone): no new requests."""
+
+    refusal = Refusal.SHUTTING_DOWN
+
+
+def refusal_error(event: ErrorEvent) -> QueueFullError | None:
+    """The exception ``submit`` raised for the refusal ``event`` carries (an engine in
+    another process reports a refusal as its stream's only event), or None when the
+    event is a failure after acceptance."""
+    if event.refusal is Refusal.SHUTTING_DOWN:
+        return ShuttingDownError(event.message)
+    if event.refusal is Refusal.QUEUE_FULL:
+        return QueueFullError(event.message)
+    return None
+
+
+class RequestHandle(Protocol):
+    """A submitted request as its reader sees it: its id and its events."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def events(self) -> EventStream: ...
+
+
+class EngineApi(Protocol):
+    """What the HTTP and public gRPC APIs use of the engine: :class:`Engine` in the same
+    process, or :class:`router.engine_client.EngineClient` in an API process."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+
+    def cancel(self, seq: Any) -> None: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Event, None]: ...
+
+    def count_rejected(self) -> None: ...
+
+    async def snapshot(self) -> EngineStatus: ...
+
+    async def render_metrics(self) -> bytes: ...
+
+    async def health_problem(self) -> str | None: ...
+
+
+class EventSource:
+    """``generate`` over a ``submit`` and a ``cancel``: shared by :class:`Engine` and the
+    API process's proxy of it (:class:`router.engine_client.EngineClient`)."""
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        raise NotImplementedError
+
+    def cancel(self, seq: Any) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
+        """Submit ``request`` and yield its events until it finishes or fails (a refusal
+        is an :class:`ErrorEvent` whose ``refusal`` is set, when the engine is in
+        another process; raised at once otherwise).
+
+        Closing the iterator early (client gone) cancels the request and frees its
+        blocks within a step.
+
+        Raises:
+            QueueFullError: the engine refused the request (see :meth:`Engine.submit`).
+        """
+        seq = self.submit(request)
+        ended = False
+        try:
+            while True:
+                event = await seq.events.get()
+                while True:  # the events that came with it, without waiting again
+                    ended = isinstance(event, ErrorEvent) or event.finish is not None
+                    yield event
+                    if ended:
+                        return
+                    if seq.events.empty():
+                        break
+                    event = seq.events.get_nowait()
+        finally:
+            if not ended:
+                self.cancel(seq)
 
 
 @dataclass
@@ -101,7 +199,7 @@ class EngineStatus:
         return self.kv_blocks_total - self.kv_blocks_free
 
 
-class Engine:
+class Engine(EventSource):
     """Owns the scheduler and the shard group's steps; serves request streams.
 
     Args:
@@ -136,6 +234,8 @@ class Engine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # called after replace_shards: the budgets and the KV capacity changed
+        self.on_replaced: list[Callable[[], None]] = []
 
     # ---- public API -------------------------------------------------------------
 
@@ -151,8 +251,10 @@ class Engine:
         self._drop_inflight()
         self.output.deliver()
 
-    def submit(self, request: GenerationRequest) -> Sequence:
-        """Queue ``request``; its events arrive on ``Sequence.events``.
+    def submit(self, request: GenerationRequest, events: EventStream | None = None) -> Sequence:
+        """Queue ``request``; its events arrive on ``Sequence.events`` (``events`` when
+        given: the reader of a request that came from an API process is a stream that
+        forwards them there).
 
         Raises:
             QueueFullError: ``max_concurrent_requests`` are already queued or running.
@@ -168,31 +270,12 @@ class Engine:
                 f"{self.config.max_concurrent_requests})"
             )
         seq = Sequence(id=next(self._ids), request=request)
+        if events is not None:
+            seq.events = events
         self.output.add(seq)
         self.scheduler.add(seq)
         self._wake.set()
         return seq
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
-        """Submit ``request`` and yield its events until it finishes or fails.
-
-        Closing the iterator early (client gone) cancels the request and frees its
-        blocks within a step.
-        """
-        seq = self.submit(request)
-        try:
-            while True:
-                event = await seq.events.get()
-                while True:  # the events that came with it, without waiting again
-                    yield event
-                    if isinstance(event, ErrorEvent) or event.finish is not None:
-                        return
-                    if seq.events.empty():
-                        break
-                    event = seq.events.get_nowait()
-        finally:
-            if seq.id in self.output:
-                self.cancel(seq)
 
     def cancel(self, seq: Sequence) -> None:
         """Abort ``seq``: a waiting one leaves the queue now, a running one leaves the
@@ -235,6 +318,45 @@ class Engine:
             kv_blocks_free=manager.num_free,
             prefix_cache_hit_tokens=manager.hit_tokens,
         )
+
+    async def snapshot(self) -> EngineStatus:
+        """:meth:`status`, awaitable as the API process's proxy needs it."""
+        return self.status()
+
+    def count_rejected(self) -> None:
+        """Count a request the API refused before it reached the engine."""
+        self.metrics.requests.labels("rejected").inc()
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus text exposition of :attr:`metrics`."""
+        return self.metrics.render()
+
+    async def health_problem(self) -> str | None:
+        """Why the server is not healthy, or None when it is (``GET /health`` and the
+        gRPC health service ask this).
+
+        Unhealthy while draining (SIGTERM, or no shard-group restart left), while a
+        shard does not answer ``Health`` within 5 s (dead, hung, restarting), and for a
+        while after a failed step (:attr:`healthy`). Never raises for a shard failure: a
+        call cancelled under it (the shard group's channels closing during a restart) is
+        an answer too. Only the cancellation of the caller itself propagates.
+        """
+        if self._draining:
+            return "shutting down"
+        try:
+            await self.check_shards()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            return "shards unhealthy: the shard group is restarting"
+        except Exception as error:
+            logger.warning("health check failed: {}", error)
+            plain = getattr(error, "public_message", "the model shards did not answer")
+            return f"shards unhealthy: {plain}"
+        if not self.healthy:
+            return "the last generation step failed"
+        return None
 
     @property
     def kv_blocks_free(self) -> int:
@@ -293,6 +415,8 @@ class Engine:
         self.scheduler.block_manager = self.block_manager
         self._drop_inflight()
         self._failed_at = None
+        for listener in self.on_replaced:
+            listener()
 
     def _metrics_state(self) -> dict[str, float]:
         status = self.status()

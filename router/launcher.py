@@ -22,24 +22,20 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 
-import grpc
-import uvicorn
 from loguru import logger
 
-from router.api.app import ServerState, create_app
-from router.api.http_server import make_http_server
+from router.api.state import ServerState
+from router.api_process import ApiProcesses
+from router.api_server import ApiServers, ModelFacts, log_serving, make_state, package_version
 from router.config import SchedulerConfig, ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
-from router.grpc_api.server import start_grpc_server
 from router.log import STILL_WAITING_S, announce_wait
 from router.shard_client import ShardClient
 from router.status_log import StatusLogger
 from router.step_deadline import StepDeadline
 from router.tokenizer import Tokenizer
-from router.validation import Validator
 from shard.pb.shard_pb2 import InfoResponse
 
 SHARD_START_TIMEOUT_S = 1800.0
@@ -48,14 +44,6 @@ LIVENESS_POLL_S = 0.5
 # failed, so that their clients get an error saying why before the connections are cut.
 SHUTDOWN_MARGIN_S = 1.0
 SHUTDOWN_MESSAGE = "the server shut down before the request finished (--graceful-timeout)"
-
-
-def package_version() -> str:
-    """Installed version of shardserve."""
-    try:
-        return version("shardserve")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def make_executor(config: ServerConfig) -> ShardExecutor:
@@ -136,10 +124,10 @@ def warmed_up_budgets(
     )
 
 
-async def build_state(
+async def build_engine(
     config: ServerConfig, client: ShardClient
-) -> tuple[ServerState, WarmupBudgets]:
-    """Ask the shards for Info, run Warmup and build the engine and validator."""
+) -> tuple[Engine, ModelFacts, WarmupBudgets]:
+    """Ask the shards for Info, run Warmup and build the engine (not started)."""
     infos = await client.info()
     first = infos[0]
     device_type = first.device.split(":")[0]
@@ -173,84 +161,92 @@ async def build_state(
     )
     tokenizer = Tokenizer.from_folder(config.shard.model_path)
     engine = Engine(client, tokenizer, scheduler, num_blocks, first.block_size)
-    validator = Validator(
-        tokenizer=tokenizer,
-        scheduler=engine.scheduler,
-        limits=config.limits,
-        max_request_bytes=config.max_request_bytes,
-    )
-    # What start-up built (modules, tokenizer, app) lives as long as the process: moved
-    # out of the collector's generations, it is not scanned by every full collection
-    # while requests are served.
-    gc.collect()
-    gc.freeze()
-    return ServerState(
-        engine=engine,
-        validator=validator,
+    facts = ModelFacts(
         model_id=config.served_model_names[0] if config.served_model_names else first.model_id,
         dtype=first.dtype,
         device_type=device_type,
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
-        max_request_bytes=config.max_request_bytes,
-        model_aliases=config.served_model_names[1:],
-        api_key=config.api_key,
-    ), warmup
+    )
+    return engine, facts, warmup
+
+
+async def build_state(
+    config: ServerConfig, client: ShardClient
+) -> tuple[ServerState, WarmupBudgets]:
+    """:func:`build_engine`, and the state the APIs serve in this process."""
+    engine, facts, warmup = await build_engine(config, client)
+    return make_state(engine, engine.scheduler, engine.tokenizer, facts, config), warmup
+
+
+def api_server_count(config: ServerConfig, facts: ModelFacts) -> int:
+    """API processes to start beside the engine: ``--api-server-count``, or by default
+    one when the shards run on a GPU (whose steps are short enough for the HTTP layer's
+    work to make it wait) and none on CPU."""
+    if config.api_server_count is not None:
+        return config.api_server_count
+    return 1 if facts.device_type == "cuda" else 0
 
 
 async def serve(config: ServerConfig) -> int:
     """Run the whole server until interrupted; return the exit code (1 when the shard
-    group died with no restart left, else 0)."""
+    group died with no restart left, or an API process failed, else 0)."""
     executor = make_executor(config)
     client: ShardClient | None = None
     supervisor: Supervisor | None = None
+    frontend: ApiServers | ApiProcesses | None = None
     try:
         logger.info("starting {} shard(s) with the {} executor", config.shard.world_size,
                     config.executor)
         client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
-        state, warmup = await build_state(config, client)
-        state.engine.start()
-        # NOTE: start-up objects (tokenizer, app, modules) never become garbage; taking
-        # them out of the collector's reach keeps each full collection short (it stops
-        # every thread, the event loop included) while large requests allocate.
-        gc.freeze()
-        server = make_http_server(create_app(state), config.host, config.port,
-                                  config.header_timeout_s, config.graceful_timeout_s)
-        grpc_server = None
-        if config.grpc_port:
-            grpc_server, grpc_port = await start_grpc_server(state, config.host, config.grpc_port)
-            logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
-        grpc_drain = GrpcDrain(grpc_server, config.graceful_timeout_s)
-        deadline = ShutdownDeadline(state.engine, config.graceful_timeout_s)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, _request_exit, server, state.engine, grpc_drain,
-                                    deadline, signum)
-        logger.info("serving {} on http://{}:{}", state.model_id, config.host, config.port)
-        supervisor = Supervisor(executor, state.engine, config, warmup,
-                                on_give_up=lambda: setattr(server, "should_exit", True))
-        watches = [asyncio.ensure_future(supervisor.run())]
-        if config.status_interval_s:
-            status = StatusLogger(state.engine, config.status_interval_s)
-            watches.append(asyncio.ensure_future(status.run()))
+        engine, facts, warmup = await build_engine(config, client)
+        engine.start()
+        count = api_server_count(config, facts)
+        if count:
+            logger.info("starting {} API process(es) beside the engine", count)
+            frontend = ApiProcesses(engine, config, facts, count)
+        else:
+            state = make_state(engine, engine.scheduler, engine.tokenizer, facts, config)
+            frontend = ApiServers(state, config)
         try:
-            await server.serve()
+            await frontend.start()
+            # NOTE: start-up objects (tokenizer, modules) never become garbage; taken out
+            # of the collector's reach, each full collection (which stops the event loop)
+            # stays short while large requests allocate.
+            gc.collect()
+            gc.freeze()
+            log_serving(facts.model_id, config, frontend.grpc_port,
+                        getattr(frontend, "http_port", None))
+            deadline = ShutdownDeadline(engine, config.graceful_timeout_s)
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, _request_exit, frontend, engine, deadline,
+                                        config.graceful_timeout_s, signum)
+            supervisor = Supervisor(executor, engine, config, warmup,
+                                    on_give_up=frontend.request_exit)
+            watches = [asyncio.ensure_future(supervisor.run())]
+            if config.status_interval_s:
+                status = StatusLogger(engine, config.status_interval_s)
+                watches.append(asyncio.ensure_future(status.run()))
+            try:
+                await frontend.serve()
+            finally:
+                for watch in watches:
+                    watch.cancel()
+                await asyncio.gather(*watches, return_exceptions=True)
+                await deadline.cancel()
         finally:
-            for watch in watches:
-                watch.cancel()
-            await asyncio.gather(*watches, return_exceptions=True)
-            await grpc_drain.wait()  # started with the HTTP drain, as long at most
-            await deadline.cancel()
-            await state.engine.stop()
-            await state.engine.close_shards()  # the group's client now (after restarts)
+            await engine.stop()
+            await engine.close_shards()  # the group's client now (after restarts)
             client = None
     finally:
         if client is not None:
             await client.close()
         await executor.stop()
         logger.info("stopped")
-    return 1 if supervisor is not None and supervisor.gave_up else 0
+    gave_up = supervisor is not None and supervisor.gave_up
+    return 1 if gave_up or (frontend is not None and frontend.failed) else 0
 
 
 class Supervisor:
@@ -342,27 +338,6 @@ class Supervisor:
         return False
 
 
-class GrpcDrain:
-    """Stops the public gRPC server once: open calls (streams included) get
-    ``grace_s`` seconds to finish, new calls are answered UNAVAILABLE meanwhile."""
-
-    def __init__(self, server: grpc.aio.Server | None, grace_s: float) -> None:
-        self.server = server
-        self.grace_s = grace_s
-        self._stopping: asyncio.Future[None] | None = None
-
-    def start(self) -> None:
-        """Begin the drain (no-op once begun, or without a gRPC server)."""
-        if self.server is not None and self._stopping is None:
-            self._stopping = asyncio.ensure_future(self.server.stop(grace=self.grace_s))
-
-    async def wait(self) -> None:
-        """Begin the drain if needed and wait until the server has stopped."""
-        self.start()
-        if self._stopping is not None:
-            await self._stopping
-
-
 class ShutdownDeadline:
     """Fails the requests still unfinished ``SHUTDOWN_MARGIN_S`` seconds before the
     graceful timeout ends (at once when it is shorter than that).
@@ -409,18 +384,17 @@ class ShutdownDeadline:
 
 
 def _request_exit(
-    server: uvicorn.Server, engine: Engine, grpc_drain: GrpcDrain,
-    deadline: ShutdownDeadline, signum: int,
+    frontend: ApiServers | ApiProcesses, engine: Engine, deadline: ShutdownDeadline,
+    grace_s: int, signum: int,
 ) -> None:
-    """Stop admission: uvicorn closes its listening socket and the gRPC server refuses
-    new calls (UNAVAILABLE); both wait up to ``--graceful-timeout`` for open requests
-    (streams included) to finish, and requests still running shortly before it ends are
-    failed (see :class:`ShutdownDeadline`)."""
+    """Stop admission: the engine refuses new requests, the API servers (or processes)
+    stop accepting and wait up to ``--graceful-timeout`` for open requests (streams
+    included) to finish, and requests still running shortly before it ends are failed
+    (see :class:`ShutdownDeadline`)."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
-                server.config.timeout_graceful_shutdown)
+                grace_s)
     engine.drain()
-    server.should_exit = True
-    grpc_drain.start()
+    frontend.request_exit()
     deadline.start()
 
 

@@ -90,11 +90,21 @@ class TokenEvent:
     prompt_logprobs: tuple[float, ...] = ()
 
 
+class Refusal(enum.Enum):
+    """Why an engine refused a request at submission (see ``router.engine.submit``)."""
+
+    QUEUE_FULL = "queue_full"
+    SHUTTING_DOWN = "shutting_down"
+
+
 @dataclass(frozen=True)
 class ErrorEvent:
-    """The request failed after it was accepted (for example a shard died)."""
+    """The request failed after it was accepted (for example a shard died), or, with
+    ``refusal`` set, was refused at submission by an engine in another process (whose
+    refusal reaches the API process as the stream's only event)."""
 
     message: str
+    refusal: Refusal | None = None
 
 
 Event = TokenEvent | ErrorEvent

@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from tokenizers import Encoding
@@ -24,7 +24,6 @@ from router.config import SchedulerConfig, ValidationLimits
 from router.grammar import GrammarChecker, GrammarError, json_schema_grammar, regex_grammar
 from router.parameters import MAX_SEED, GenerateParameters, GrammarParameters
 from router.request import GenerationRequest, SamplingParams, StoppingParams
-from router.scheduler import Scheduler
 from router.tokenizer import Tokenizer
 
 # Below this temperature a request is greedy (OpenAI's temperature 0).
@@ -106,6 +105,27 @@ def with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
     return replace(request, sampling=replace(request.sampling, seed=seed))
 
 
+class KvCapacity(Protocol):
+    """The KV cache's size (a block manager, or its copy in an API process)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
+class Budgets(Protocol):
+    """Where the budgets in force are read: the engine's scheduler, or its copy in an API
+    process (updated after each shard-group restart)."""
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+
+    @property
+    def block_manager(self) -> KvCapacity: ...
+
+
 @dataclass(frozen=True)
 class Validator:
     """Checks requests against the tokenizer, token budgets and parameter limits.
@@ -120,7 +140,7 @@ class Validator:
     """
 
     tokenizer: Tokenizer
-    scheduler: Scheduler
+    scheduler: Budgets
     limits: ValidationLimits
     max_request_bytes: int = 1 << 20
     grammars: GrammarChecker = field(default=None)  # type: ignore[assignment]

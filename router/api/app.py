@@ -32,7 +32,6 @@ from router.api import openai as openai_api
 from router.api import tgi
 from router.api.auth import ApiKeyAuth
 from router.api.generation import ClientDisconnected, GenerationFailed
-from router.api.health import health_problem
 from router.api.limits import BodySizeLimit
 from router.api.openai import ModelNotFoundError
 from router.api.schemas import ErrorResponse, Info
@@ -136,7 +135,7 @@ class CancelledAsError:
 
 def _count_rejected(state: ServerState) -> None:
     """Count a request refused before it reached the engine."""
-    state.engine.metrics.requests.labels("rejected").inc()
+    state.engine.count_rejected()
 
 
 async def _schema_error(request: Request, exc: SchemaValidationError) -> JSONResponse:
@@ -211,7 +210,7 @@ service = APIRouter(tags=["TGI"])
 async def health(request: Request, state: State) -> JSONResponse:
     """200 when every shard answers, the last step succeeded and the server is not
     shutting down, else 503 (the gRPC health service answers the same)."""
-    problem = await health_problem(state)
+    problem = await state.engine.health_problem()
     if problem is not None:
         return _error(request, 503, problem, "unhealthy")
     return JSONResponse({"status": "ok"})
@@ -220,14 +219,14 @@ async def health(request: Request, state: State) -> JSONResponse:
 @service.get("/metrics", response_class=PlainTextResponse)
 async def metrics(state: State) -> PlainTextResponse:
     """Prometheus text exposition (names listed in the README)."""
-    return PlainTextResponse(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return PlainTextResponse(await state.engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
 @service.get("/info", response_model=Info)
 async def info(state: State) -> Info:
     """Model, shards, KV cache and request limits."""
     budgets = state.engine.config
-    status = state.engine.status()
+    status = await state.engine.snapshot()
     limits = state.validator.limits
     return Info(
         model_id=state.model_id,

@@ -16,9 +16,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from router.engine import Engine
+from router.engine import EngineApi, RequestHandle, refusal_error
 from router.request import ErrorEvent, Event, Finish, FinishReason, GenerationRequest, TokenEvent
-from router.request import Sequence as SequenceState
 from router.validation import public_seed
 
 T = TypeVar("T")
@@ -78,6 +77,12 @@ def text_without_stop(text: str, finish: Finish | None) -> str:
     return text
 
 
+def failure(event: ErrorEvent) -> Exception:
+    """What a stream reader raises for ``event``: the refusal it carries
+    (``QueueFullError``, ``ShuttingDownError``) or :class:`GenerationFailed`."""
+    return refusal_error(event) or GenerationFailed(event.message)
+
+
 class ClientDisconnected(RuntimeError):
     """The client went away before its (non-streaming) answer was ready."""
 
@@ -107,7 +112,7 @@ def client_gone(request: Request) -> ClientGone:
 
 
 async def run_all(
-    engine: Engine,
+    engine: EngineApi,
     requests: Sequence[GenerationRequest],
     gone: ClientGone | None = None,
     token_texts: bool = True,
@@ -206,7 +211,7 @@ class StartedStream:
 
 
 async def start_stream(
-    engine: Engine, requests: Sequence[GenerationRequest], gone: ClientGone | None,
+    engine: EngineApi, requests: Sequence[GenerationRequest], gone: ClientGone | None,
 ) -> StartedStream:
     """Submit ``requests`` as one stream and wait for its first event, so that a 429 or
     a queue wait comes before the response starts; a client that leaves meanwhile
@@ -239,7 +244,7 @@ class MergedStream:
     sends them together.
     """
 
-    def __init__(self, engine: Engine, requests: Sequence[GenerationRequest]) -> None:
+    def __init__(self, engine: EngineApi, requests: Sequence[GenerationRequest]) -> None:
         self._engine = engine
         self._requests = list(requests)
         self._queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
@@ -248,7 +253,7 @@ class MergedStream:
         self._open = len(self._requests)
         # One request (the usual case) is read from its sequence directly, without a
         # pump task and a second queue between it and the reader.
-        self._seq: SequenceState | None = None
+        self._seq: RequestHandle | None = None
         self._ended = False
 
     async def __aenter__(self) -> MergedStream:
@@ -295,7 +300,7 @@ class MergedStream:
             event = await events.get()
             if isinstance(event, ErrorEvent):
                 self._ended = True
-                raise GenerationFailed(event.message)
+                raise failure(event)
             self._ended = event.finish is not None
             yield 0, event
 
@@ -310,7 +315,7 @@ class MergedStream:
             elif isinstance(item, BaseException):
                 raise item
             elif isinstance(item, ErrorEvent):
-                raise GenerationFailed(item.message)
+                raise failure(item)
             else:
                 yield index, item
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from router.api.offload import Offload
-from router.engine import Engine
+from router.engine import EngineApi
 from router.validation import Validator
 
 
@@ -17,6 +17,7 @@ class ServerState:
     """Shared by the HTTP app and the public gRPC service.
 
     Attributes:
+        engine: The engine (in this process), or its proxy in an API process.
         model_id: Name reported by /info, /v1/models, ModelInfo and OpenAI responses.
         device_type: "cpu" or "cuda".
         model_aliases: Further names the OpenAI routes accept in ``model``
@@ -26,7 +27,7 @@ class ServerState:
         offload: Threads that tokenize and render chat templates off the event loop.
     """
 
-    engine: Engine
+    engine: EngineApi
     validator: Validator
     model_id: str
     dtype: str

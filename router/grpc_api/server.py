@@ -15,7 +15,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router.api.health import health_problem
 from router.api.state import ServerState
 from router.grpc_api.auth import ApiKeyInterceptor
 from router.grpc_api.servicer import TextGenerationServicer
@@ -28,7 +27,7 @@ WATCH_REFRESH_S = 1.0
 
 class HealthServicer(health.aio.HealthServicer):
     """``grpc.health.v1.Health`` following ``GET /health``: each Check asks the same
-    question (:func:`router.api.health.health_problem`) for ``""`` and the
+    question (:meth:`router.engine.Engine.health_problem`) for ``""`` and the
     TextGeneration service; Watch streams re-ask it every ``WATCH_REFRESH_S``."""
 
     def __init__(self, state: ServerState) -> None:
@@ -37,7 +36,7 @@ class HealthServicer(health.aio.HealthServicer):
 
     async def refresh(self) -> None:
         """Set both services' status from the server's health now."""
-        problem = await health_problem(self._state)
+        problem = await self._state.engine.health_problem()
         status = (health_pb2.HealthCheckResponse.SERVING if problem is None
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):

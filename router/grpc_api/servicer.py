@@ -54,7 +54,7 @@ async def _call(
     try:
         return await work
     except RequestValidationError as error:
-        state.engine.metrics.requests.labels("rejected").inc()
+        state.engine.count_rejected()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     except ShuttingDownError as error:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import httpx
@@ -10,6 +13,9 @@ import pytest
 from router.api.app import ServerState, create_app
 from router.config import SchedulerConfig, ValidationLimits
 from router.engine import Engine
+from router.engine_client import EngineClient
+from router.engine_ipc import BudgetsUpdate
+from router.engine_server import ApiConnection
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 from tests.unit.api.scripted import Script, ScriptedShardClient
@@ -48,11 +54,30 @@ def scripted_state(
     return state, shard
 
 
-@pytest.fixture
-async def make_app(tokenizer: Tokenizer) -> AsyncIterator[AppFactory]:
-    """Factory: ``await make_app(script, **scheduler_budgets)`` → (client, shard, engine)."""
+async def engine_client_of(engine: Engine) -> tuple[EngineClient, list[asyncio.Future[None]]]:
+    """An API process's proxy of ``engine``, over a socket pair in this process (the same
+    messages as between two processes), and the two tasks serving it."""
+    ours, theirs = socket.socketpair()
+    engine_reader, engine_writer = await asyncio.open_unix_connection(sock=ours)
+    api_reader, api_writer = await asyncio.open_unix_connection(sock=theirs)
+    connection = ApiConnection(engine, engine_reader, engine_writer, "API process (test)")
+    manager = engine.block_manager
+    client = EngineClient(api_reader, api_writer, engine.tokenizer,
+                          BudgetsUpdate(engine.config, manager.num_blocks, manager.block_size))
+    return client, [asyncio.ensure_future(connection.serve()), asyncio.ensure_future(client.run())]
+
+
+@pytest.fixture(params=["in_process", "api_process"])
+async def make_app(
+    tokenizer: Tokenizer, request: pytest.FixtureRequest
+) -> AsyncIterator[AppFactory]:
+    """Factory: ``await make_app(script, **scheduler_budgets)`` → (client, shard, engine).
+
+    Every test using it runs twice: the app over the engine in its process, and over an
+    :class:`EngineClient` as in an API process (``--api-server-count``)."""
     engines: list[Engine] = []
     clients: list[httpx.AsyncClient] = []
+    serving: list[asyncio.Future[None]] = []
 
     async def factory(
         script: Script, limits: ValidationLimits | None = None, max_request_bytes: int = 1 << 20,
@@ -60,8 +85,15 @@ async def make_app(tokenizer: Tokenizer) -> AsyncIterator[AppFactory]:
     ) -> tuple[httpx.AsyncClient, ScriptedShardClient, Engine]:
         state, shard = scripted_state(tokenizer, script, limits, max_request_bytes, **budgets)
         engine = state.engine
+        assert isinstance(engine, Engine)
         engine.start()
         engines.append(engine)
+        if request.param == "api_process":
+            proxy, tasks = await engine_client_of(engine)
+            serving.extend(tasks)
+            state = dataclasses.replace(
+                state, engine=proxy,
+                validator=dataclasses.replace(state.validator, scheduler=proxy.budgets))
         transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
         client = httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
         clients.append(client)
@@ -72,6 +104,9 @@ async def make_app(tokenizer: Tokenizer) -> AsyncIterator[AppFactory]:
         await client.aclose()
     for engine in engines:
         await engine.stop()
+    for task in serving:
+        task.cancel()
+    await asyncio.gather(*serving, return_exceptions=True)
 
 
 def sse_data(body: str) -> list[str]:

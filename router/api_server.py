@@ -1,0 +1,151 @@
+"""The API servers of one process: HTTP (uvicorn) and the public gRPC API.
+
+They run in the engine's process (``--api-server-count 0``) or in each API process
+(:mod:`router.api_process`), over an :class:`~router.engine.EngineApi`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+from loguru import logger
+
+from router.api.app import ServerState, create_app
+from router.api.http_server import make_http_server
+from router.config import ServerConfig
+from router.engine import EngineApi
+from router.grpc_api.server import start_grpc_server
+from router.tokenizer import Tokenizer
+from router.validation import Budgets, Validator
+
+
+def package_version() -> str:
+    """Installed version of shardserve."""
+    try:
+        return version("shardserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the shards reported at start-up, as ``/info`` and the OpenAI routes show it."""
+
+    model_id: str
+    dtype: str
+    device_type: str
+    num_shard: int
+    attention_backend: str
+    version: str
+
+
+def make_state(engine: EngineApi, budgets: Budgets, tokenizer: Tokenizer,
+               facts: ModelFacts, config: ServerConfig) -> ServerState:
+    """The state the APIs serve: ``engine``, a validator reading ``budgets``, the facts
+    and the server's flags."""
+    validator = Validator(
+        tokenizer=tokenizer,
+        scheduler=budgets,
+        limits=config.limits,
+        max_request_bytes=config.max_request_bytes,
+    )
+    return ServerState(
+        engine=engine,
+        validator=validator,
+        model_id=facts.model_id,
+        dtype=facts.dtype,
+        device_type=facts.device_type,
+        num_shard=facts.num_shard,
+        attention_backend=facts.attention_backend,
+        version=facts.version,
+        max_request_bytes=config.max_request_bytes,
+        model_aliases=config.served_model_names[1:],
+        api_key=config.api_key,
+    )
+
+
+class GrpcDrain:
+    """Stops the public gRPC server once: open calls (streams included) get
+    ``grace_s`` seconds to finish, new calls are answered UNAVAILABLE meanwhile."""
+
+    def __init__(self, server: grpc.aio.Server | None, grace_s: float) -> None:
+        self.server = server
+        self.grace_s = grace_s
+        self._stopping: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Begin the drain (no-op once begun, or without a gRPC server)."""
+        if self.server is not None and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self.server.stop(grace=self.grace_s))
+
+    async def wait(self) -> None:
+        """Begin the drain if needed and wait until the server has stopped."""
+        self.start()
+        if self._stopping is not None:
+            await self._stopping
+
+
+class ApiServers:
+    """HTTP and public gRPC over ``state`` until asked to exit.
+
+    Args:
+        state: What the APIs serve.
+        config: Host, ports, timeouts.
+        http_socket: A listening socket to serve HTTP on (shared by several API
+            processes); None = bind ``config.host:config.port``.
+    """
+
+    def __init__(self, state: ServerState, config: ServerConfig,
+                 http_socket: socket.socket | None = None) -> None:
+        self.state = state
+        self.config = config
+        self.http_socket = http_socket
+        self.http = make_http_server(create_app(state), config.host, config.port,
+                                     config.header_timeout_s, config.graceful_timeout_s)
+        self.grpc_drain = GrpcDrain(None, config.graceful_timeout_s)
+        self.grpc_port: int | None = None
+        self.failed = False  # a frontend ended for a reason other than a request to exit
+
+    async def start(self) -> None:
+        """Start the gRPC server (HTTP starts in :meth:`serve`).
+
+        Raises:
+            RuntimeError: the gRPC port could not be bound.
+        """
+        if self.config.grpc_port:
+            server, self.grpc_port = await start_grpc_server(self.state, self.config.host,
+                                                             self.config.grpc_port)
+            self.grpc_drain.server = server
+        # NOTE: start-up objects (tokenizer, app, modules) never become garbage; taking
+        # them out of the collector's reach keeps each full collection short (it stops
+        # every thread, the event loop included) while large requests allocate.
+        gc.collect()
+        gc.freeze()
+
+    def request_exit(self) -> None:
+        """Stop admission: uvicorn closes its listening socket and the gRPC server
+        refuses new calls (UNAVAILABLE); both wait up to ``--graceful-timeout`` for open
+        requests (streams included) to finish."""
+        self.http.should_exit = True
+        self.grpc_drain.start()
+
+    async def serve(self) -> None:
+        """Serve until :meth:`request_exit` and the drain are done."""
+        try:
+            sockets = None if self.http_socket is None else [self.http_socket]
+            await self.http.serve(sockets=sockets)
+        finally:
+            await self.grpc_drain.wait()  # started with the HTTP drain, as long at most
+
+
+def log_serving(model_id: str, config: ServerConfig, grpc_port: int | None,
+                http_port: int | None = None) -> None:
+    """The "serving" lines of the log."""
+    if grpc_port:
+        logger.info("serving the gRPC API on {}:{}", config.host, grpc_port)
+    logger.info("serving {} on http://{}:{}", model_id, config.host, http_port or config.port)

@@ -1,0 +1,148 @@
+"""The engine's side of one API process (``--api-server-count``, :mod:`router.engine_ipc`).
+
+:class:`ApiConnection` submits the requests an API process sends to the engine and
+forwards their events back: each request's event stream is a :class:`ForwardedEvents`,
+which the engine fills as it would fill a local reader's, and every event delivered in
+one engine iteration leaves in one message, written without waiting (the socket's
+buffer absorbs an API process that falls behind; the engine loop never waits for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from loguru import logger
+
+from router.engine import Engine, QueueFullError
+from router.engine_ipc import BudgetsUpdate, EventItem, encode, read_message, token_item
+from router.request import ErrorEvent, Event, EventStream, GenerationRequest, Sequence
+
+
+class ForwardedEvents(EventStream):
+    """The event stream of a request whose reader is in an API process: what the engine
+    puts on it goes to :meth:`ApiConnection.forward`. It has no reader here."""
+
+    def __init__(self, connection: ApiConnection, rid: int) -> None:
+        super().__init__()
+        self._connection = connection
+        self._rid = rid
+
+    def put_nowait(self, event: Event) -> None:
+        self._connection.forward(self._rid, event)
+
+    def put_all(self, events: list[Event]) -> None:
+        for event in events:
+            self._connection.forward(self._rid, event)
+
+
+class ApiConnection:
+    """Serves one API process over its socket until it closes.
+
+    Args:
+        engine: The engine requests are submitted to.
+        reader, writer: The socket's streams.
+        name: The API process, for the log.
+    """
+
+    def __init__(self, engine: Engine, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self._reader = reader
+        self._writer = writer
+        self._sequences: dict[int, Sequence] = {}
+        self._outbox: list[EventItem] = []
+        self._loop = asyncio.get_running_loop()
+        self._calls: set[asyncio.Task[None]] = set()
+
+    def forward(self, rid: int, event: Event) -> None:
+        """Queue ``event`` of request ``rid`` for the API process; the queue leaves in
+        one message once the engine's current iteration yields to the event loop."""
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append(token_item(rid, event))
+        if isinstance(event, ErrorEvent) or event.finish is not None:
+            self._sequences.pop(rid, None)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        self._send(("events", outbox))
+
+    def _send(self, message: tuple[object, ...]) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(encode(message))
+
+    def send_budgets(self) -> None:
+        """Tell the API process the budgets and KV capacity in force."""
+        manager = self.engine.block_manager
+        self._send(("budgets", BudgetsUpdate(self.engine.config, manager.num_blocks,
+                                             manager.block_size)))
+
+    async def serve(self) -> None:
+        """Read and apply the API process's messages until it closes its end; then
+        cancel its requests still running."""
+        self.engine.on_replaced.append(self.send_budgets)
+        try:
+            while True:
+                try:
+                    message = await read_message(self._reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                self._apply(message)
+        finally:
+            self.engine.on_replaced.remove(self.send_budgets)
+            for seq in self._sequences.values():
+                self.engine.cancel(seq)
+            self._sequences.clear()
+            for task in self._calls:
+                task.cancel()
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+
+    def _apply(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "submit":
+            self._submit(message[1], message[2])
+        elif kind == "cancel":
+            seq = self._sequences.pop(message[1], None)
+            if seq is not None:
+                self.engine.cancel(seq)
+        elif kind == "rejected":
+            self.engine.count_rejected()
+        elif kind == "call":
+            task = asyncio.ensure_future(self._answer(message[1], message[2]))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        else:
+            logger.error("unknown message {!r} from {}", kind, self.name)
+
+    def _submit(self, rid: int, request: GenerationRequest) -> None:
+        try:
+            seq = self.engine.submit(request, events=ForwardedEvents(self, rid))
+        except QueueFullError as error:
+            self.forward(rid, ErrorEvent(str(error), refusal=error.refusal))
+            return
+        self._sequences[rid] = seq
+
+    async def _answer(self, call_id: int, name: str) -> None:
+        try:
+            if name == "health":
+                value: object = await self.engine.health_problem()
+            elif name == "status":
+                value = self.engine.status()
+            elif name == "metrics":
+                value = self.engine.metrics.render()
+            else:
+                raise ValueError(f"unknown call {name!r}")
+        except BaseException as error:
+            # the caller gets an answer whatever happens: the failure, named
+            self._send(("failed", call_id, isinstance(error, asyncio.CancelledError),
+                        f"{type(error).__name__}: {error}"))
+            if not isinstance(error, Exception):
+                raise
+            logger.opt(exception=error).error("the call {!r} of {} failed", name, self.name)
+            return
+        self._send(("reply", call_id, value))
