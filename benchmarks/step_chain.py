@@ -123,6 +123,40 @@ def idle_table(shard: dict[str, list[tuple[int, int, int]]]) -> list[str]:
     return lines
 
 
+def pass_table(
+    times: dict[str, dict[int, int]], sizes: dict[int, int], min_size: int,
+    pause_s: float = 0.2, min_steps: int = 10,
+) -> list[str]:
+    """Per pass of the run (decode steps split where the router sent none for
+    ``pause_s``, as between a benchmark's passes; passes of fewer than ``min_steps``
+    chosen steps, such as warm-up requests, left out): over its steps of at least
+    ``min_size`` requests, the device's idle time before them (``device_gap``), the mean
+    forward, and the idle share, idle / (idle + forward), as markdown lines."""
+    sends = sorted((ns, k) for k, ns in times["send"].items())
+    passes: list[list[int]] = []
+    last_ns = None
+    for ns, k in sends:
+        if last_ns is None or ns - last_ns > pause_s * 1e9:
+            passes.append([])
+        passes[-1].append(k)
+        last_ns = ns
+    lines = ["| pass | steps | device idle before them, s | p50 / p90 / p99 ms | mean forward ms "
+             "| idle share |", "|---:|---:|---:|---|---:|---:|"]
+    for number, steps in enumerate(passes, 1):
+        chosen = [k for k in steps if sizes.get(k, 0) >= min_size
+                  and k in times["device_gap"] and k in times["answer"]]
+        if len(chosen) < min_steps:
+            continue
+        idle = [times["device_gap"][k] / 1e3 for k in chosen]
+        forward = [times["answer"][k] / 1e3 for k in chosen]
+        share = sum(idle) / (sum(idle) + sum(forward))
+        lines.append(f"| {number} | {len(chosen)} | {sum(idle) / 1e3:.3f} | "
+                     f"{percentile(idle, 50):.3f} / {percentile(idle, 90):.3f} / "
+                     f"{percentile(idle, 99):.3f} | {sum(forward) / len(forward):.2f} | "
+                     f"{share:.1%} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", type=Path)
@@ -146,6 +180,9 @@ def main() -> None:
     min_size = args.min_size or int(0.9 * max(sizes.values()))
     print(f"decode steps of {min_size} to {max(sizes.values())} requests")
     times = step_times(router, shard)
+    values = {point: {step: value for step, _, value in rows}
+              for point, rows in shard.items() if point in ("device_gap", "answer")}
+    print("\n".join(pass_table({"send": times["send"], **values}, sizes, min_size)) + "\n")
     rows = hop_table(times, sizes, min_size, args.steps_in_flight)
     period = [
         (times["recv"][k + 1] - times["recv"][k]) / 1e6 for k in times["recv"]
