@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.integration.live_server import launch_tiny
 
@@ -21,11 +22,13 @@ from tests.integration.live_server import launch_tiny
 LONG = {"max_new_tokens": 480, "ignore_eos": True}
 
 
+@pytest.mark.parametrize("api_servers", ["0", "1"])
 def test_requests_past_the_graceful_timeout_end_with_a_clear_error(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, api_servers: str
 ) -> None:
+    """With the APIs in the engine's process, and in an API process beside it."""
     server = launch_tiny(tiny_model_dir, tmp_path / "server.log",
-                         ["--graceful-timeout", "1"])
+                         ["--graceful-timeout", "1", "--api-server-count", api_servers])
     try:
         answers: dict[str, httpx.Response] = {}
 

@@ -1,0 +1,112 @@
+"""``--api-server-count``: API processes beside the engine process, each serving HTTP and
+the public gRPC API over a socket to the engine.
+
+Real server (``shardserve launch`` on the tiny model, local executor), real clients
+(httpx, the ``openai`` package, a gRPC stub), real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from router.pb import generate_pb2, generate_pb2_grpc
+from tests.integration.live_server import LiveServer, launch_tiny
+
+_API_PID = re.compile(r"API process (\d+) \(pid (\d+)\) serving")
+
+
+def api_pids(server: LiveServer, count: int = 2) -> dict[int, int]:
+    """``{index: pid}`` of the API processes, from the launcher's log, once all ``count``
+    are there (the first to start may answer /health before the others have)."""
+    deadline = time.monotonic() + 60
+    while True:
+        pids = {int(index): int(pid) for index, pid in _API_PID.findall(server.log())}
+        if len(pids) >= count or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    log_path = tmp_path_factory.mktemp("api-processes") / "server.log"
+    live = launch_tiny(tiny_model_dir, log_path, ["--api-server-count", "2"])
+    yield live
+    live.stop()
+
+
+def test_two_api_processes_serve_one_engine(server: LiveServer) -> None:
+    assert sorted(api_pids(server)) == [0, 1]
+    body = {"inputs": "The cat sat", "parameters": {"max_new_tokens": 8}}
+
+    def post(_: int) -> httpx.Response:
+        # a connection each: the kernel spreads them over both processes
+        return httpx.post(f"{server.url}/generate", json=body, timeout=120)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(post, range(32)))
+    assert all(answer.status_code == 200 for answer in answers), answers[0].text
+    texts = {answer.json()["generated_text"] for answer in answers}
+    assert len(texts) == 1 and texts != {""}  # greedy: the same answer every time
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model=client.models.list().data[0].id,
+                                            prompt="The cat sat", max_tokens=6,
+                                            temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(chunk.choices[0].text for chunk in chunks)
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = generate_pb2_grpc.TextGenerationStub(channel)
+        request = generate_pb2.GenerateRequest(
+            inputs="Hi", parameters=generate_pb2.Parameters(max_new_tokens=3, ignore_eos=True))
+        assert stub.Generate(request, timeout=60).sequence.generated_tokens == 3
+
+    # refused in an API process, counted by the engine; the engine's counts on /metrics
+    assert httpx.post(f"{server.url}/generate", json={"inputs": ""}, timeout=30
+                      ).status_code == 422
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'shardserve_requests_total{outcome="success"} 34.0' in metrics
+    assert 'shardserve_requests_total{outcome="rejected"} 1.0' in metrics
+    info = httpx.get(f"{server.url}/info", timeout=30).json()
+    assert info["kv_blocks_used"] == 0 and info["kv_blocks_total"] > 0
+
+
+def test_an_api_process_that_dies_stops_the_server(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = launch_tiny(tiny_model_dir, tmp_path / "server.log", ["--api-server-count", "2"])
+    try:
+        pids = api_pids(server)
+        os.kill(pids[0], signal.SIGKILL)
+        # the server exits with an error (a supervisor such as Kubernetes restarts it),
+        # its other API process and its shard with it
+        assert server.process.wait(timeout=90) == 1
+        assert f"API process (pid {pids[0]}) exited with code -9" in server.log()
+        deadline = time.monotonic() + 10
+        while alive(pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pids[1])
+        assert all(not alive(pid) for pid in server.shard_pids().values())
+    finally:
+        server.stop()
