@@ -121,6 +121,10 @@ class ApiProcesses:
             self.request_exit()
             await self._reap()
             raise
+        finally:
+            # each API process holds the socket now: once they have all closed theirs
+            # (draining), new connections are refused, as with one process
+            self._http.close()
 
     async def _start_one(self, index: int) -> None:
         assert self._http is not None
@@ -179,7 +183,7 @@ class ApiProcesses:
 
     async def _reap(self) -> None:
         """Wait for the processes (killing those still running past the graceful
-        timeout) and their connections; close the HTTP socket."""
+        timeout) and their connections."""
         limit = self.config.graceful_timeout_s + EXIT_MARGIN_S
         for process in self._processes:
             try:
@@ -190,9 +194,6 @@ class ApiProcesses:
                     process.kill()
                 await process.wait()
         await asyncio.gather(*self._connections, return_exceptions=True)
-        if self._http is not None:
-            self._http.close()
-            self._http = None
 
 
 async def _serve(ipc_fd: int, http_fd: int) -> int:
@@ -216,8 +217,10 @@ async def _serve(ipc_fd: int, http_fd: int) -> int:
         exiting = True
         servers.request_exit()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, exit_now)
+    loop.add_signal_handler(signal.SIGTERM, exit_now)
+    # Ctrl-C reaches the whole process group: the launcher, which drains the engine
+    # and then sends SIGTERM here, decides
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
     listening = asyncio.ensure_future(client.run())
 
     def engine_gone(_: object) -> None:

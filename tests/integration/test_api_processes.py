@@ -110,3 +110,33 @@ def test_an_api_process_that_dies_stops_the_server(
         assert all(not alive(pid) for pid in server.shard_pids().values())
     finally:
         server.stop()
+
+
+def test_sigterm_drains_every_api_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = launch_tiny(tiny_model_dir, tmp_path / "server.log",
+                         ["--api-server-count", "2", "--graceful-timeout", "60"])
+    try:
+        pids = api_pids(server)
+        body = {"inputs": "a b", "parameters": {"max_new_tokens": 120, "ignore_eos": True}}
+        tokens = 0
+        refused = False
+        with httpx.stream("POST", f"{server.url}/generate_stream", json=body,
+                          timeout=120) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                tokens += 1
+                if tokens == 2:
+                    server.process.send_signal(signal.SIGTERM)
+                    time.sleep(0.5)
+                    # admission stopped: the listening socket is closed in every process
+                    try:
+                        httpx.post(f"{server.url}/generate", json=body, timeout=5)
+                    except httpx.ConnectError:
+                        refused = True
+        assert refused
+        assert tokens == 120  # the open stream ran to its end
+        assert server.process.wait(timeout=60) == 0
+        assert not any(alive(pid) for pid in pids.values())
+    finally:
+        server.stop()
