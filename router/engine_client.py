@@ -196,6 +196,10 @@ class EngineClient(EventSource):
             events = streams.get(rid)  # type: ignore[call-overload]
             if events is None:  # cancelled meanwhile
                 continue
+            if len(item) == 2 and isinstance(item[1], list):  # a whole answer
+                events.put_answer(item[1])
+                del streams[rid]  # type: ignore[arg-type]
+                continue
             event = event_of(item)
             events.put_nowait(event)
             if isinstance(event, ErrorEvent) or event.finish is not None:

@@ -17,7 +17,8 @@ API process → engine:
 Engine → API process:
     ``("events", [item, ...])``: the token events delivered to that process's requests
         since the last such message, in order: one message per engine step (see
-        :func:`token_item`).
+        :func:`token_item`); a request that does not stream gets its whole answer as
+        one item at its end, in the form the engine held it.
     ``("budgets", BudgetsUpdate)``: the token budgets and KV capacity in force (sent at
         start-up and after each shard-group restart).
     ``("reply", call_id, value)``, or ``("failed", call_id, cancelled, message)`` when
@@ -42,7 +43,8 @@ _LENGTH = struct.Struct("!I")
 CALLS = ("health", "status", "metrics")
 
 # An event on the wire: (rid, id, logprob, text, special, top_tokens, finish,
-# prompt_logprobs) for a token, (rid, ErrorEvent) for a failure or a refusal.
+# prompt_logprobs) for a token, (rid, ErrorEvent) for a failure or a refusal, and
+# (rid, [held event, ...]) for the whole answer of a request that does not stream.
 EventItem = tuple[object, ...]
 
 
@@ -87,7 +89,7 @@ def token_item(rid: int, event: Event) -> EventItem:
 
 
 def event_of(item: EventItem) -> Event:
-    """The event ``item`` (from :func:`token_item`) carries."""
+    """The event a token or error ``item`` (from :func:`token_item`) carries."""
     if len(item) == 2:
         event = item[1]
         assert isinstance(event, ErrorEvent)

@@ -17,7 +17,14 @@ from loguru import logger
 
 from router.engine import Engine, QueueFullError
 from router.engine_ipc import BudgetsUpdate, EventItem, encode, read_message, token_item
-from router.request import ErrorEvent, Event, EventStream, GenerationRequest, Sequence
+from router.request import (
+    ErrorEvent,
+    Event,
+    EventStream,
+    GenerationRequest,
+    HeldEvent,
+    Sequence,
+)
 
 
 class ForwardedEvents(EventStream):
@@ -35,6 +42,9 @@ class ForwardedEvents(EventStream):
     def put_all(self, events: list[Event]) -> None:
         for event in events:
             self._connection.forward(self._rid, event)
+
+    def put_answer(self, held: list[HeldEvent]) -> None:
+        self._connection.forward_answer(self._rid, held)
 
 
 class ApiConnection:
@@ -65,6 +75,14 @@ class ApiConnection:
         self._outbox.append(token_item(rid, event))
         if isinstance(event, ErrorEvent) or event.finish is not None:
             self._sequences.pop(rid, None)
+
+    def forward_answer(self, rid: int, held: list[HeldEvent]) -> None:
+        """Queue the whole answer of request ``rid`` (a request that does not stream),
+        as the engine holds it: one item, its plain tuples as they are."""
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append((rid, held))
+        self._sequences.pop(rid, None)
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []

@@ -129,8 +129,7 @@ class OutputProcessor:
             held = seq.held_events
             if event.finish is not None:
                 held.append(event)
-                seq.events.put_all([e if not isinstance(e, tuple) else TokenEvent(*e)
-                                    for e in held])
+                seq.events.put_answer(held)
                 seq.held_events = []
             elif event.top_tokens or event.prompt_logprobs:
                 held.append(event)

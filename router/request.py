@@ -108,6 +108,9 @@ class ErrorEvent:
 
 
 Event = TokenEvent | ErrorEvent
+# A token event held until its request ends: a TokenEvent, or, without alternatives or
+# finish, the plain tuple (id, logprob, text, special), which the collector does not track.
+HeldEvent = TokenEvent | tuple[int, float, str, bool]
 
 
 class EventStream:
@@ -137,6 +140,11 @@ class EventStream:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def put_answer(self, held: list[HeldEvent]) -> None:
+        """Append a whole answer's events (:attr:`Sequence.held_events`, plain tuples
+        among them) and wake the reader once."""
+        self.put_all([e if not isinstance(e, tuple) else TokenEvent(*e) for e in held])
 
     def empty(self) -> bool:
         return not self._events
@@ -188,7 +196,7 @@ class Sequence:
     epoch: int = 0
     # Token events held back until the end (requests with stream=False); one without
     # alternatives or finish is held as (id, logprob, text, special), see OutputProcessor.
-    held_events: list[Event | tuple[int, float, str, bool]] = field(default_factory=list)
+    held_events: list[HeldEvent] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None
     first_token_time: float | None = None

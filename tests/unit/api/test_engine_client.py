@@ -85,21 +85,31 @@ async def test_one_message_carries_every_event_of_an_engine_step(
     pair: tuple[Engine, EngineClient, list[Any]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, client, _ = pair
-    batches: list[int] = []
+    batches: list[list[Any]] = []
     send = ApiConnection._send
 
-    def counting(self: ApiConnection, message: tuple[object, ...]) -> None:
+    def recording(self: ApiConnection, message: tuple[Any, ...]) -> None:
         if message[0] == "events":
-            batches.append(len(message[1]))  # type: ignore[arg-type]
+            batches.append(message[1])
         send(self, message)
 
-    monkeypatch.setattr(ApiConnection, "_send", counting)
+    monkeypatch.setattr(ApiConnection, "_send", recording)
     stopping = StoppingParams(max_new_tokens=20, ignore_eos=True)
     requests = [GenerationRequest((5, i), SamplingParams(), stopping) for i in range(16)]
+
+    async def stream(request: GenerationRequest) -> int:
+        return len(await _events(client, request))
+
+    assert await asyncio.gather(*map(stream, requests)) == [20] * 16
+    # 16 × 20 token events in about one message per step (20 steps), not one per event
+    assert sum(map(len, batches)) == 16 * 20 and len(batches) <= 24
+
+    # whole answers: one item each, the engine's held events as they are
+    batches.clear()
     answers = await asyncio.wait_for(run_all(client, requests), 30.0)
-    assert all(len(done.tokens) == 20 for done in answers)
-    # 16 × 20 events in about one message per step (20 steps), not one per event
-    assert sum(batches) == 16 * 20 and len(batches) <= 24
+    assert [len(done.tokens) for done in answers] == [20] * 16
+    items = [item for batch in batches for item in batch]
+    assert len(items) == 16 and all(len(item[1]) == 20 for item in items)
 
 
 async def test_a_client_that_leaves_frees_its_blocks(
