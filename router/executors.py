@@ -123,7 +123,10 @@ class LocalExecutor:
                               host=self.host, port=port)
             # Every shard setting is a flag: the router's SHARDSERVE_* variables stay out.
             env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-            process = subprocess.Popen([sys.executable, "-m", "shard.server", *args], env=env)
+            # A session of its own: Ctrl-C on the terminal reaches the launcher, which
+            # drains the running requests and then stops the shards, not the shards first.
+            process = subprocess.Popen([sys.executable, "-m", "shard.server", *args], env=env,
+                                       start_new_session=True)
             self.processes.append(process)
             logger.info("shard rank {}: pid {} on node local at {}:{}", rank, process.pid,
                         self.host, port)

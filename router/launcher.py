@@ -138,8 +138,8 @@ async def build_engine(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
         config.scheduler.max_batch_size,
     )
-    logger.info("warming up {} shard(s) on {}: a worst-case prefill of {} tokens, then sizing "
-                "the KV cache (each phase is logged)", len(infos), first.device,
+    logger.info("warming up {} shard(s) on {}: sizing the KV cache and a worst-case prefill of "
+                "{} tokens (each phase is logged)", len(infos), first.device,
                 before["max_batch_prefill_tokens"])
     started = time.monotonic()
     # Local shards share this terminal, where rank 0 draws a bar: no lines across it.

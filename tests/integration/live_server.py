@@ -92,6 +92,9 @@ def launch_tiny(
              "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
              *(TINY_BUDGETS if budgets is None else budgets), *(args or [])],
             stdout=log, stderr=subprocess.STDOUT, env=full_env,
+            # a process group of its own, as a server started from a terminal has (a
+            # test may signal the group, as Ctrl-C does)
+            start_new_session=True,
         )
     server = LiveServer(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", process, log_path)
     if wait:

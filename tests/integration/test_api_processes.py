@@ -140,3 +140,28 @@ def test_sigterm_drains_every_api_process(tiny_model_dir: Path, tmp_path: Path) 
         assert not any(alive(pid) for pid in pids.values())
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("api_servers", ["0", "1"])
+def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path,
+                                    api_servers: str) -> None:
+    """SIGINT to the whole process group, as Ctrl-C on a terminal sends it: the shards
+    and the API processes leave the decision to the launcher, which drains."""
+    server = launch_tiny(tiny_model_dir, tmp_path / "server.log",
+                         ["--api-server-count", api_servers])
+    try:
+        body = {"inputs": "a b", "parameters": {"max_new_tokens": 60, "ignore_eos": True}}
+        tokens = 0
+        with httpx.stream("POST", f"{server.url}/generate_stream", json=body,
+                          timeout=120) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                assert "error" not in line, line
+                tokens += 1
+                if tokens == 2:
+                    os.killpg(server.process.pid, signal.SIGINT)
+        assert tokens == 60
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()
