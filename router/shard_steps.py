@@ -169,6 +169,8 @@ class ShardSteps:
             top_n_tokens=seq.request.top_n_tokens,
             # Prompt logprobs are sent once, with the first token (not after a recompute).
             prompt_logprobs=seq.wants_prompt_logprobs,
-            num_generated=len(seq.output_ids),
+            # generated tokens among input_ids: a partial chunk of a recompute after
+            # preemption may end inside them, or before them
+            num_generated=max(0, chunk.end - len(seq.prompt_ids)),
             grammar=seq.request.grammar,
         )

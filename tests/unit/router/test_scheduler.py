@@ -162,3 +162,30 @@ def test_decoding_sequences_keep_consecutive_block_tables() -> None:
     assert scheduler.block_manager.num_free == 200
     assert scheduler.block_manager.num_reserved == 0
     scheduler.block_manager.check_integrity()
+
+
+def test_recompute_chunks_count_the_generated_tokens_they_hold() -> None:
+    """A recompute after preemption is prefilled in chunks of prompt + generated tokens:
+    each chunk's request says how many of its tokens were generated (0 in a chunk that
+    ends in the prompt), which the shard checks against its input_ids."""
+    from router.shard_steps import ShardSteps
+    from shard.pb_convert import request_from_pb
+    from shard.step_checks import validate_request
+
+    config = SchedulerConfig(max_input_tokens=64, max_total_tokens=128,
+                             max_batch_prefill_tokens=16, prefix_caching=False)
+    scheduler = Scheduler(config, BlockManager(100, block_size=4, enable_prefix_caching=False))
+    seq = make_seq(0, 24)
+    scheduler.add(seq)
+    while seq.status is not Status.RUNNING:
+        prefill_all(scheduler)
+    seq.output_ids.extend(range(100, 140))  # 64 tokens to recompute: 24 + 40
+    scheduler._preempt(seq)
+    steps = ShardSteps(client=None, block_size=4)  # type: ignore[arg-type]
+    counted = []
+    while seq.status is not Status.RUNNING:
+        for chunk in prefill_all(scheduler):
+            request = request_from_pb(steps._request(chunk))
+            validate_request(request, block_size=4, num_blocks=100, vocab_size=1000)
+            counted.append((chunk.end, request.num_generated))
+    assert counted == [(16, 0), (32, 8), (48, 24), (64, 40)]
