@@ -26,6 +26,7 @@ import contextlib
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loguru import logger
@@ -97,6 +98,10 @@ class ApiProcesses:
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self.failed = False
+        # called when an API process exits unasked (default: request_exit); the launcher
+        # makes it the drain a SIGTERM starts, so the other processes' requests end
+        # with an error that says why instead of a cut connection
+        self.on_failure: Callable[[], None] = self.request_exit
         self._http: socket.socket | None = None
         self._processes: list[asyncio.subprocess.Process] = []
         self._connections: list[asyncio.Future[None]] = []
@@ -177,7 +182,7 @@ class ApiProcesses:
                 logger.error("API process (pid {}) exited with code {}; stopping the server",
                              process.pid, process.returncode)
                 self.failed = True
-                self.request_exit()
+                self.on_failure()
         finally:
             await self._reap()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import signal
 import sys
@@ -219,6 +220,9 @@ async def serve(config: ServerConfig) -> int:
             log_serving(facts.model_id, config, frontend.grpc_port,
                         getattr(frontend, "http_port", None))
             deadline = ShutdownDeadline(engine, config.graceful_timeout_s)
+            if isinstance(frontend, ApiProcesses):
+                frontend.on_failure = functools.partial(_stop_serving, frontend, engine,
+                                                        deadline)
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _request_exit, frontend, engine, deadline,
@@ -393,6 +397,12 @@ def _request_exit(
     (see :class:`ShutdownDeadline`)."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
                 grace_s)
+    _stop_serving(frontend, engine, deadline)
+
+
+def _stop_serving(frontend: ApiServers | ApiProcesses, engine: Engine,
+                  deadline: ShutdownDeadline) -> None:
+    """Begin the drain: what a SIGTERM starts (see :func:`_request_exit`)."""
     engine.drain()
     frontend.request_exit()
     deadline.start()

@@ -165,3 +165,52 @@ def test_ctrl_c_drains_like_sigterm(tiny_model_dir: Path, tmp_path: Path,
         assert server.process.wait(timeout=60) == 0
     finally:
         server.stop()
+
+
+def _owner_of_connection(pids: list[int], server_port: int, client_port: int) -> int:
+    """Which of ``pids`` holds the server side of the TCP connection between
+    ``server_port`` and ``client_port`` (read from /proc: the socket's inode)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if (int(local.split(":")[1], 16) == server_port
+                and int(remote.split(":")[1], 16) == client_port):
+            inode = fields[9]
+    assert inode is not None, "connection not found"
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError("no API process holds the connection")
+
+
+def test_when_an_api_process_dies_the_others_streams_end_with_a_reason(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = launch_tiny(tiny_model_dir, tmp_path / "server.log",
+                         ["--api-server-count", "2", "--graceful-timeout", "2"])
+    try:
+        pids = list(api_pids(server).values())
+        body = {"inputs": "a b", "parameters": {"max_new_tokens": 480, "ignore_eos": True}}
+        last = ""
+        with httpx.stream("POST", f"{server.url}/generate_stream", json=body,
+                          timeout=120) as stream:
+            client_port = stream.extensions["network_stream"].get_extra_info("client_addr")[1]
+            port = int(server.url.rsplit(":", 1)[1])
+            serving = _owner_of_connection(pids, port, client_port)
+            for line in stream.iter_lines():
+                if line.startswith("data:"):
+                    if not last:  # the first token: kill the other process
+                        os.kill(next(pid for pid in pids if pid != serving), signal.SIGKILL)
+                    last = line
+        # the stream on the surviving process ends with an error event saying why
+        # (the drain a SIGTERM starts), not with a cut connection
+        assert "shut down" in last, last
+        assert server.process.wait(timeout=60) == 1
+        assert "Exception in ASGI application" not in server.log()
+    finally:
+        server.stop()
