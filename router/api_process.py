@@ -37,6 +37,7 @@ from router.engine import Engine
 from router.engine_client import EngineClient
 from router.engine_ipc import BudgetsUpdate, encode, read_message
 from router.engine_server import ApiConnection
+from router.executors import StartupError
 from router.log import setup_logging
 from router.tokenizer import Tokenizer
 
@@ -56,12 +57,14 @@ class ApiProcessSetup:
         facts: What the shards reported.
         budgets: The budgets in force now.
         index: Which of the API processes this is (0-based), for the log.
+        count: How many there are.
     """
 
     config: ServerConfig
     facts: ModelFacts
     budgets: BudgetsUpdate
     index: int
+    count: int
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -115,10 +118,14 @@ class ApiProcesses:
         """Bind the HTTP port, start every API process and wait until each serves.
 
         Raises:
-            OSError: the HTTP port cannot be bound.
-            RuntimeError: an API process exited or did not answer during start-up.
+            StartupError: the HTTP port cannot be bound.
+            StartupError: an API process exited or did not answer during start-up.
         """
-        self._http = bind_http(self.config.host, self.config.port)
+        try:
+            self._http = bind_http(self.config.host, self.config.port)
+        except OSError as error:
+            raise StartupError(f"cannot serve HTTP on {self.config.host}:{self.config.port}: "
+                               f"{error.strerror or error} (--host, --port)") from error
         self.http_port = int(self._http.getsockname()[1])
         try:
             await asyncio.gather(*(self._start_one(index) for index in range(self.count)))
@@ -145,7 +152,7 @@ class ApiProcesses:
         name = f"API process {index} (pid {process.pid})"
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         writer.write(encode(("setup", ApiProcessSetup(self.config, self.facts, self._budgets(),
-                                                       index))))
+                                                       index, self.count))))
         ready = asyncio.ensure_future(read_message(reader))
         exited = asyncio.ensure_future(process.wait())
         await asyncio.wait({ready, exited}, timeout=START_TIMEOUT_S,
@@ -154,7 +161,7 @@ class ApiProcesses:
             ready.cancel()
             exited.cancel()
             writer.close()
-            raise RuntimeError(f"{name} did not start (see its log above)")
+            raise StartupError(f"{name} did not start (see its log above)")
         exited.cancel()
         kind, grpc_port = ready.result()
         assert kind == "ready", kind
@@ -212,8 +219,13 @@ async def _serve(ipc_fd: int, http_fd: int) -> int:
     tokenizer = Tokenizer.from_folder(config.shard.model_path)
     client = EngineClient(reader, writer, tokenizer, setup.budgets)
     state = make_state(client, client.budgets, tokenizer, setup.facts, config)
-    servers = ApiServers(state, config, http_socket=socket.socket(fileno=http_fd))
-    await servers.start()
+    servers = ApiServers(state, config, http_socket=socket.socket(fileno=http_fd),
+                         grpc_reuse_port=setup.count > 1)
+    try:
+        await servers.start()
+    except StartupError as error:
+        logger.error("API process {}: {}", setup.index, error)
+        return 1
     loop = asyncio.get_running_loop()
     exiting = False
 

@@ -19,6 +19,7 @@ from router.api.app import ServerState, create_app
 from router.api.http_server import make_http_server
 from router.config import ServerConfig
 from router.engine import EngineApi
+from router.executors import StartupError
 from router.grpc_api.server import start_grpc_server
 from router.tokenizer import Tokenizer
 from router.validation import Budgets, Validator
@@ -98,13 +99,16 @@ class ApiServers:
         config: Host, ports, timeouts.
         http_socket: A listening socket to serve HTTP on (shared by several API
             processes); None = bind ``config.host:config.port``.
+        grpc_reuse_port: Several processes bind the gRPC port (``SO_REUSEPORT``).
     """
 
     def __init__(self, state: ServerState, config: ServerConfig,
-                 http_socket: socket.socket | None = None) -> None:
+                 http_socket: socket.socket | None = None,
+                 grpc_reuse_port: bool = False) -> None:
         self.state = state
         self.config = config
         self.http_socket = http_socket
+        self.grpc_reuse_port = grpc_reuse_port
         self.http = make_http_server(create_app(state), config.host, config.port,
                                      config.header_timeout_s, config.graceful_timeout_s)
         self.grpc_drain = GrpcDrain(None, config.graceful_timeout_s)
@@ -115,11 +119,16 @@ class ApiServers:
         """Start the gRPC server (HTTP starts in :meth:`serve`).
 
         Raises:
-            RuntimeError: the gRPC port could not be bound.
+            StartupError: the gRPC port could not be bound.
         """
         if self.config.grpc_port:
-            server, self.grpc_port = await start_grpc_server(self.state, self.config.host,
-                                                             self.config.grpc_port)
+            try:
+                server, self.grpc_port = await start_grpc_server(
+                    self.state, self.config.host, self.config.grpc_port, self.grpc_reuse_port)
+            except RuntimeError as error:
+                raise StartupError(
+                    f"cannot bind the gRPC port {self.config.host}:{self.config.grpc_port} (in use "
+                    "or not an address of this machine; --host, --grpc-port)") from error
             self.grpc_drain.server = server
         # NOTE: start-up objects (tokenizer, app, modules) never become garbage; taking
         # them out of the collector's reach keeps each full collection short (it stops

@@ -67,9 +67,12 @@ class HealthServicer(health.aio.HealthServicer):
 
 
 async def start_grpc_server(
-    state: ServerState, host: str, port: int
+    state: ServerState, host: str, port: int, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int]:
     """Serve the public gRPC API on ``host:port`` (port 0 = any free port).
+
+    ``reuse_port``: bind with ``SO_REUSEPORT``, so that several API processes serve the
+    port; off, a port another process holds is an error (gRPC's default would share it).
 
     Returns:
         The started server and the port it listens on.
@@ -81,7 +84,8 @@ async def start_grpc_server(
     # Requests are bounded like HTTP bodies (--max-request-bytes); answers are not.
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", state.max_request_bytes)],
+        options=[("grpc.max_receive_message_length", state.max_request_bytes),
+                 ("grpc.so_reuseport", int(reuse_port))],
     )
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(state), server)

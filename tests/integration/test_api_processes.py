@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -214,3 +215,34 @@ def test_when_an_api_process_dies_the_others_streams_end_with_a_reason(
         assert "Exception in ASGI application" not in server.log()
     finally:
         server.stop()
+
+
+def _listening(reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if reuse_port:  # as another server's gRPC port is bound
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("api_servers", ["0", "1"])
+def test_ports_in_use_are_start_up_errors(tiny_model_dir: Path, tmp_path: Path,
+                                          api_servers: str) -> None:
+    """A gRPC port another server holds is not silently shared (SO_REUSEPORT only with
+    several API processes); an HTTP port in use is a one-line start-up error."""
+    with _listening(reuse_port=True) as grpc_taken, _listening(reuse_port=False) as http_taken:
+        grpc_port = grpc_taken.getsockname()[1]
+        server = launch_tiny(tiny_model_dir, tmp_path / "grpc.log",
+                             ["--api-server-count", api_servers, "--grpc-port", str(grpc_port)],
+                             wait=False)
+        assert server.process.wait(timeout=120) != 0
+        assert f"cannot bind the gRPC port 127.0.0.1:{grpc_port}" in server.log()
+        if api_servers == "1":
+            http_port = http_taken.getsockname()[1]
+            server = launch_tiny(tiny_model_dir, tmp_path / "http.log",
+                                 ["--api-server-count", "1", "--port", str(http_port)],
+                                 wait=False)
+            assert server.process.wait(timeout=120) == 1
+            assert (f"start-up failed: cannot serve HTTP on 127.0.0.1:{http_port}: Address "
+                    "already in use" in server.log())
