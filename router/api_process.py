@@ -35,8 +35,8 @@ from router.api_server import ApiServers, ModelFacts, make_state
 from router.config import ServerConfig
 from router.engine import Engine
 from router.engine_client import EngineClient
-from router.engine_ipc import BudgetsUpdate, encode, read_message
-from router.engine_server import ApiConnection
+from router.engine_ipc import BudgetsUpdate, read_message, send
+from router.engine_server import ApiConnection, budgets_of
 from router.executors import StartupError
 from router.log import setup_logging
 from router.tokenizer import Tokenizer
@@ -110,10 +110,6 @@ class ApiProcesses:
         self._connections: list[asyncio.Future[None]] = []
         self._exiting = False
 
-    def _budgets(self) -> BudgetsUpdate:
-        manager = self.engine.block_manager
-        return BudgetsUpdate(self.engine.config, manager.num_blocks, manager.block_size)
-
     async def start(self) -> None:
         """Bind the HTTP port, start every API process and wait until each serves.
 
@@ -151,8 +147,9 @@ class ApiProcesses:
         self._processes.append(process)
         name = f"API process {index} (pid {process.pid})"
         reader, writer = await asyncio.open_unix_connection(sock=ours)
-        writer.write(encode(("setup", ApiProcessSetup(self.config, self.facts, self._budgets(),
-                                                       index, self.count))))
+        setup = ApiProcessSetup(self.config, self.facts, budgets_of(self.engine), index,
+                                self.count)
+        send(writer, ("setup", setup))
         ready = asyncio.ensure_future(read_message(reader))
         exited = asyncio.ensure_future(process.wait())
         await asyncio.wait({ready, exited}, timeout=START_TIMEOUT_S,
@@ -247,7 +244,7 @@ async def _serve(ipc_fd: int, http_fd: int) -> int:
             servers.request_exit()
 
     listening.add_done_callback(engine_gone)
-    writer.write(encode(("ready", servers.grpc_port)))
+    send(writer, ("ready", servers.grpc_port))
     try:
         await servers.serve()
     finally:

@@ -112,6 +112,7 @@ class ApiServers:
         self.http = make_http_server(create_app(state), config.host, config.port,
                                      config.header_timeout_s, config.graceful_timeout_s)
         self.grpc_drain = GrpcDrain(None, config.graceful_timeout_s)
+        self.http_port = config.port
         self.grpc_port: int | None = None
         self.failed = False  # a frontend ended for a reason other than a request to exit
 

@@ -18,7 +18,7 @@ from loguru import logger
 
 from router.config import SchedulerConfig
 from router.engine import EngineStatus, EventSource
-from router.engine_ipc import BudgetsUpdate, EventItem, encode, event_of, read_message
+from router.engine_ipc import BudgetsUpdate, EventItem, event_of, messages, send
 from router.request import ErrorEvent, EventStream, GenerationRequest
 from router.tokenizer import Tokenizer
 
@@ -90,8 +90,7 @@ class EngineClient(EventSource):
         return self.budgets.config
 
     def _send(self, message: tuple[object, ...]) -> None:
-        if not self._writer.is_closing():
-            self._writer.write(encode(message))
+        send(self._writer, message)
 
     def submit(self, request: GenerationRequest) -> RemoteRequest:
         """Send ``request`` to the engine; its events (or its refusal) arrive on the
@@ -155,11 +154,7 @@ class EngineClient(EventSource):
         """Dispatch the engine's messages until it closes the socket; then every
         request still open ends with an :class:`ErrorEvent`."""
         try:
-            while True:
-                try:
-                    message = await read_message(self._reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
+            async for message in messages(self._reader):
                 self._apply(message)
         finally:
             self.gone = True

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from router.config import SchedulerConfig
@@ -67,6 +68,21 @@ def encode(message: tuple[object, ...]) -> bytes:
     """``message`` as one frame: its pickled length, then the pickle."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _LENGTH.pack(len(body)) + body
+
+
+def send(writer: asyncio.StreamWriter, message: tuple[object, ...]) -> None:
+    """Write ``message`` without waiting (a no-op once the socket is closing)."""
+    if not writer.is_closing():
+        writer.write(encode(message))
+
+
+async def messages(reader: asyncio.StreamReader) -> AsyncIterator[tuple[object, ...]]:
+    """The messages of ``reader`` until the other end closes the socket."""
+    while True:
+        try:
+            yield await read_message(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
 
 
 async def read_message(reader: asyncio.StreamReader) -> tuple[object, ...]:

@@ -16,7 +16,7 @@ from typing import Any
 from loguru import logger
 
 from router.engine import Engine, QueueFullError
-from router.engine_ipc import BudgetsUpdate, EventItem, encode, read_message, token_item
+from router.engine_ipc import BudgetsUpdate, EventItem, messages, send, token_item
 from router.request import (
     ErrorEvent,
     Event,
@@ -25,6 +25,12 @@ from router.request import (
     HeldEvent,
     Sequence,
 )
+
+
+def budgets_of(engine: Engine) -> BudgetsUpdate:
+    """The budgets and KV capacity ``engine`` holds now, as an API process needs them."""
+    manager = engine.block_manager
+    return BudgetsUpdate(engine.config, manager.num_blocks, manager.block_size)
 
 
 class ForwardedEvents(EventStream):
@@ -89,25 +95,18 @@ class ApiConnection:
         self._send(("events", outbox))
 
     def _send(self, message: tuple[object, ...]) -> None:
-        if not self._writer.is_closing():
-            self._writer.write(encode(message))
+        send(self._writer, message)
 
     def send_budgets(self) -> None:
         """Tell the API process the budgets and KV capacity in force."""
-        manager = self.engine.block_manager
-        self._send(("budgets", BudgetsUpdate(self.engine.config, manager.num_blocks,
-                                             manager.block_size)))
+        self._send(("budgets", budgets_of(self.engine)))
 
     async def serve(self) -> None:
         """Read and apply the API process's messages until it closes its end; then
         cancel its requests still running."""
         self.engine.on_replaced.append(self.send_budgets)
         try:
-            while True:
-                try:
-                    message = await read_message(self._reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
+            async for message in messages(self._reader):
                 self._apply(message)
         finally:
             self.engine.on_replaced.remove(self.send_budgets)

@@ -217,8 +217,7 @@ async def serve(config: ServerConfig) -> int:
             # stays short while large requests allocate.
             gc.collect()
             gc.freeze()
-            log_serving(facts.model_id, config, frontend.grpc_port,
-                        getattr(frontend, "http_port", None))
+            log_serving(facts.model_id, config, frontend.grpc_port, frontend.http_port)
             deadline = ShutdownDeadline(engine, config.graceful_timeout_s)
             if isinstance(frontend, ApiProcesses):
                 frontend.on_failure = functools.partial(_stop_serving, frontend, engine,

@@ -14,8 +14,7 @@ from router.api.app import ServerState, create_app
 from router.config import SchedulerConfig, ValidationLimits
 from router.engine import Engine
 from router.engine_client import EngineClient
-from router.engine_ipc import BudgetsUpdate
-from router.engine_server import ApiConnection
+from router.engine_server import ApiConnection, budgets_of
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 from tests.unit.api.scripted import Script, ScriptedShardClient
@@ -61,9 +60,7 @@ async def engine_client_of(engine: Engine) -> tuple[EngineClient, list[asyncio.F
     engine_reader, engine_writer = await asyncio.open_unix_connection(sock=ours)
     api_reader, api_writer = await asyncio.open_unix_connection(sock=theirs)
     connection = ApiConnection(engine, engine_reader, engine_writer, "API process (test)")
-    manager = engine.block_manager
-    client = EngineClient(api_reader, api_writer, engine.tokenizer,
-                          BudgetsUpdate(engine.config, manager.num_blocks, manager.block_size))
+    client = EngineClient(api_reader, api_writer, engine.tokenizer, budgets_of(engine))
     return client, [asyncio.ensure_future(connection.serve()), asyncio.ensure_future(client.run())]
 
 
