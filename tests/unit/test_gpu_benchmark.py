@@ -232,10 +232,14 @@ def test_power_log_falls_back_to_the_averaged_power_and_needs_nvidia_smi(
     missing.stop()
     assert missing.window(0.0, time.time()) is None
     # a sampler that printed nothing is reported on stderr
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'no GPU' >&2\n")
+    ran = tmp_path / "ran"  # one line per finished run: the probe, then the sampler
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho 'no GPU' >&2\necho x >> {ran}\n")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     quiet = PowerLog()
     assert quiet.start()
+    deadline = time.time() + 10  # as a real nvidia-smi without a GPU, it ends by itself
+    while (not ran.exists() or len(ran.read_text().split()) < 2) and time.time() < deadline:
+        time.sleep(0.02)
     quiet.stop()
     assert "no samples from nvidia-smi (no GPU)" in capsys.readouterr().err
 
