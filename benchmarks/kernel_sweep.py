@@ -18,8 +18,10 @@ server runs its decode step:
   against cuBLAS at up to 16 tokens, per projection over a grid of tiles, warps and
   stages, then a chain of one layer's four projections over the layers.
 - prefill attention (:func:`shard.attention.triton_kernels.prefill_attention`) at the
-  model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix) for
-  each tile / warps / stages configuration.
+  model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix): keys
+  from the paged cache and from the new K/V (``new_kv``) against flash-attn's varlen
+  kernel and torch SDPA, then each tile / warps / stages configuration in both modes
+  (not with ``--no-prefill-grid``).
 
 Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
        [--no-decode] [--decode-points 1x384 256x384 512x1100] [--quick-decode]
@@ -61,7 +63,7 @@ from shard.layers.skinny_gemm_kernel import (
     default_config,
     skinny_linear,
 )
-from tests.kernels.paged_cases import make_case
+from tests.kernels.paged_cases import PagedCase, make_case
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 49152
 
@@ -314,26 +316,46 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
 PREFILL_GRID = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
 
 
-def prefill_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
-    rows = ["| batch × tokens | block_m | block_n | warps | stages | µs | TFLOP/s |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+def _prefill_inputs(batch: int, seq_len: int, block_size: int
+                    ) -> tuple[PagedCase, tuple[object, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """A ``batch`` × ``seq_len`` prefill with no cached prefix: the case, the positional
+    arguments of :func:`prefill_attention`, and (k, v) as views of one QKV buffer, as
+    the server's new tokens lie in the projection's output."""
+    case = make_case([seq_len] * batch, [seq_len] * batch, HEADS, KV_HEADS, HEAD_DIM,
+                     block_size, torch.bfloat16, "cuda", spare_blocks=0)
+    md = case.metadata
+    args = (case.q, case.cache.key, case.cache.value, md.block_tables, md.cu_seqlens_q,
+            md.seq_lens, md.max_seqlen_q, case.scale)
+    qkv = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
+    k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM)
+    return case, args, (k, v)
+
+
+def _prefill_flops(batch: int, seq_len: int) -> float:
+    # causal: half of the score matrix, two matmuls (QK^T and PV) of 2 flops a term
+    return 4 * batch * HEADS * HEAD_DIM * seq_len * (seq_len + 1) / 2
+
+
+def prefill_sweep(points: list[tuple[int, int]], block_size: int, new_kv: bool) -> list[str]:
+    """Every configuration of :data:`PREFILL_GRID` at each point; keys from the paged
+    cache, or with ``new_kv`` from the new tokens' K/V as they are."""
+    rows = ["| batch × tokens | keys from | block_m | block_n | warps | stages | µs | TFLOP/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
     default = PrefillConfig()
+    source = "new K/V" if new_kv else "paged cache"
     for batch, seq_len in points:
-        case = make_case([seq_len] * batch, [seq_len] * batch, HEADS, KV_HEADS, HEAD_DIM,
-                         block_size, torch.bfloat16, "cuda", spare_blocks=0)
-        md = case.metadata
-        args = (case.q, case.cache.key, case.cache.value, md.block_tables, md.cu_seqlens_q,
-                md.seq_lens, md.max_seqlen_q, case.scale)
+        case, args, kv = _prefill_inputs(batch, seq_len, block_size)
         out = torch.empty_like(case.q)
-        # causal: half of the score matrix, two matmuls (QK^T and PV) of 2 flops a term
-        flops = 4 * batch * HEADS * HEAD_DIM * seq_len * (seq_len + 1) / 2
+        flops = _prefill_flops(batch, seq_len)
         results = []
         for block_m, block_n, warps, stages in PREFILL_GRID:
             config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps,
                                    num_stages=stages)
             try:
                 us = graph_time_us(functools.partial(prefill_attention, *args, out=out,
-                                                     config=config), reps=5)
+                                                     config=config,
+                                                     new_kv=kv if new_kv else None), reps=5)
             except Exception as exc:  # a config that does not compile is skipped, named
                 print(f"skipped {batch}x{seq_len} {config}: {str(exc).splitlines()[0][:100]}")
                 continue
@@ -343,9 +365,47 @@ def prefill_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
                                                     default.num_warps, default.num_stages)]
         for us, block_m, block_n, warps, stages in results[:6] + [
                 r for r in defaults if r not in results[:6]]:
-            rows.append(f"| {batch} × {seq_len} | {block_m} | {block_n} | {warps} | {stages} | "
-                        f"{us:.1f} | {flops / us / 1e6:.0f} |")
-        del case, args, out
+            rows.append(f"| {batch} × {seq_len} | {source} | {block_m} | {block_n} | {warps} | "
+                        f"{stages} | {us:.1f} | {flops / us / 1e6:.0f} |")
+        del case, args, out, kv
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_peers(points: list[tuple[int, int]], block_size: int) -> list[str]:
+    """Our prefill kernel (default configuration) with keys from the paged cache and from
+    the new K/V, against flash-attn's varlen kernel on the same new K/V (when
+    ``flash_attn`` imports) and torch SDPA on contiguous [batch, heads, tokens, dim]
+    tensors (K/V heads repeated beforehand): µs (TFLOP/s)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    rows = ["| batch × tokens | ours, paged cache | ours, new K/V | flash-attn varlen, new K/V "
+            "| torch SDPA, contiguous |", "|---|---:|---:|---:|---:|"]
+    for batch, seq_len in points:
+        case, args, (k, v) = _prefill_inputs(batch, seq_len, block_size)
+        md = case.metadata
+        out = torch.empty_like(case.q)
+        q4 = case.q.view(batch, seq_len, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        k4, v4 = (t.reshape(batch, seq_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+                  .repeat_interleave(HEADS // KV_HEADS, dim=1).contiguous() for t in (k, v))
+        fns: list[Callable[[], object] | None] = [
+            functools.partial(prefill_attention, *args, out=out),
+            functools.partial(prefill_attention, *args, out=out, new_kv=(k, v)),
+            None if flash_attn_varlen_func is None else functools.partial(
+                flash_attn_varlen_func, case.q, k, v, md.cu_seqlens_q, md.cu_seqlens_q,
+                seq_len, seq_len, softmax_scale=case.scale, causal=True),
+            functools.partial(F.scaled_dot_product_attention, q4, k4, v4, scale=case.scale,
+                              is_causal=True),
+        ]
+        flops = _prefill_flops(batch, seq_len)
+        cells = []
+        for fn in fns:
+            us = None if fn is None else graph_time_us(fn, reps=5)
+            cells.append("n/a" if us is None else f"{us:.1f} ({flops / us / 1e6:.0f})")
+        rows.append(f"| {batch} × {seq_len} | " + " | ".join(cells) + " |")
+        del case, args, out, q4, k4, v4, k, v
         torch.cuda.empty_cache()
     return rows
 
@@ -537,6 +597,8 @@ def main() -> None:
     p.add_argument("--prefill-points", nargs="*", default=None, metavar="BATCHxTOKENS",
                    help="also sweep the prefill kernel's configurations at these points "
                    "(e.g. 16x1024 4x4096)")
+    p.add_argument("--no-prefill-grid", action="store_true",
+                   help="at --prefill-points, only our default configuration and the peers")
     p.add_argument("--skinny", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time the skinny GEMM kernel's configurations against cuBLAS "
                    f"at these token counts (<= {MAX_ROWS}, e.g. 1 4 16)")
@@ -578,8 +640,14 @@ def main() -> None:
         print("\n".join(split_k_sweep(args.split_k, args.layers)), flush=True)
     if args.prefill_points:
         points = [tuple(int(v) for v in s.split("x")) for s in args.prefill_points]
-        print("\n## Prefill attention (fastest six, then the default)\n")
-        print("\n".join(prefill_sweep(points, args.block_sizes[0])), flush=True)  # type: ignore[arg-type]
+        print("\n## Prefill attention: keys from the cache or the new K/V, and peers\n")
+        print("µs (TFLOP/s); our kernel in its default configuration\n")
+        print("\n".join(prefill_peers(points, args.block_sizes[0])), flush=True)  # type: ignore[arg-type]
+        if not args.no_prefill_grid:
+            print("\n## Prefill attention configurations (fastest six, then the default)\n")
+            for new_kv in (False, True):
+                print("\n".join(prefill_sweep(points, args.block_sizes[0], new_kv)),  # type: ignore[arg-type]
+                      flush=True)
     if not args.no_decode:
         points = [tuple(int(v) for v in s.split("x")) for s in args.decode_points]
         print("\n## Decode attention (fastest six, then the default)\n")

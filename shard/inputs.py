@@ -108,6 +108,7 @@ def build_inputs(
         block_tables=tensor(tables, torch.int32),
         block_size=block_size,
         has_skipped_slots=skipped,
+        has_cached_prefix=any(c.start > 0 for c in chunks),
     )
     return ModelInputs(
         input_ids=tensor(input_ids, torch.int64),

@@ -117,9 +117,16 @@ class AttentionBackend(abc.ABC):
         raise NotImplementedError(f"{self.name} does not fuse rotary with the cache write")
 
     def attend(
-        self, q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        scale: float,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` without the cache write (done by :meth:`rope_write`).
+        ``qkv`` is the tensor :meth:`rope_write` was given, from which a backend may
+        read the new tokens' K/V (see :attr:`AttentionMetadata.has_cached_prefix`).
 
         Raises:
             NotImplementedError: unless :attr:`fuses_rope_write`.

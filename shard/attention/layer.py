@@ -86,7 +86,7 @@ class Attention(nn.Module):
             eps = q_norm.eps if q_norm is not None else 0.0
             q = self.backend.rope_write(qkv, self.num_heads, cos, sin, self.kv_cache,
                                         metadata, norms, eps)
-            return self.backend.attend(q, self.kv_cache, metadata, self.scale)
+            return self.backend.attend(q, self.kv_cache, metadata, self.scale, qkv)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -31,6 +31,10 @@ class AttentionMetadata:
             ``slot_mapping`` (python int).
         has_skipped_slots: whether ``slot_mapping`` has entries < 0 (known when it is
             built, so no backend has to look at the tensor).
+        has_cached_prefix: whether any sequence has a cached prefix (``seq_lens[i] >
+            q_len_i``; known when built). A prefill without one attends over its new
+            tokens alone, so a backend may read their K/V as computed instead of from
+            the cache. True (the safe answer) unless the builder says otherwise.
 
     What a backend derives from these once per step (host-side plans, index tensors)
     it derives in :meth:`~shard.attention.base.AttentionBackend.prepare`.
@@ -46,6 +50,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     block_size: int
     has_skipped_slots: bool
+    has_cached_prefix: bool = True
 
     @property
     def num_seqs(self) -> int:

@@ -107,6 +107,29 @@ def test_prefill_small_tiles(block_size: int) -> None:
     _check(out, ref)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_reads_new_kv_without_a_prefix(group: int) -> None:
+    """``new_kv``: keys and values as strided views of one QKV-like buffer, never the
+    cache (filled with NaN here), ragged lengths over several query and key tiles."""
+    lens = [70, 37, 3, 16]
+    case = make_case(lens, lens, group * KV_HEADS, KV_HEADS, 64, device=DEVICE, seed=group)
+    ref, _ = reference(case)
+    qkv = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
+    heads = group * KV_HEADS
+    k = qkv[:, heads * 64:(heads + KV_HEADS) * 64].view(-1, KV_HEADS, 64)
+    v = qkv[:, (heads + KV_HEADS) * 64:].view(-1, KV_HEADS, 64)
+    assert not k.is_contiguous()
+    cache = case.fresh_cache()
+    cache.key.fill_(float("nan"))
+    cache.value.fill_(float("nan"))
+    md = case.metadata
+    out = torch.full_like(case.q, float("nan"))
+    prefill_attention(case.q, cache.key, cache.value, md.block_tables, md.cu_seqlens_q,
+                      md.seq_lens, md.max_seqlen_q, case.scale, out=out,
+                      config=PrefillConfig(block_m=16, block_n=16), new_kv=(k, v))
+    _check(out, ref)
+
+
 def test_cache_write_skips_negative_slots() -> None:
     key = torch.zeros(3, 2, 1, 4, device=DEVICE)
     value = torch.zeros_like(key)
@@ -134,12 +157,15 @@ def test_cache_write_strided_input_and_dtype_cast() -> None:
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize(("seq_lens", "q_lens"), [(DECODE_SEQS, [1] * 4),
-                                                  (PREFILL_SEQS, PREFILL_QS)])
+                                                  (PREFILL_SEQS, PREFILL_QS),
+                                                  (PREFILL_QS, PREFILL_QS)],
+                         ids=["decode", "prefill-over-prefix", "prefill-no-prefix"])
 def test_fused_rope_write_matches_the_unfused_layer(
-    qk_norm: bool, seq_lens: list[int], q_lens: list[int]
+    qk_norm: bool, seq_lens: list[int], q_lens: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The layer from the QKV output: Triton fuses q/k norms, rotary and the cache write
-    # into one kernel; the torch backend runs them one by one (the reference).
+    # into one kernel; the torch backend runs them one by one (the reference). A prefill
+    # with no cached prefix reads the rotated keys from the QKV output, not the cache.
     heads, head_dim = 4 * KV_HEADS, 64
     case = make_case(seq_lens, q_lens, heads, KV_HEADS, head_dim, device=DEVICE, seed=5)
     gen = torch.Generator().manual_seed(1)
@@ -154,13 +180,24 @@ def test_fused_rope_write_matches_the_unfused_layer(
         for norm in norms:
             norm.weight.data = torch.rand(head_dim, generator=gen).to(DEVICE) + 0.5
     outs, caches = [], []
-    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+    triton_backend = TritonAttentionBackend()
+    sources: list[bool] = []
+    prefill = triton_backend._kernels.prefill_attention
+
+    def spy(*args, new_kv=None, **kwargs):  # type: ignore[no-untyped-def]
+        sources.append(new_kv is not None)
+        return prefill(*args, new_kv=new_kv, **kwargs)
+
+    monkeypatch.setattr(triton_backend._kernels, "prefill_attention", spy)
+    for backend in (triton_backend, TorchAttentionBackend()):
         layer = Attention(backend, heads, KV_HEADS, head_dim, case.scale)
         layer.kv_cache = case.fresh_cache()
         backend.prepare(case.metadata)
         with torch.inference_mode():
-            outs.append(layer.forward_qkv(qkv, cos, sin, case.metadata, *norms))
+            outs.append(layer.forward_qkv(qkv.clone(), cos, sin, case.metadata, *norms))
         caches.append(layer.kv_cache)
+    is_prefill = case.metadata.is_prefill
+    assert sources == ([seq_lens == q_lens] if is_prefill else [])
     _check(outs[0], outs[1])
     assert rel_error(caches[0].key, caches[1].key) < TOL
     assert torch.equal(caches[0].value, caches[1].value)

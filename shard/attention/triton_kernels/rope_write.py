@@ -57,6 +57,7 @@ def _rope_write_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    K_IN_PLACE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
@@ -87,14 +88,15 @@ def _rope_write_kernel(
     else:
         kvh = tl.arange(0, KV_HEADS_PAD)
         slot = tl.load(slot_mapping_ptr + t)
+        head_mask = (kvh < NUM_KV_HEADS)[:, None] & in_half[None, :]
         # NOTE: a broadcast slot, not the scalar: the interpreter rejects a scalar mask.
-        kv_mask = ((kvh < NUM_KV_HEADS) & ((kvh * 0 + slot) >= 0))[:, None] & in_half[None, :]
+        kv_mask = head_mask & ((kvh * 0 + slot) >= 0)[:, None]
         first = (NUM_HEADS + (part - 1) * NUM_KV_HEADS) * HEAD_DIM  # k, then v
         kv_src = row + first + kvh[:, None] * HEAD_DIM + d[None, :]
         kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh[:, None] * HEAD_DIM + d[None, :]
         if part == 1:
-            k1 = tl.load(kv_src, mask=kv_mask, other=0.0).to(tl.float32)
-            k2 = tl.load(kv_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+            k1 = tl.load(kv_src, mask=head_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(kv_src + HALF, mask=head_mask, other=0.0).to(tl.float32)
             kw1 = tl.load(k_weight_ptr + d, mask=in_half, other=0.0)
             kw2 = tl.load(k_weight_ptr + HALF + d, mask=in_half, other=0.0)
             k_out1, k_out2 = _rotate(k1, k2, cos_ptr + rope, sin_ptr + rope, kw1, kw2, d,
@@ -103,6 +105,9 @@ def _rope_write_kernel(
                      mask=kv_mask)
             tl.store(key_cache_ptr + kv_dst + HALF, k_out2.to(key_cache_ptr.dtype.element_ty),
                      mask=kv_mask)
+            if K_IN_PLACE:
+                tl.store(kv_src, k_out1.to(dtype), mask=head_mask)
+                tl.store(kv_src + HALF, k_out2.to(dtype), mask=head_mask)
         else:  # v: copied to the cache as it is
             v1 = tl.load(kv_src, mask=kv_mask)
             v2 = tl.load(kv_src + HALF, mask=kv_mask)
@@ -124,6 +129,7 @@ def rope_write(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_in_place: bool = False,
 ) -> torch.Tensor:
     """Rotate (after RMS-normalising each head when weights are given) the queries and
     keys of ``qkv``; write keys and values into the paged cache; return the queries.
@@ -143,6 +149,9 @@ def rope_write(
         slot_mapping: [num_tokens] int64 cache slot of each token; < 0: not written.
         q_weight, k_weight: [head_dim] per-head RMSNorm weights (both or neither).
         eps: RMSNorm epsilon.
+        k_in_place: also write the rotated keys back over qkv's k heads (every token,
+            written to the cache or not), so a prefill can read them from there
+            (:func:`.prefill.prefill_attention`'s ``new_kv``).
 
     Returns:
         [num_tokens, num_heads, head_dim] rotated queries, qkv's dtype.
@@ -183,6 +192,7 @@ def rope_write(
         HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
+        K_IN_PLACE=k_in_place,
         **launch_options(qkv.device),
     )
     return q
