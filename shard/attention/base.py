@@ -109,7 +109,9 @@ class AttentionBackend(abc.ABC):
             cos, sin: [num_tokens, 1, head_dim] rotary cos/sin of the tokens' positions.
 
         Returns:
-            q: [num_tokens, num_heads, head_dim], for :meth:`attend`.
+            q: [num_tokens, num_heads, head_dim], for :meth:`attend`. A backend may also
+            overwrite ``qkv``'s k heads with the rotated keys (ours does in a prefill
+            without a cached prefix), so ``qkv`` is the layer's to give away.
 
         Raises:
             NotImplementedError: unless :attr:`fuses_rope_write`.
@@ -125,8 +127,9 @@ class AttentionBackend(abc.ABC):
         qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` without the cache write (done by :meth:`rope_write`).
-        ``qkv`` is the tensor :meth:`rope_write` was given, from which a backend may
-        read the new tokens' K/V (see :attr:`AttentionMetadata.has_cached_prefix`).
+        ``qkv`` is the tensor :meth:`rope_write` was just given with the same
+        ``metadata``, from which a backend may read the new tokens' K/V (see
+        :attr:`AttentionMetadata.has_cached_prefix`).
 
         Raises:
             NotImplementedError: unless :attr:`fuses_rope_write`.

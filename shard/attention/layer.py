@@ -68,7 +68,8 @@ class Attention(nn.Module):
         runs them as one kernel.
 
         Args:
-            qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim].
+            qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; may be
+                overwritten (a fused backend rotates its keys in place for a prefill).
             cos, sin: [num_tokens, 1, head_dim] of the tokens' positions.
 
         Returns:

@@ -34,7 +34,7 @@ class TritonAttentionBackend(AttentionBackend):
     the paged cache after the new tokens are written by slot mapping, except a prefill
     with no cached prefix that comes through :meth:`rope_write`: it reads the rotated
     keys and the values from the QKV output itself (15–19% faster on the H200 than
-    through the block tables, ``benchmarks/results/kernels-h200.md``).
+    through the block tables, ``benchmarks/results/kernels-h200.md``; the same bits).
     """
 
     name = "triton"
@@ -96,12 +96,11 @@ class TritonAttentionBackend(AttentionBackend):
         return q
 
     @staticmethod
-    def _reads_new_kv(
-        metadata: AttentionMetadata, kv_cache: KVCacheLayer, qkv: torch.Tensor | None
-    ) -> bool:
+    def _reads_new_kv(metadata: AttentionMetadata, kv_cache: KVCacheLayer,
+                      qkv: torch.Tensor) -> bool:
         """Whether this step's attention reads the new K/V from ``qkv``: a prefill with no
         cached prefix, whose cache holds what ``qkv`` holds (same dtype)."""
-        return (metadata.is_prefill and not metadata.has_cached_prefix and qkv is not None
+        return (metadata.is_prefill and not metadata.has_cached_prefix
                 and qkv.dtype == kv_cache.key.dtype)
 
     def attend(

@@ -20,6 +20,7 @@ value specialisations (divisibility by 16, ints equal to 1), which change only h
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import sys
@@ -103,7 +104,12 @@ def capture_launches(run_wrappers: Any) -> list[Launch]:
 
 def _run_wrappers() -> None:
     from shard.attention.triton_backend import TritonAttentionBackend
-    from shard.attention.triton_kernels import DecodeConfig, decode_attention, rope_write
+    from shard.attention.triton_kernels import (
+        DecodeConfig,
+        decode_attention,
+        prefill_attention,
+        rope_write,
+    )
     from shard.greedy_kernel import greedy
     from shard.layers.gate_up_silu_kernel import gate_up_silu
     from shard.layers.rms_norm_kernel import add_rms_norm
@@ -115,6 +121,12 @@ def _run_wrappers() -> None:
     for seq_lens, q_lens in (([40, 7], [1, 1]), ([40, 7], [30, 7])):  # decode, prefill
         case = make_case(seq_lens, q_lens, 32, 8, 128, dtype=bf16)
         run_backend(TritonAttentionBackend(), case, case.fresh_cache())
+    # prefill with the new K/V beside the cache, as views of a QKV output
+    md = case.metadata
+    new_kv = torch.randn(md.num_tokens, 2, 8, 128, dtype=bf16).unbind(1)
+    prefill_attention(case.q, case.cache.key, case.cache.value, md.block_tables,
+                      md.cu_seqlens_q, md.seq_lens, md.max_seqlen_q, case.scale,
+                      new_kv=(new_kv[0], new_kv[1]))
     case = make_case([300], [1], 32, 8, 128, dtype=bf16)  # split KV and the combine
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,
@@ -122,9 +134,9 @@ def _run_wrappers() -> None:
     qkv = torch.randn(2, 48 * 128, dtype=bf16)
     cos = sin = torch.randn(2, 128, dtype=bf16)
     weight = torch.ones(128, dtype=bf16)
-    for norms in ((), (weight, weight)):
+    for norms, k_in_place in itertools.product(((), (weight, weight)), (False, True)):
         rope_write(qkv, 32, 8, cos, sin, case.cache.key, case.cache.value,
-                   torch.tensor([0, 1]), *norms)
+                   torch.tensor([0, 1]), *norms, k_in_place=k_in_place)
     silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf16))
     rows = torch.randn(3, 4096, dtype=bf16)
     for residual in (None, rows):

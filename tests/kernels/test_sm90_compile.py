@@ -34,8 +34,10 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert 2 * len(pdl) == result.stdout.count("compiled "), result.stdout
     plain = "\n".join(line for line in result.stdout.splitlines()
                       if "'USE_PDL': False" in line)
-    # both rope_write variants (with and without q/k norms), both decode paths
-    assert plain.count("compiled _rope_write_kernel") == 2
+    # rope_write with and without q/k norms, each with and without the keys in place;
+    # prefill with and without the new K/V; both decode paths
+    assert plain.count("compiled _rope_write_kernel") == 4
+    assert plain.count("compiled _prefill_kernel") == 2
     assert plain.count("compiled _decode_kernel") == 2
     assert plain.count("compiled _rms_norm_kernel") == 2  # with and without residual
     # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles

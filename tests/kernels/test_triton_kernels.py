@@ -110,24 +110,31 @@ def test_prefill_small_tiles(block_size: int) -> None:
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_reads_new_kv_without_a_prefix(group: int) -> None:
     """``new_kv``: keys and values as strided views of one QKV-like buffer, never the
-    cache (filled with NaN here), ragged lengths over several query and key tiles."""
+    cache (NaN here), ragged lengths over several query and key tiles; the same bits as
+    through the cache in the same configuration (so a sequence's result does not depend
+    on which source its batch took)."""
     lens = [70, 37, 3, 16]
     case = make_case(lens, lens, group * KV_HEADS, KV_HEADS, 64, device=DEVICE, seed=group)
     ref, _ = reference(case)
+    md = case.metadata
     qkv = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
     heads = group * KV_HEADS
     k = qkv[:, heads * 64:(heads + KV_HEADS) * 64].view(-1, KV_HEADS, 64)
     v = qkv[:, (heads + KV_HEADS) * 64:].view(-1, KV_HEADS, 64)
     assert not k.is_contiguous()
-    cache = case.fresh_cache()
-    cache.key.fill_(float("nan"))
-    cache.value.fill_(float("nan"))
-    md = case.metadata
-    out = torch.full_like(case.q, float("nan"))
-    prefill_attention(case.q, cache.key, cache.value, md.block_tables, md.cu_seqlens_q,
-                      md.seq_lens, md.max_seqlen_q, case.scale, out=out,
-                      config=PrefillConfig(block_m=16, block_n=16), new_kv=(k, v))
-    _check(out, ref)
+    outs = []
+    for new_kv in (None, (k, v)):
+        cache = case.fresh_cache()
+        write_kv_cache(case.k, case.v, cache.key, cache.value, md.slot_mapping)
+        if new_kv is not None:
+            cache.key.fill_(float("nan"))
+            cache.value.fill_(float("nan"))
+        outs.append(torch.full_like(case.q, float("nan")))
+        prefill_attention(case.q, cache.key, cache.value, md.block_tables, md.cu_seqlens_q,
+                          md.seq_lens, md.max_seqlen_q, case.scale, out=outs[-1],
+                          new_kv=new_kv)
+    _check(outs[1], ref)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_cache_write_skips_negative_slots() -> None:
@@ -196,8 +203,7 @@ def test_fused_rope_write_matches_the_unfused_layer(
         with torch.inference_mode():
             outs.append(layer.forward_qkv(qkv.clone(), cos, sin, case.metadata, *norms))
         caches.append(layer.kv_cache)
-    is_prefill = case.metadata.is_prefill
-    assert sources == ([seq_lens == q_lens] if is_prefill else [])
+    assert sources == ([seq_lens == q_lens] if case.metadata.is_prefill else [])
     _check(outs[0], outs[1])
     assert rel_error(caches[0].key, caches[1].key) < TOL
     assert torch.equal(caches[0].value, caches[1].value)
@@ -221,6 +227,19 @@ def test_fused_rope_write_skips_negative_slots_and_casts() -> None:
     written = {1, 6}
     assert all(not flat[s].any() and not key.view(-1, kv_heads, head_dim)[s].any()
                for s in range(8) if s not in written)
+    # k_in_place: every token's keys rotated in qkv, the one not written to the cache too
+    # (a prefill that recomputes a cached token reads it from there)
+    in_place = qkv.clone()
+    rope_write(in_place, heads, kv_heads, cos, sin, key, value, slots, k_in_place=True)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(3, kv_heads, head_dim)
+    q0 = qkv[:, :heads * head_dim].view(3, heads, head_dim)
+    _, rotated = fused.apply_rotary(q0, k, cos.view(3, 1, head_dim), sin.view(3, 1, head_dim))
+    torch.testing.assert_close(
+        in_place[:, heads * head_dim:(heads + kv_heads) * head_dim].view(3, kv_heads, head_dim),
+        rotated, rtol=1e-5, atol=1e-5)
+    assert torch.equal(in_place[:, :heads * head_dim], qkv[:, :heads * head_dim])
+    assert torch.equal(in_place[:, (heads + kv_heads) * head_dim:],
+                       qkv[:, (heads + kv_heads) * head_dim:])
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5])

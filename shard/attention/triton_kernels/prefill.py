@@ -7,7 +7,9 @@ the last of its ``seq_lens[i]`` context tokens; the first ``seq_lens[i] - q_len_
 prefix already in the cache. The new tokens' K/V must be in the cache too (write them
 first), so every key is read from the cache. A step whose sequences have no cached
 prefix can instead pass the new tokens' K/V as they are (``new_kv``): keys are then
-read in token order, without the block-table indirection.
+read in token order, without the block-table indirection. Both read the same values in
+the same tile order, so a sequence's result is the same bits either way (whatever else
+is in its batch decides the source).
 
 The causal mask is bottom-right aligned: query ``j`` sits at position
 ``seq_lens[i] - q_len_i + j`` and sees keys ``0..`` that position. Key tiles entirely
@@ -37,15 +39,13 @@ class PrefillConfig:
         num_stages: software-pipelining depth of the key loop.
     """
 
+    # Defaults: with keys from the new K/V, the fastest of 36 configurations at every
+    # point measured on the H200 (16 × 1024 to 4 × 4096 and 128 × 128 tokens), and
+    # within 3% of the best through the cache (benchmarks/results/kernels-h200.md).
     block_m: int = 64
-    block_n: int = 64
+    block_n: int = 32
     num_warps: int = 4
-    num_stages: int = 2
-
-
-# Keys from the new K/V: the fastest of the 36 configurations at every point measured on
-# the H200 (16 × 1024, 32 × 512, 8 × 2048, 4 × 4096, 128 × 128 tokens; kernels-h200.md).
-NEW_KV_CONFIG = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
+    num_stages: int = 3
 
 
 @triton.jit
@@ -192,8 +192,7 @@ def prefill_attention(
         max_seqlen_q: max new tokens of one sequence (host int; sizes the grid).
         scale: softmax scale.
         out: optional [num_tokens, num_heads, head_dim] output buffer.
-        config: launch parameters (defaults: :class:`PrefillConfig`, or
-            :data:`NEW_KV_CONFIG` with ``new_kv``).
+        config: launch parameters (defaults: :class:`PrefillConfig`).
         new_kv: optional (k, v), each [num_tokens, num_kv_heads, head_dim] with equal
             strides and a contiguous last dim (e.g. views of the QKV projection's
             output), the new tokens' keys (rotated) and values: attention reads them
@@ -203,7 +202,7 @@ def prefill_attention(
     Returns:
         [num_tokens, num_heads, head_dim] in q's dtype.
     """
-    config = config or (PrefillConfig() if new_kv is None else NEW_KV_CONFIG)
+    config = config or PrefillConfig()
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = seq_lens.shape[0]
