@@ -124,12 +124,13 @@ class AttentionBackend(abc.ABC):
         kv_cache: KVCacheLayer,
         metadata: AttentionMetadata,
         scale: float,
-        qkv: torch.Tensor | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` without the cache write (done by :meth:`rope_write`).
-        ``qkv`` is the tensor :meth:`rope_write` was just given with the same
-        ``metadata``, from which a backend may read the new tokens' K/V (see
-        :attr:`AttentionMetadata.has_cached_prefix`).
+        ``new_kv``: views of the k and v heads of the tensor :meth:`rope_write` was just
+        given with the same ``metadata`` (each [num_tokens, num_kv_heads, head_dim]),
+        from which a backend may read the new tokens' K/V where it rotated the keys
+        there (see :attr:`AttentionMetadata.has_cached_prefix`).
 
         Raises:
             NotImplementedError: unless :attr:`fuses_rope_write`.

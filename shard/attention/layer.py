@@ -80,6 +80,11 @@ class Attention(nn.Module):
         """
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated: call Warmup first")
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.backend.fuses_rope_write:
             norms = None
             if q_norm is not None and k_norm is not None:
@@ -87,13 +92,9 @@ class Attention(nn.Module):
             eps = q_norm.eps if q_norm is not None else 0.0
             q = self.backend.rope_write(qkv, self.num_heads, cos, sin, self.kv_cache,
                                         metadata, norms, eps)
-            return self.backend.attend(q, self.kv_cache, metadata, self.scale, qkv)
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            # k and v are views of qkv: whatever rope_write rotated there, they see
+            return self.backend.attend(q, self.kv_cache, metadata, self.scale, (k, v))
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)  # over head_dim, each head alone
         q, k = apply_rotary(q, k, cos, sin)

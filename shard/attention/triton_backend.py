@@ -98,8 +98,9 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def _reads_new_kv(metadata: AttentionMetadata, kv_cache: KVCacheLayer,
                       qkv: torch.Tensor) -> bool:
-        """Whether this step's attention reads the new K/V from ``qkv``: a prefill with no
-        cached prefix, whose cache holds what ``qkv`` holds (same dtype)."""
+        """Whether this step's attention reads the new K/V from the QKV output (``qkv``,
+        or a view of it): a prefill with no cached prefix, whose cache holds what
+        ``qkv`` holds (same dtype)."""
         return (metadata.is_prefill and not metadata.has_cached_prefix
                 and qkv.dtype == kv_cache.key.dtype)
 
@@ -109,16 +110,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCacheLayer,
         metadata: AttentionMetadata,
         scale: float,
-        qkv: torch.Tensor | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         kern = self._kernels
         q = q if q.stride(-1) == 1 else q.contiguous()
         if metadata.is_prefill:
-            new_kv = None
-            if qkv is not None and self._reads_new_kv(metadata, kv_cache, qkv):
-                num_kv_heads, head_dim = kv_cache.key.shape[2:]
-                k, v = qkv[:, q.shape[1] * head_dim:].view(-1, 2, num_kv_heads, head_dim).unbind(1)
-                new_kv = (k, v)
+            if new_kv is not None and not self._reads_new_kv(metadata, kv_cache, new_kv[0]):
+                new_kv = None  # rope_write left the keys unrotated there: the cache
             out: torch.Tensor = kern.prefill_attention(
                 q,
                 kv_cache.key,
