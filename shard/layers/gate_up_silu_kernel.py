@@ -140,3 +140,125 @@ def gate_up_silu(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out
+
+
+class TmaConfig(NamedTuple):
+    """Tiles, pipeline and tile order of :func:`gate_up_silu_tma` (``benchmarks/
+    kernel_sweep.py --gate-up-tma`` sweeps them).
+
+    ``group`` consecutive tiles share their weight rows (``group_along_n``: the programs
+    of a group take ``group`` column blocks across every row block, so a column block's
+    weight rows are read from HBM once per pass over the rows and the activations
+    ``N / (group * block_n)`` times) or their activation rows (the other way round).
+    ``persistent``: one program per SM loops over the tiles. ``warp_specialize``: Triton's
+    warp specialization of the loop over tiles (loads and products in separate warps).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group: int = 8
+    group_along_n: bool = True
+    persistent: bool = True
+    warp_specialize: bool = False
+
+
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP: tl.constexpr, GROUP_ALONG_N: tl.constexpr):
+    """Row and column block of tile ``tile`` in grouped order (see :class:`TmaConfig`)."""
+    if GROUP_ALONG_N:
+        per_group = GROUP * num_m
+        first_n = (tile // per_group) * GROUP
+        size = min(num_n - first_n, GROUP)
+        pid_n = first_n + (tile % per_group) % size
+        pid_m = (tile % per_group) // size
+    else:
+        per_group = GROUP * num_n
+        first_m = (tile // per_group) * GROUP
+        size = min(num_m - first_m, GROUP)
+        pid_m = first_m + (tile % per_group) % size
+        pid_n = (tile % per_group) // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_silu_tma_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_ALONG_N: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_start(USE_PDL)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m * num_n
+    dtype = out_desc.dtype
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP, GROUP_ALONG_N)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            # rows past M and columns past K come in as zeros (the descriptors' bounds);
+            # a last column block past N reads up rows into its gate tile, and the store
+            # clips those columns
+            x = x_desc.load([off_m, k0])
+            gate_w = w_desc.load([off_n, k0])
+            up_w = w_desc.load([N + off_n, k0])
+            acc_gate = tl.dot(x, gate_w.T, acc_gate)
+            acc_up = tl.dot(x, up_w.T, acc_up)
+        # rounded as the unfused ops round (see _gate_up_silu_kernel)
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out_desc.store([off_m, off_n], (act * up).to(dtype))
+
+
+def gate_up_silu_tma(x: torch.Tensor, weight: torch.Tensor, config: TmaConfig) -> torch.Tensor:
+    """:func:`gate_up_silu` through tensor-memory-accelerator (TMA) descriptors, for prefill
+    row counts: the same product, activation and rounding; ``weight`` holds the gate
+    rows then the up rows.
+
+    Args:
+        x: [num_tokens, in_features], fp16/bf16, contiguous rows (16-byte aligned strides).
+        weight: [2 * intermediate, in_features], x's dtype, contiguous.
+        config: tiles, pipeline and tile order.
+
+    Returns:
+        [num_tokens, intermediate] in x's dtype.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    n = weight.shape[0] // 2
+    cfg = config
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = tiles
+    if cfg.persistent and x.is_cuda:
+        programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    _gate_up_silu_tma_kernel[(programs,)](
+        x_desc, w_desc, out_desc, m, n, k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+        GROUP_ALONG_N=cfg.group_along_n, NUM_PROGRAMS=programs,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
+    )
+    return out
