@@ -54,7 +54,7 @@ from shard.attention.triton_kernels import (
     prefill_attention,
 )
 from shard.attention.triton_kernels.decode import num_decode_splits
-from shard.layers.gate_up_silu_kernel import GateUpConfig, TmaConfig, gate_up_silu, gate_up_silu_tma
+from shard.layers.gate_up_silu_kernel import GateUpConfig, gate_up_silu
 from shard.layers.gate_up_silu_kernel import default_config as gate_up_default
 from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.layers.skinny_gemm_kernel import (
@@ -530,80 +530,14 @@ GATE_UP_GRID = [GateUpConfig(*c) for c in itertools.product((64, 128), (64, 128)
 
 
 def _gate_up_chain(x: torch.Tensor, weights: list[torch.Tensor],
-                   config: GateUpConfig | TmaConfig | None) -> None:
+                   config: GateUpConfig | None) -> None:
     """Each layer's gate/up with SwiGLU: cuBLAS then our silu·mul kernel (``config``
-    None), or the fused kernel with ``config`` (its TMA variant for a :class:`TmaConfig`)."""
+    None), or the fused kernel with ``config``."""
     for w in weights:
         if config is None:
             silu_and_mul(F.linear(x, w))
-        elif isinstance(config, TmaConfig):
-            gate_up_silu_tma(x, w, config)
         else:
             gate_up_silu(x, w, config, min_rows=1, max_rows=1 << 20)
-
-
-# block_m, block_n, block_k, warps, stages, group, group_along_n, persistent, warp_specialize
-TMA_GRID = [TmaConfig(*c) for c in [
-    (128, 128, 64, 8, 3, 8, True, True, False),
-    (128, 128, 64, 8, 3, 8, True, True, True),
-    (128, 128, 64, 8, 3, 4, True, True, False),
-    (128, 128, 64, 8, 3, 2, True, True, False),
-    (128, 128, 64, 8, 3, 16, True, True, False),
-    (128, 128, 64, 8, 3, 8, False, True, False),
-    (128, 128, 64, 8, 3, 4, False, True, False),
-    (128, 128, 64, 8, 3, 8, True, False, False),
-    (128, 128, 64, 8, 3, 4, True, False, False),
-    (128, 128, 64, 8, 4, 8, True, True, False),
-    (128, 128, 64, 8, 2, 8, True, True, False),
-    (128, 128, 128, 8, 2, 8, True, True, False),
-    (128, 128, 32, 8, 5, 8, True, True, False),
-    (128, 64, 64, 8, 4, 8, True, True, False),
-    (128, 64, 64, 4, 4, 8, True, True, False),
-    (128, 64, 128, 8, 3, 8, True, True, False),
-    (64, 128, 64, 4, 4, 8, True, True, False),
-    (64, 256, 64, 8, 3, 8, True, True, False),
-    (256, 64, 64, 8, 3, 8, True, True, False),
-    (256, 64, 64, 8, 4, 8, True, True, False),
-    (256, 64, 64, 8, 3, 8, True, False, False),
-    (128, 128, 64, 8, 4, 2, True, False, False),
-    (128, 64, 64, 4, 4, 2, True, False, False),
-    (128, 64, 64, 4, 5, 2, True, True, False),
-    (64, 64, 128, 4, 4, 4, True, False, False),
-    (64, 128, 64, 4, 4, 4, True, False, False),
-]]
-
-
-def gate_up_tma_sweep(tokens: list[int], layers: int) -> list[str]:
-    """:func:`shard.layers.gate_up_silu_kernel.gate_up_silu_tma` against cuBLAS + our
-    silu·mul kernel at prefill token counts, over :data:`TMA_GRID`, timed like
-    :func:`gemm_sweep`; every configuration's output checked against the unfused path."""
-    rows = ["| tokens | config (block_m, block_n, block_k, warps, stages, group, along n, "
-            "persistent, warp specialized) | µs per layer | TFLOP/s | / unfused |",
-            "|---:|---|---:|---:|---:|"]
-    n, k = 2 * INTERMEDIATE, HIDDEN
-    weights = _weights(n, k, layers)
-    for m in tokens:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        want = silu_and_mul(F.linear(x, weights[0])).float()
-        base = graph_time_us(functools.partial(_gate_up_chain, x, weights, None)) / layers
-        tflops = 2.0 * m * n * k / 1e6
-        rows.append(f"| {m} | cuBLAS + silu·mul | {base:.1f} | {tflops / base:.0f} | 1.000 |")
-        for config in TMA_GRID:
-            try:
-                got = gate_up_silu_tma(x, weights[0], config)
-                us = graph_time_us(functools.partial(_gate_up_chain, x, weights, config)) / layers
-            except Exception as exc:  # a config that does not compile is skipped, named
-                print(f"skipped gate_up_tma {m} {tuple(config)}: {str(exc).splitlines()[0][:100]}")
-                continue
-            err = ((got.float() - want).norm() / want.norm()).item()
-            flag = "" if err < 1e-2 else f" MISMATCH (rel err {err:.1e})"
-            rows.append(f"| {m} | {tuple(config)}{flag} | {us:.1f} | {tflops / us:.0f} | "
-                        f"{us / base:.3f} |")
-            print(rows[-1], flush=True)
-        del x
-    del weights
-    torch.cuda.empty_cache()
-    return rows
 
 
 def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
@@ -675,9 +609,6 @@ def main() -> None:
     p.add_argument("--gate-up", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time the fused gate/up + SwiGLU kernel's configurations against "
                    "cuBLAS + silu·mul at these token counts")
-    p.add_argument("--gate-up-tma", type=int, nargs="*", default=None, metavar="TOKENS",
-                   help="also time the fused kernel's TMA variant's configurations against "
-                   "cuBLAS + silu·mul at these (prefill) token counts")
     p.add_argument("--split-k", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time each projection as a batched product over K slices")
     p.add_argument("--tables", nargs="+", choices=["permuted", "consecutive"],
@@ -704,9 +635,6 @@ def main() -> None:
     if args.gate_up:
         print("\n## Fused gate/up + SwiGLU against cuBLAS + silu·mul\n")
         print("\n".join(gate_up_sweep(args.gate_up, args.layers)), flush=True)
-    if args.gate_up_tma:
-        print("\n## Fused gate/up + SwiGLU through TMA against cuBLAS + silu·mul\n")
-        print("\n".join(gate_up_tma_sweep(args.gate_up_tma, args.layers)), flush=True)
     if args.split_k:
         print("\n## GEMMs as batched split-K products\n")
         print("\n".join(split_k_sweep(args.split_k, args.layers)), flush=True)

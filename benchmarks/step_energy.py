@@ -19,11 +19,7 @@ less time at full clock). Classes, at the shapes of the GPU benchmark's model
 - ``gemm16384``: a 16384-token prefill's projections over 4 layers;
 - ``read256``: the bytes of ``attention256`` read by a plain Triton kernel (a running
   max): the energy per byte of the reads alone, the floor of any decode attention;
-- ``copy``: a 2 GiB device-to-device copy (bandwidth-bound reference);
-- ``gateup16384``: a 16384-token prefill's gate/up product and SwiGLU over 4 layers,
-  cuBLAS then our silu·mul kernel, and with ``--gate-up-tma`` the fused TMA kernel
-  (:func:`shard.layers.gate_up_silu_kernel.gate_up_silu_tma`) in the given
-  configurations.
+- ``copy``: a 2 GiB device-to-device copy (bandwidth-bound reference).
 
 Reported per class: ms per replay at the start (median of the first replays) and
 sustained (mean over the loop), its rate (TFLOP/s of the products, or TB/s of the bytes
@@ -59,12 +55,10 @@ from benchmarks.kernel_sweep import (
     HEADS,
     KV_HEADS,
     PROJECTIONS,
-    _gate_up_chain,
     _weights,
     capture_graph,
 )
 from shard.attention.triton_kernels import DecodeConfig, decode_attention
-from shard.layers.gate_up_silu_kernel import TmaConfig
 from tests.kernels.paged_cases import PagedCase, make_case
 
 
@@ -146,26 +140,6 @@ def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.
     flops = sum(2.0 * rows * n * k * copies for n, k, copies in used)
     moved = sum(2.0 * (n * k + rows * (n + k)) * copies for n, k, copies in used)
     return Work(name, run, flops, moved)
-
-
-def gate_up_works(rows: int, layers: int, weights: list[torch.Tensor],
-                  specs: list[str]) -> list[Work]:
-    """The prefill's gate/up + SwiGLU over ``layers`` layers: cuBLAS + silu·mul, then the
-    fused TMA kernel in each configuration of ``specs`` (:class:`TmaConfig`'s fields
-    joined by ``:``, booleans as 0/1)."""
-    x = torch.randn(rows, weights[0].shape[1], device="cuda", dtype=torch.bfloat16)
-    n, k = weights[0].shape
-    flops = 2.0 * rows * n * k * layers
-    moved = 2.0 * (n * k + rows * k + rows * n // 2) * layers
-    works = [Work(f"gateup{rows} (cuBLAS + silu·mul)",
-                  lambda: _gate_up_chain(x, weights[:layers], None), flops, moved)]
-    for spec in specs:
-        fields = [int(v) for v in spec.split(":")]
-        config = TmaConfig(*fields[:5], *(f if i == 0 else bool(f)
-                                          for i, f in enumerate(fields[5:])))
-        works.append(Work(f"gateup{rows} fused TMA {spec}",
-                          lambda c=config: _gate_up_chain(x, weights[:layers], c), flops, moved))
-    return works
 
 
 def _attention_variants(specs: list[str]) -> list[tuple[int, DecodeConfig]]:
@@ -313,11 +287,6 @@ def main() -> None:
     p.add_argument("--flash-attn", action="store_true",
                    help="also flash-attn's paged decode (flash_attn_with_kvcache, 256-token "
                         "blocks) over the same contexts")
-    p.add_argument("--gate-up-tma", nargs="*", default=[],
-                   metavar="BM:BN:BK:WARPS:STAGES:GROUP:ALONG_N:PERSISTENT:WS",
-                   help="gateup16384 classes of the fused TMA kernel in these configurations")
-    p.add_argument("--gate-up-rows", type=int, default=16384,
-                   help="rows of the gateup classes (4 layers above 4096 rows, else --layers)")
     args = p.parse_args()
     print(f"# step energy, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
           f"python {platform.python_version()}, torch {torch.__version__}, "
@@ -354,9 +323,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with PowerLog(torch.cuda.current_device(), interval_ms=50) as log:
         classes = [gemms, lt, attention, *variants, *([flash] if flash else []),
-                   read_work(batch, ctx, layers, 16), mixed, prefill, copy,
-                   *gate_up_works(args.gate_up_rows, 4 if args.gate_up_rows > 4096 else layers,
-                                  weights["gate_up"], args.gate_up_tma)]
+                   read_work(batch, ctx, layers, 16), mixed, prefill, copy]
         for work in classes if not args.only else [c for c in classes
                                                      if any(o in c.name for o in args.only)]:
             print(measure(work, args.seconds, log), flush=True)
