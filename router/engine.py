@@ -33,6 +33,7 @@ from router.request import (
     EventStream,
     Finish,
     GenerationRequest,
+    HeldAnswer,
     Refusal,
     Sequence,
     Status,
@@ -132,6 +133,11 @@ class EventSource:
             while True:
                 event = await seq.events.get()
                 while True:  # the events that came with it, without waiting again
+                    if isinstance(event, HeldAnswer):  # a whole answer: its events
+                        ended = True
+                        for held in event.events():
+                            yield held
+                        return
                     ended = isinstance(event, ErrorEvent) or event.finish is not None
                     yield event
                     if ended:

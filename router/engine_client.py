@@ -19,7 +19,7 @@ from loguru import logger
 from router.config import SchedulerConfig
 from router.engine import EngineStatus, EventSource
 from router.engine_ipc import BudgetsUpdate, EventItem, event_of, messages, send
-from router.request import ErrorEvent, EventStream, GenerationRequest
+from router.request import ErrorEvent, EventStream, GenerationRequest, HeldAnswer
 from router.tokenizer import Tokenizer
 
 ENGINE_GONE = "the engine process exited"
@@ -191,7 +191,7 @@ class EngineClient(EventSource):
             events = streams.get(rid)  # type: ignore[call-overload]
             if events is None:  # cancelled meanwhile
                 continue
-            if len(item) == 2 and isinstance(item[1], list):  # a whole answer
+            if len(item) == 2 and isinstance(item[1], HeldAnswer):  # a whole answer
                 events.put_answer(item[1])
                 del streams[rid]  # type: ignore[arg-type]
                 continue

@@ -45,7 +45,7 @@ CALLS = ("health", "status", "metrics")
 
 # An event on the wire: (rid, id, logprob, text, special, top_tokens, finish,
 # prompt_logprobs) for a token, (rid, ErrorEvent) for a failure or a refusal, and
-# (rid, [held event, ...]) for the whole answer of a request that does not stream.
+# (rid, HeldAnswer) for the whole answer of a request that does not stream.
 EventItem = tuple[object, ...]
 
 

@@ -22,7 +22,7 @@ from router.request import (
     Event,
     EventStream,
     GenerationRequest,
-    HeldEvent,
+    HeldAnswer,
     Sequence,
 )
 
@@ -49,7 +49,7 @@ class ForwardedEvents(EventStream):
         for event in events:
             self._connection.forward(self._rid, event)
 
-    def put_answer(self, held: list[HeldEvent]) -> None:
+    def put_answer(self, held: HeldAnswer) -> None:
         self._connection.forward_answer(self._rid, held)
 
 
@@ -82,9 +82,9 @@ class ApiConnection:
         if isinstance(event, ErrorEvent) or event.finish is not None:
             self._sequences.pop(rid, None)
 
-    def forward_answer(self, rid: int, held: list[HeldEvent]) -> None:
+    def forward_answer(self, rid: int, held: HeldAnswer) -> None:
         """Queue the whole answer of request ``rid`` (a request that does not stream),
-        as the engine holds it: one item, its plain tuples as they are."""
+        as the engine holds it: one item, its columns as they are."""
         if not self._outbox:
             self._loop.call_soon(self._flush)
         self._outbox.append((rid, held))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.detokenizer import IncrementalDetokenizer, generated_text
-from router.request import Finish, FinishReason, Sequence, TokenEvent
+from router.request import Finish, FinishReason, HeldAnswer, Sequence, TokenEvent
 from router.scheduler import Scheduler
 from router.shard_steps import TokenExtras
 from router.stop import StopSequenceChecker
@@ -126,16 +126,10 @@ class OutputProcessor:
             if seq.request.stream:
                 seq.events.put_nowait(event)
                 continue
-            held = seq.held_events
+            held = seq.held
+            if held is None:
+                held = seq.held = HeldAnswer()
+            held.append(event)
             if event.finish is not None:
-                held.append(event)
                 seq.events.put_answer(held)
-                seq.held_events = []
-            elif event.top_tokens or event.prompt_logprobs:
-                held.append(event)
-            else:
-                # NOTE: held as a plain tuple of atomic values, which the garbage
-                # collector stops tracking: a whole answer's events (256 requests × 512
-                # tokens) would otherwise be scanned by every full collection, a pause
-                # of the engine loop (tens of ms) while the device waits for the next step
-                held.append((event.id, event.logprob, event.text, event.special))
+                seq.held = None

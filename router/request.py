@@ -6,6 +6,7 @@ import asyncio
 import collections
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from shard.sampling_types import SamplingParams, TopToken
@@ -107,10 +108,66 @@ class ErrorEvent:
     refusal: Refusal | None = None
 
 
+@dataclass(eq=False)
+class HeldAnswer:
+    """The token events of a request that does not stream, held until it ends and handed
+    over as one item (``GenerationRequest.stream`` False).
+
+    Kept as columns of plain values (ids, logprobs, special flags; the texts that are not
+    empty, by position) plus the events that carry more (alternatives, prompt logprobs,
+    the finish) by position: a whole answer of 512 tokens is a handful of objects, not
+    512 events. So the garbage collector has no per-token objects to scan while the
+    engine holds it, it pickles in one pass to an API process, and a reader that needs
+    only the text, the finish and the logprob sum never builds the events.
+    """
+
+    ids: array = field(default_factory=lambda: array("q"))  # int64 token ids
+    logprobs: array = field(default_factory=lambda: array("d"))  # float64, nats
+    texts: dict[int, str] = field(default_factory=dict)  # position -> text, if not ''
+    specials: bytearray = field(default_factory=bytearray)  # 1: a special token
+    rich: dict[int, TokenEvent] = field(default_factory=dict)  # position -> event
+    finish: Finish | None = None  # the last event's, once it is held
+
+    def append(self, event: TokenEvent) -> None:
+        """Hold ``event`` after the others."""
+        if event.top_tokens or event.prompt_logprobs or event.finish is not None:
+            self.rich[len(self.ids)] = event
+            self.finish = event.finish
+        if event.text:
+            self.texts[len(self.ids)] = event.text
+        self.ids.append(event.id)
+        self.logprobs.append(event.logprob)
+        self.specials.append(event.special)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def event(self, index: int) -> TokenEvent:
+        """The event held at ``index``, as it was put."""
+        rich = self.rich.get(index)
+        if rich is not None:
+            return rich
+        return TokenEvent(self.ids[index], self.logprobs[index], self.texts.get(index, ""),
+                          bool(self.specials[index]))
+
+    def events(self) -> list[TokenEvent]:
+        """Every event held, in order."""
+        return [self.event(i) for i in range(len(self.ids))]
+
+    @property
+    def text(self) -> str:
+        """The texts released with the events, joined."""
+        return "".join(self.texts.values())
+
+    @property
+    def logprob_sum(self) -> float:
+        """The events' logprobs summed in order (as ``sum`` over the events would)."""
+        return sum(self.logprobs)
+
+
 Event = TokenEvent | ErrorEvent
-# A token event held until its request ends: a TokenEvent, or, without alternatives or
-# finish, the plain tuple (id, logprob, text, special), which the collector does not track.
-HeldEvent = TokenEvent | tuple[int, float, str, bool]
+# What a sequence's EventStream carries: its events, or its whole answer at once.
+StreamItem = Event | HeldAnswer
 
 
 class EventStream:
@@ -122,12 +179,15 @@ class EventStream:
     """
 
     def __init__(self) -> None:
-        self._events: collections.deque[Event] = collections.deque()
+        self._events: collections.deque[StreamItem] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
     def put_nowait(self, event: Event) -> None:
         """Append ``event`` and wake the reader."""
-        self._events.append(event)
+        self._put(event)
+
+    def _put(self, item: StreamItem) -> None:
+        self._events.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -141,23 +201,24 @@ class EventStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def put_answer(self, held: list[HeldEvent]) -> None:
-        """Append a whole answer's events (:attr:`Sequence.held_events`, plain tuples
-        among them) and wake the reader once."""
-        self.put_all([e if not isinstance(e, tuple) else TokenEvent(*e) for e in held])
+    def put_answer(self, held: HeldAnswer) -> None:
+        """Append a whole answer (:attr:`Sequence.held`) as one item and wake the reader;
+        :meth:`router.engine.EventSource.generate` yields its events one by one,
+        ``run_all`` takes it whole."""
+        self._put(held)
 
     def empty(self) -> bool:
         return not self._events
 
-    def peek(self) -> Event:
+    def peek(self) -> StreamItem:
         """The oldest event, left in place. Raises ``IndexError`` when there is none."""
         return self._events[0]
 
-    def get_nowait(self) -> Event:
+    def get_nowait(self) -> StreamItem:
         """The oldest event. Raises ``IndexError`` when there is none."""
         return self._events.popleft()
 
-    async def get(self) -> Event:
+    async def get(self) -> StreamItem:
         """The oldest event, waiting for one."""
         while not self._events:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -194,9 +255,9 @@ class Sequence:
     pending_tokens: int = 0
     # Bumped on preemption: results of calls sent before it no longer apply.
     epoch: int = 0
-    # Token events held back until the end (requests with stream=False); one without
-    # alternatives or finish is held as (id, logprob, text, special), see OutputProcessor.
-    held_events: list[HeldEvent] = field(default_factory=list)
+    # Token events held back until the end (requests with stream=False), see
+    # OutputProcessor.deliver; None until the first.
+    held: HeldAnswer | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None
     first_token_time: float | None = None

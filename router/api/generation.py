@@ -17,7 +17,15 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from router.engine import EngineApi, RequestHandle, refusal_error
-from router.request import ErrorEvent, Event, Finish, FinishReason, GenerationRequest, TokenEvent
+from router.request import (
+    ErrorEvent,
+    Event,
+    Finish,
+    FinishReason,
+    GenerationRequest,
+    HeldAnswer,
+    TokenEvent,
+)
 from router.validation import public_seed
 
 T = TypeVar("T")
@@ -33,17 +41,39 @@ class Completion:
 
     Attributes:
         request: The request that produced it.
-        tokens: Every token event, in order.
+        events: Its token events, in order, as they came one by one; empty when the
+            engine handed the answer over whole (``answer``).
+        answer: The whole answer as the engine held it, for a request that did not
+            stream; its events are built only when :attr:`tokens` is read.
         finish: Why it ended (on the last token).
     """
 
     request: GenerationRequest
-    tokens: list[TokenEvent] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    answer: HeldAnswer | None = None
     finish: Finish | None = None
+
+    def add(self, event: TokenEvent | HeldAnswer) -> None:
+        """Take the next token event, or the whole answer."""
+        if isinstance(event, HeldAnswer):
+            self.answer = event
+        else:
+            self.events.append(event)
+        if event.finish is not None:
+            self.finish = event.finish
+
+    @property
+    def tokens(self) -> list[TokenEvent]:
+        """Every token event, in order (a whole answer's built at the first read)."""
+        if self.answer is not None:
+            self.events, self.answer = self.answer.events() + self.events, None
+        return self.events
 
     @property
     def text(self) -> str:
         """Generated text; ends with the matched stop sequence (TGI semantics)."""
+        if self.answer is not None and not self.events:
+            return self.answer.text
         return "".join(token.text for token in self.tokens)
 
     @property
@@ -54,17 +84,23 @@ class Completion:
     @property
     def prompt_logprobs(self) -> tuple[float, ...]:
         """Logprobs of prompt tokens 1.. (``len(prompt) - 1`` values) when requested."""
+        if self.answer is not None and not self.events:
+            return self.answer.event(0).prompt_logprobs if len(self.answer) else ()
         return self.tokens[0].prompt_logprobs if self.tokens else ()
 
     @property
     def logprob_sum(self) -> float:
         """Total logprob of the generated tokens (best_of ranks by it)."""
+        if self.answer is not None and not self.events:
+            return self.answer.logprob_sum
         return sum(token.logprob for token in self.tokens)
 
     @property
     def num_generated(self) -> int:
         """Generated tokens."""
-        return self.finish.generated_tokens if self.finish is not None else len(self.tokens)
+        if self.finish is not None:
+            return self.finish.generated_tokens
+        return len(self.tokens)
 
 
 def text_without_stop(text: str, finish: Finish | None) -> str:
@@ -138,13 +174,11 @@ async def run_all(
 
     async def collect() -> None:
         async with MergedStream(engine, requests) as stream:
-            async for first in stream:
-                # the events handed over together (a whole answer at its end) are taken
-                # in one go, not one iteration each
-                for index, event in [first, *stream.take_ready()]:
-                    completions[index].tokens.append(event)
-                    if event.finish is not None:
-                        completions[index].finish = event.finish
+            async for first in stream.items():
+                # the events handed over together are taken in one go, not one iteration
+                # each, and a whole answer as the engine held it
+                for index, event in [first, *stream.take_ready_items()]:
+                    completions[index].add(event)
 
     await _unless_gone(collect(), gone)
     return completions
@@ -288,11 +322,28 @@ class MergedStream:
             self._queue.put_nowait((index, None))
 
     def __aiter__(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        return self._events(self.items())
+
+    def items(self) -> AsyncIterator[tuple[int, TokenEvent | HeldAnswer]]:
+        """The iteration as it comes: a request that does not stream may end with its
+        whole answer as one :class:`~router.request.HeldAnswer` (iterating the stream
+        itself yields its events one by one)."""
         if len(self._requests) == 1:
             return self._iterate_one()
         return self._iterate()
 
-    async def _iterate_one(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+    @staticmethod
+    async def _events(
+        items: AsyncIterator[tuple[int, TokenEvent | HeldAnswer]],
+    ) -> AsyncIterator[tuple[int, TokenEvent]]:
+        async for index, item in items:
+            if isinstance(item, HeldAnswer):
+                for event in item.events():
+                    yield index, event
+            else:
+                yield index, item
+
+    async def _iterate_one(self) -> AsyncIterator[tuple[int, TokenEvent | HeldAnswer]]:
         if self._seq is None:
             self._seq = self._engine.submit(self._requests[0])
         events = self._seq.events
@@ -304,7 +355,7 @@ class MergedStream:
             self._ended = event.finish is not None
             yield 0, event
 
-    async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+    async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent | HeldAnswer]]:
         while self._open:
             if self._held is not None:
                 (index, item), self._held = self._held, None
@@ -322,14 +373,19 @@ class MergedStream:
     def take_ready(self) -> list[tuple[int, TokenEvent]]:
         """The token events that arrived already, in order, without waiting; an error
         is left for the iteration to raise."""
-        ready: list[tuple[int, TokenEvent]] = []
+        return [(index, event) for index, item in self.take_ready_items()
+                for event in (item.events() if isinstance(item, HeldAnswer) else (item,))]
+
+    def take_ready_items(self) -> list[tuple[int, TokenEvent | HeldAnswer]]:
+        """:meth:`take_ready` as :meth:`items` gives them (a whole answer as one)."""
+        ready: list[tuple[int, TokenEvent | HeldAnswer]] = []
         if self._seq is not None:
             events = self._seq.events
             while not self._ended and not events.empty():
                 if isinstance(events.peek(), ErrorEvent):
                     break
                 event = events.get_nowait()
-                assert isinstance(event, TokenEvent)
+                assert isinstance(event, (TokenEvent, HeldAnswer))
                 ready.append((0, event))
                 self._ended = event.finish is not None
             return ready

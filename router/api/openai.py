@@ -279,7 +279,10 @@ class _CompletionAnswer:
             for j, c in enumerate(group):
                 prefix = echo.text if echo is not None else ""
                 out = prefix + text_without_stop(c.text, c.finish)
-                result.append(self.choice(p * body.n + j, c, c.tokens, len(prefix), out))
+                # the events only when logprobs are asked for: a whole answer's are
+                # built on first read (Completion.tokens)
+                events = c.tokens if body.logprobs is not None else []
+                result.append(self.choice(p * body.n + j, c, events, len(prefix), out))
         return CompletionResponse(id=self.ident, created=self.created,
                                   model=self.state.model_id, choices=result,
                                   usage=_usage(self.prompt_tokens, done))

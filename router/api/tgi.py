@@ -132,19 +132,19 @@ def _response(tokenizer: Tokenizer, body: GenerateRequest, completions: list[Com
     """``/generate``'s answer: the best sequence, with the details asked for."""
     params = body.parameters
     prefix = body.inputs if params.return_full_text else ""
+    if not (params.details or params.decoder_input_details):
+        return GenerateResponse(generated_text=prefix + completions[0].text)
     best = _sequence_fields(tokenizer, completions[0], prefix, params.decoder_input_details)
-    details = None
-    if params.details or params.decoder_input_details:
-        others = [
-            BestOfSequence.model_validate(
-                _sequence_fields(tokenizer, c, prefix, params.decoder_input_details)
-            )
-            for c in completions[1:]
-        ]
-        fields = {k: v for k, v in best.items() if k != "generated_text"}
-        details = Details.model_validate(
-            {**fields, "best_of_sequences": others if best_of > 1 else None}
+    others = [
+        BestOfSequence.model_validate(
+            _sequence_fields(tokenizer, c, prefix, params.decoder_input_details)
         )
+        for c in completions[1:]
+    ]
+    fields = {k: v for k, v in best.items() if k != "generated_text"}
+    details = Details.model_validate(
+        {**fields, "best_of_sequences": others if best_of > 1 else None}
+    )
     return GenerateResponse(generated_text=str(best["generated_text"]), details=details)
 
 

@@ -17,6 +17,7 @@ from router.engine_client import ENGINE_GONE, EngineClient
 from router.engine_server import ApiConnection
 from router.request import (
     GenerationRequest,
+    HeldAnswer,
     SamplingParams,
     StoppingParams,
     TokenEvent,
@@ -109,7 +110,11 @@ async def test_one_message_carries_every_event_of_an_engine_step(
     answers = await asyncio.wait_for(run_all(client, requests), 30.0)
     assert [len(done.tokens) for done in answers] == [20] * 16
     items = [item for batch in batches for item in batch]
-    assert len(items) == 16 and all(len(item[1]) == 20 for item in items)
+    assert len(items) == 16 and all(isinstance(item[1], HeldAnswer) for item in items)
+    assert all(len(item[1]) == 20 for item in items)
+    # one request's answer reaches its reader as it crossed, its events not yet built
+    [done] = await asyncio.wait_for(run_all(client, requests[:1]), 30.0)
+    assert done.answer is not None and done.events == [] and done.num_generated == 20
 
 
 async def test_a_client_that_leaves_frees_its_blocks(

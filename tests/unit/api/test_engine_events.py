@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from array import array
 from dataclasses import replace
 from typing import Any
 
@@ -122,6 +123,38 @@ async def test_whole_answers_handed_over_at_once_arrive_complete(tokenizer: Toke
         await engine.stop()
 
 
+async def test_a_whole_answer_is_read_without_building_its_events(
+    tokenizer: Tokenizer,
+) -> None:
+    # text, logprob sum and count come from the held columns; the events are built only
+    # when read, and then equal those the engine yields one by one
+    said = tokenizer.encode(" one two three four", add_special_tokens=False)
+    shard = ScriptedShardClient(lambda _prompt: said)
+    engine = _started_engine(shard, tokenizer)
+    try:
+        stopping = StoppingParams(max_new_tokens=len(said), ignore_eos=True)
+        request = GenerationRequest((5, 6, 7), SamplingParams(), stopping)
+        for token_texts in (False, True):
+            [done] = await asyncio.wait_for(run_all(engine, [request], token_texts=token_texts),
+                                            30.0)
+            assert done.answer is not None and done.events == []
+            text, total, count = done.text, done.logprob_sum, done.num_generated
+            prompt_logprobs = done.prompt_logprobs
+            assert done.answer is not None  # none of those built the events
+            events = done.tokens
+            assert done.answer is None and done.tokens is events
+            # the events the engine's generate yields for the same request, one by one
+            held = replace(request, stream=False, token_texts=token_texts)
+            assert events == await _events(engine, held)
+            streamed = await _events(engine, request)
+            assert [(e.id, e.logprob) for e in events] == [(e.id, e.logprob) for e in streamed]
+            assert text == "".join(e.text for e in streamed) == " one two three four"
+            assert total == sum(e.logprob for e in streamed) and count == len(said)
+            assert prompt_logprobs == ()
+    finally:
+        await engine.stop()
+
+
 async def test_an_event_stream_takes_a_list_in_order_with_one_wake_up() -> None:
     stream = EventStream()
     events = [TokenEvent(id=i, logprob=0.0, text=str(i), special=False) for i in range(5)]
@@ -203,9 +236,9 @@ async def test_a_whole_answer_carries_the_events_a_stream_does(tokenizer: Tokeni
 async def test_held_events_are_not_scanned_by_the_garbage_collector(
     tokenizer: Tokenizer,
 ) -> None:
-    # a whole answer's events wait in its sequence until the end: a plain event must not
-    # stay an object the collector tracks (every full collection would scan all of them,
-    # a pause of the engine loop), an event with alternatives keeps its form
+    # a whole answer's events wait in its sequence until the end: held as columns of
+    # plain values, not one object per token for every full collection to scan (a pause
+    # of the engine loop); an event with alternatives keeps its form
     shard = ScriptedShardClient(lambda _prompt: [100, 101, 102])
     engine = _started_engine(shard, tokenizer)
     await engine.stop()
@@ -221,7 +254,12 @@ async def test_held_events_are_not_scanned_by_the_garbage_collector(
             extras = TokenExtras((TopToken(token, -0.5),), ()) if seq is rich else None
             assert output.on_token(seq, token, -0.5, extras) is None
     output.deliver()
-    gc.collect()
-    assert [gc.is_tracked(e) for e in plain.held_events] == [False, False]
-    assert all(isinstance(e, TokenEvent) for e in rich.held_events)
+    assert plain.held is not None and rich.held is not None
+    assert list(plain.held.ids) == [100, 101] and plain.held.rich == {}
+    # per token: a slot of an array and a str, which the collector does not track
+    assert isinstance(plain.held.ids, array) and isinstance(plain.held.logprobs, array)
+    assert not any(gc.is_tracked(text) for text in plain.held.texts.values())
+    assert sorted(rich.held.rich) == [0, 1]
+    assert [e.top_tokens for e in rich.held.events()] == [(TopToken(100, -0.5),),
+                                                          (TopToken(101, -0.5),)]
     assert plain.events.empty() and rich.events.empty()  # nothing before the finish
