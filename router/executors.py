@@ -8,6 +8,7 @@ rank the torch.distributed rendezvous (rank 0's IP and a free port on it). Both 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import subprocess
@@ -119,8 +120,11 @@ class LocalExecutor:
         master_port = self.master_port or free_port(self.host)
         for rank in range(self.config.world_size):
             port = free_port(self.host)
-            args = shard_argv(self.config.for_rank(rank, self.host, master_port),
-                              host=self.host, port=port)
+            # parent_pid: a shard stops by itself once this process is gone (killed
+            # before it could stop the group), instead of holding its memory on
+            config = dataclasses.replace(self.config.for_rank(rank, self.host, master_port),
+                                         parent_pid=os.getpid())
+            args = shard_argv(config, host=self.host, port=port)
             # Every shard setting is a flag: the router's SHARDSERVE_* variables stay out.
             env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
             # A session of its own: Ctrl-C on the terminal reaches the launcher, which

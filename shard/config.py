@@ -138,6 +138,10 @@ class ShardConfig:
         master_addr: IP of rank 0, where the process group meets (world_size > 1).
         master_port: Free TCP port on ``master_addr`` for the rendezvous; 0 = unset
             (a rank of a group of several gets one from :meth:`for_rank`).
+        parent_pid: The process that started this shard: once it is no longer the
+            shard's parent (it exited, even by SIGKILL), the shard stops itself
+            (``python -m shard.server`` only; see :func:`shard.server.watch_parent`).
+            0 = no watch. The router's local executor sets its own pid.
 
     Raises:
         ValueError: on any invalid field, naming it.
@@ -181,6 +185,9 @@ class ShardConfig:
         "rank 0's IP (world size > 1)"))
     master_port: int = field(default=0, metadata=_flag(
         "rendezvous port on rank 0 (needed when world size > 1)", type=int))
+    parent_pid: int = field(default=0, metadata=_flag(
+        "stop once the process with this pid is no longer this shard's parent (it "
+        "exited); 0 = never", type=int))
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -207,6 +214,8 @@ class ShardConfig:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.parent_pid < 0:
+            raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"

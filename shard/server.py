@@ -9,7 +9,10 @@ environment variables when set (see :func:`~shard.config.config_from_args`).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import threading
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -21,7 +24,11 @@ from shard.pb import shard_pb2_grpc
 from shard.progress import tqdm_safe_write
 from shard.servicer import ShardServicer
 
-__all__ = ["config_from_args", "configure_logging", "main", "start_server"]
+__all__ = ["config_from_args", "configure_logging", "main", "start_server", "watch_parent"]
+
+# How often the parent watch checks that the shard's parent is still the one it was
+# started by, seconds.
+PARENT_POLL_S = 1.0
 
 MAX_MESSAGE_BYTES = 256 * MiB
 GRPC_OPTIONS = [
@@ -77,6 +84,36 @@ def configure_logging(rank: int, json_logs: bool = False) -> None:
     )
 
 
+def watch_parent(parent_pid: int, rank: int,
+                 poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
+    """Stop this process once ``parent_pid`` is no longer its parent: the process that
+    started it exited, however it ended (a SIGKILL included), and this one was handed
+    to another parent. A shard started in a session of its own (as the local executor
+    starts them, so that Ctrl-C reaches the launcher first) would otherwise outlive a
+    launcher that could not stop it, and keep its memory (a GPU's, for one).
+
+    Checks ``os.getppid()`` every ``poll_s`` seconds on a daemon thread, from before
+    the model loads; then sends SIGTERM to this process: the graceful stop once the
+    server runs, the default action (exit) while the model still loads.
+
+    Returns:
+        The watching thread, or None when ``parent_pid`` is 0 (no watch).
+    """
+    if parent_pid <= 0:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        logger.bind(rank=rank).warning(
+            "the process that started this shard ({}) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 async def _serve(config: ShardConfig, host: str, port: int) -> None:
     server, _ = await start_server(config, host, port)
     stop = asyncio.Event()
@@ -92,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m shard.server``."""
     config, host, port = config_from_args(argv)
     configure_logging(config.rank, config.json_logs)
+    watch_parent(config.parent_pid, config.rank)
     asyncio.run(_serve(config, host, port))
 
 

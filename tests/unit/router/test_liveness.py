@@ -5,10 +5,14 @@ listening late, after its probe had been refused, is not."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import grpc
+import pytest
 
 from router.executors import HealthProbe, LocalExecutor, free_port
-from shard.config import ShardConfig
+from shard.config import ShardConfig, config_from_args
 from shard.pb import shard_pb2, shard_pb2_grpc
 
 
@@ -49,5 +53,30 @@ async def test_a_rank_that_listens_after_refused_probes_is_not_hung() -> None:
         assert await executor.dead_rank() is None
     finally:
         await server.stop(None)
+        for probe in executor.probes:
+            await probe.close()
+
+
+async def test_local_shards_are_told_to_stop_with_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # each rank gets this process's pid as --parent-pid (tests/integration/
+    # test_parent_watch.py shows a shard stopping once that process is killed)
+    started: list[list[str]] = []
+
+    class Recorded:
+        def __init__(self, argv: list[str], **_: object) -> None:
+            started.append(argv)
+            self.pid = 0
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    executor = LocalExecutor(ShardConfig(model_path="m", model_id="m", world_size=2))
+    await executor.start()
+    try:
+        assert len(started) == 2
+        for argv in started:
+            parsed, _, _ = config_from_args(argv[3:], environ={})
+            assert parsed.parent_pid == os.getpid()
+    finally:
         for probe in executor.probes:
             await probe.close()
