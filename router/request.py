@@ -126,13 +126,11 @@ class HeldAnswer:
     texts: dict[int, str] = field(default_factory=dict)  # position -> text, if not ''
     specials: bytearray = field(default_factory=bytearray)  # 1: a special token
     rich: dict[int, TokenEvent] = field(default_factory=dict)  # position -> event
-    finish: Finish | None = None  # the last event's, once it is held
 
     def append(self, event: TokenEvent) -> None:
         """Hold ``event`` after the others."""
         if event.top_tokens or event.prompt_logprobs or event.finish is not None:
             self.rich[len(self.ids)] = event
-            self.finish = event.finish
         if event.text:
             self.texts[len(self.ids)] = event.text
         self.ids.append(event.id)
@@ -141,6 +139,12 @@ class HeldAnswer:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def finish(self) -> Finish | None:
+        """The last event's finish (None until the last is held)."""
+        last = self.rich.get(len(self.ids) - 1)
+        return last.finish if last is not None else None
 
     def event(self, index: int) -> TokenEvent:
         """The event held at ``index``, as it was put."""

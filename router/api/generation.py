@@ -65,14 +65,14 @@ class Completion:
     @property
     def tokens(self) -> list[TokenEvent]:
         """Every token event, in order (a whole answer's built at the first read)."""
-        if self.answer is not None:
-            self.events, self.answer = self.answer.events() + self.events, None
+        if self.answer is not None:  # the answer came whole: no event came before it
+            self.events, self.answer = self.answer.events(), None
         return self.events
 
     @property
     def text(self) -> str:
         """Generated text; ends with the matched stop sequence (TGI semantics)."""
-        if self.answer is not None and not self.events:
+        if self.answer is not None:
             return self.answer.text
         return "".join(token.text for token in self.tokens)
 
@@ -84,14 +84,14 @@ class Completion:
     @property
     def prompt_logprobs(self) -> tuple[float, ...]:
         """Logprobs of prompt tokens 1.. (``len(prompt) - 1`` values) when requested."""
-        if self.answer is not None and not self.events:
+        if self.answer is not None:
             return self.answer.event(0).prompt_logprobs if len(self.answer) else ()
         return self.tokens[0].prompt_logprobs if self.tokens else ()
 
     @property
     def logprob_sum(self) -> float:
         """Total logprob of the generated tokens (best_of ranks by it)."""
-        if self.answer is not None and not self.events:
+        if self.answer is not None:
             return self.answer.logprob_sum
         return sum(token.logprob for token in self.tokens)
 
