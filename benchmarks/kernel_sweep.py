@@ -20,7 +20,8 @@ server runs its decode step:
 - prefill attention (:func:`shard.attention.triton_kernels.prefill_attention`) at the
   model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix): keys
   from the paged cache and from the new K/V (``new_kv``) against flash-attn's varlen
-  kernel and torch SDPA, then each tile / warps / stages configuration in both modes
+  kernel, torch SDPA and torch's flash varlen kernel, then each tile / warps / stages
+  configuration in both modes
   (not with ``--no-prefill-grid``).
 
 Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
@@ -375,14 +376,17 @@ def prefill_sweep(points: list[tuple[int, int]], block_size: int, new_kv: bool) 
 def prefill_peers(points: list[tuple[int, int]], block_size: int) -> list[str]:
     """Our prefill kernel (default configuration) with keys from the paged cache and from
     the new K/V, against flash-attn's varlen kernel on the same new K/V (when
-    ``flash_attn`` imports) and torch SDPA on contiguous [batch, heads, tokens, dim]
-    tensors (K/V heads repeated beforehand): µs (TFLOP/s)."""
+    ``flash_attn`` imports), torch SDPA on contiguous [batch, heads, tokens, dim]
+    tensors (K/V heads repeated beforehand) and torch's own flash varlen kernel on the
+    new K/V (with its largest difference from ours): µs (TFLOP/s). A peer that fails
+    (a kernel this torch lacks, or one that cannot be captured in a graph) is named."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         flash_attn_varlen_func = None
     rows = ["| batch × tokens | ours, paged cache | ours, new K/V | flash-attn varlen, new K/V "
-            "| torch SDPA, contiguous |", "|---|---:|---:|---:|---:|"]
+            "| torch SDPA, contiguous | torch flash varlen, new K/V |",
+            "|---|---:|---:|---:|---:|---:|"]
     for batch, seq_len in points:
         case, args, (k, v) = _prefill_inputs(batch, seq_len, block_size)
         md = case.metadata
@@ -398,16 +402,35 @@ def prefill_peers(points: list[tuple[int, int]], block_size: int) -> list[str]:
                 seq_len, seq_len, softmax_scale=case.scale, causal=True),
             functools.partial(F.scaled_dot_product_attention, q4, k4, v4, scale=case.scale,
                               is_causal=True),
+            functools.partial(_torch_flash_varlen, case.q, k, v, md.cu_seqlens_q, seq_len,
+                              case.scale),
         ]
         flops = _prefill_flops(batch, seq_len)
+        prefill_attention(*args, out=out, new_kv=(k, v))
+        ours = out.clone()
         cells = []
         for fn in fns:
-            us = None if fn is None else graph_time_us(fn, reps=5)
-            cells.append("n/a" if us is None else f"{us:.1f} ({flops / us / 1e6:.0f})")
+            try:
+                us = None if fn is None else graph_time_us(fn, reps=5)
+            except Exception as exc:  # a backend this torch or GPU lacks: named, skipped
+                cells.append(f"n/a ({str(exc).splitlines()[0][:60]})")
+                continue
+            cell = "n/a" if us is None else f"{us:.1f} ({flops / us / 1e6:.0f})"
+            if fn is fns[-1]:
+                got = fn()
+                cell += f", max diff vs ours {(got.float() - ours.float()).abs().max().item():.3g}"
+            cells.append(cell)
         rows.append(f"| {batch} × {seq_len} | " + " | ".join(cells) + " |")
         del case, args, out, q4, k4, v4, k, v
         torch.cuda.empty_cache()
     return rows
+
+
+def _torch_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cu_seqlens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """torch's own flash-attention varlen kernel (``_flash_attention_forward``), causal."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale)[0]
 
 
 def _chunked(m: int, chunk: int) -> list[slice]:
