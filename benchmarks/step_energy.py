@@ -145,12 +145,9 @@ def _gemm_work(name: str, rows: int, layers: int, weights: dict[str, list[torch.
 def _attention_variants(specs: list[str]) -> list[tuple[int, DecodeConfig]]:
     out = []
     for spec in specs:
-        fields = spec.split(":")
-        block_size, block_n, warps, stages = (int(v) for v in fields[:4])
-        persistent = len(fields) > 4 and fields[4].startswith("p")
-        out.append((block_size, DecodeConfig(
-            block_n=block_n, num_warps=warps, num_stages=stages, persistent=persistent,
-            programs_per_sm=int(fields[4][1:]) if persistent else 2)))
+        block_size, block_n, warps, stages = (int(v) for v in spec.split(":"))
+        out.append((block_size, DecodeConfig(block_n=block_n, num_warps=warps,
+                                             num_stages=stages)))
     return out
 
 
@@ -280,9 +277,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--attention-configs", nargs="*", default=[],
-                   metavar="BS:BLOCK_N:WARPS:STAGES[:pN]",
-                   help="more decode attention classes: KV block size and launch parameters; "
-                        "pN: the persistent kernel with N programs per SM")
+                   metavar="BS:BLOCK_N:WARPS:STAGES",
+                   help="more decode attention classes: KV block size and launch parameters")
     p.add_argument("--sm-limits", type=int, nargs="*", default=[],
                    help="also run the attention class eagerly on green contexts of these "
                         "SM counts")
@@ -301,9 +297,7 @@ def main() -> None:
     attend = decode_layer(batch, ctx, 16)
     attention = attention_work(f"attention{batch}", batch, ctx, layers, 16)
     variants = [attention_work(f"attention{batch}, block {block_size}, tiles {config.block_n}"
-                               f"/{config.num_warps}/{config.num_stages}"
-                               + (f", persistent {config.programs_per_sm}/SM"
-                                  if config.persistent else ""), batch, ctx, layers,
+                               f"/{config.num_warps}/{config.num_stages}", batch, ctx, layers,
                                block_size, config)
                 for block_size, config in _attention_variants(args.attention_configs)]
     flash = flash_attention_work(batch, ctx, layers) if args.flash_attn else None

@@ -91,7 +91,7 @@ class VirtualRunner:
         seconds = self.step_s + tokens * self.prefill_token_s
         final = [r.request_id for r in batch.requests if not r.partial]
         if not final:
-            ends_at, idle_s = self._occupy(seconds)
+            _, idle_s = self._occupy(seconds)
             step_trace.mark("device_gap", trace_step, int(idle_s * 1e6))
             return StepOutput((), CachedBatchInfo(batch.batch_id, ()), int(seconds * 1e9))
         self._batches[batch.batch_id] = final

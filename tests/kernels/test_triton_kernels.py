@@ -74,13 +74,9 @@ def test_backend_prefill_over_cached_prefix(group: int, head_dim: int) -> None:
         DecodeConfig(block_n=32, target_programs=24, max_splits=3),
         DecodeConfig(target_programs=1, heads_first=False),
         DecodeConfig(block_n=32, target_programs=24, max_splits=3, heads_first=False),
-        DecodeConfig(block_n=16, target_programs=1, persistent=True),
-        DecodeConfig(block_n=16, target_programs=1, persistent=True, programs_per_sm=1),
-        DecodeConfig(block_n=64, target_programs=1, persistent=True, programs_per_sm=8),
     ],
     ids=["one-split", "split-per-tile", "three-splits", "sequences-first",
-         "sequences-first-splits", "persistent", "persistent-4-programs",
-         "persistent-a-program-per-item"],
+         "sequences-first-splits"],
 )
 def test_decode_split_counts(config: DecodeConfig) -> None:
     case = make_case([5, 50, 33, 120, 64], [1] * 5, 8, 2, 64, block_size=8, device=DEVICE,

@@ -13,7 +13,6 @@ log-sum-exp (base 2) and a second kernel combines the splits.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +41,6 @@ class DecodeConfig:
             of one KV head of consecutive sequences. On the H200 at the default tiles:
             within 2% either way at 1-256 rows of 256-640 tokens, 530 against 535-598
             µs at 512 × 1100 (benchmarks/results/kernels-h200.md).
-        persistent: with one split per sequence, launch ``programs_per_sm`` programs
-            per SM that walk (sequence, KV head) items in one flat loop over their
-            tiles (:func:`_decode_persistent_kernel`), instead of one program per item:
-            the KV pipeline stays full across items.
-        programs_per_sm: programs per SM of the persistent launch.
     """
 
     block_n: int = 64
@@ -55,8 +49,6 @@ class DecodeConfig:
     target_programs: int = 528
     max_splits: int = 64
     heads_first: bool = True
-    persistent: bool = False
-    programs_per_sm: int = 2
 
 
 @triton.jit
@@ -161,104 +153,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_persistent_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    scale_log2,
-    num_items,
-    num_kv_heads,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One split per sequence, persistent: program ``p`` of ``P`` takes the items
-    (sequence ``i // num_kv_heads``, KV head ``i % num_kv_heads``) ``i = p, p + P, ...``
-    and walks all their KV tiles in one loop, so that the loads of an item's first
-    tiles are issued while the previous item's last ones are computed. The online
-    softmax state restarts at each item's first tile; its output is written after its
-    last. Same tiles, same order and same arithmetic per item as :func:`_decode_kernel`
-    with one split."""
-    pdl_start(USE_PDL)
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    # tiles of this program's items, for the flat loop's bound
-    total = 0
-    for i in range(pid, num_items, num_programs):
-        total += tl.cdiv(tl.load(seq_lens_ptr + i // num_kv_heads), BLOCK_N)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    gmask = g < GROUP
-    dmask = d < HEAD_DIM
-    omask = gmask[:, None] & dmask[None, :]
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    item = pid
-    tile = 0
-    for _ in range(total):
-        b = item // num_kv_heads
-        kvh = item % num_kv_heads
-        seq_len = tl.load(seq_lens_ptr + b)
-        heads = kvh * GROUP + g
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-            mask=omask,
-            other=0.0,
-        )
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < seq_len
-        page = tl.load(
-            block_tables_ptr + b.to(tl.int64) * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0
-        ).to(tl.int64)
-        kv_off = (
-            page[:, None] * stride_cb
-            + (n % BLOCK_SIZE)[:, None] * stride_cs
-            + kvh * stride_ch
-            + d[None, :]
-        )
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        # a new item: with the running max at -inf, alpha below is 0 and clears l_i, acc
-        m_i = tl.where(tile == 0, float("-inf"), m_i)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(nmask[None, :], s, float("-inf"))  # s: [GROUP_PAD, BLOCK_N], log2 units
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-        tile += 1
-        last = tile * BLOCK_N >= seq_len
-        if last:
-            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-            o = acc / l_safe[:, None]
-            dst = out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
-            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=omask)
-            item += num_programs
-            tile = 0
-
-
-@triton.jit
 def _combine_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -295,15 +189,6 @@ def _combine_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a CUDA device), or 4 elsewhere (Triton's
-    interpreter: a few programs, each with several items)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def num_decode_splits(
@@ -361,38 +246,6 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     pdl = launch_options(q.device)
-    if splits == 1 and config.persistent:
-        items = batch * num_kv_heads
-        _decode_persistent_kernel[(min(items, _num_sms(q.device) * config.programs_per_sm),)](
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            out,
-            scale * LOG2E,
-            items,
-            num_kv_heads,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_N=config.block_n,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **pdl,
-        )
-        return out
     grid = (num_kv_heads, batch) if config.heads_first else (batch, num_kv_heads)
     _decode_kernel[(*grid, splits)](
         q,
