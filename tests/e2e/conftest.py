@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.executors import free_port
+from tests.ports import unused_port
 
 STARTUP_TIMEOUT_S = 600.0
 # Smaller budgets than the defaults keep warm-up (a worst-case prefill) short on CPU.
@@ -41,7 +41,7 @@ def launch(args: list[str], log_path: Path) -> tuple[str, subprocess.Popen[bytes
     The public gRPC API is off unless ``args`` pass ``--grpc-port`` (so servers started
     side by side never fight over its default port).
     """
-    port = free_port()
+    port = unused_port()
     if "--grpc-port" not in args:
         args = [*args, "--grpc-port", "0"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -76,7 +76,7 @@ def stop(process: subprocess.Popen[bytes]) -> int:
 @pytest.fixture(scope="session")
 def grpc_port() -> int:
     """Port of the public gRPC API of :func:`ray_server`."""
-    return free_port()
+    return unused_port()
 
 
 @pytest.fixture(scope="session")

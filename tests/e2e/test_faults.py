@@ -19,8 +19,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.executors import free_port
 from tests.e2e.conftest import launch, stop
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.e2e
 
@@ -114,7 +114,7 @@ def started(
 def test_stopped_shard_ends_streams_then_the_group_restarts(
     started: Callable[..., tuple[str, subprocess.Popen[bytes], Path]],
 ) -> None:
-    grpc_port = free_port()
+    grpc_port = unused_port()
     base_url, process, log_path = started("--grpc-port", str(grpc_port))
     before = generate(base_url)
     victim = shard_pid(log_path)

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router.executors import free_port
 from router.pb import generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import SMALL_BUDGETS, launch, stop
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +24,7 @@ STREAM_TOKENS = 300
 def test_sigterm_gives_grpc_streams_the_graceful_timeout(
     default_model_dir: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
+    port = unused_port()
     _, process = launch(["--executor", "local", "--grpc-port", str(port),
                          "--graceful-timeout", "120", *SMALL_BUDGETS], tmp_path / "server.log")
     try:

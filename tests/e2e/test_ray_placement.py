@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.executors import free_port
 from tests.conftest import save_tiny_llama
 from tests.e2e.conftest import stop, wait_healthy
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,7 @@ def three_head_model_dir(
 def test_more_ranks_than_cores_start_on_the_launchers_own_ray(
     three_head_model_dir: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
+    port = unused_port()
     log_path = tmp_path / "server.log"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with log_path.open("wb") as log:
@@ -63,7 +63,7 @@ def test_more_ranks_than_cores_start_on_the_launchers_own_ray(
 def one_cpu_cluster(tmp_path: Path) -> Iterator[str]:
     """A Ray head with one CPU, run by ``ray start --block`` (stopped with it): its
     ``host:port``."""
-    port = free_port()
+    port = unused_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     log_path = tmp_path / "ray-head.log"

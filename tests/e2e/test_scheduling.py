@@ -13,9 +13,9 @@ import grpc
 import httpx
 import pytest
 
-from router.executors import free_port
 from router.pb import generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import launch, stop
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.e2e
 
@@ -23,13 +23,17 @@ TINY_ARGS = ["--executor", "local", "--max-total-tokens", "512", "--max-concurre
              "256", "--kv-cache-bytes", str(4 * 1024 * 1024)]
 
 
-TINY_GRPC_PORT = free_port()
+@pytest.fixture(scope="module")
+def tiny_grpc_port() -> int:
+    """The public gRPC port of :func:`tiny_server`, picked just before it starts."""
+    return unused_port()
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                tiny_grpc_port: int) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("tiny") / "server.log"
-    args = ["--model", str(tiny_model_dir), "--grpc-port", str(TINY_GRPC_PORT), *TINY_ARGS]
+    args = ["--model", str(tiny_model_dir), "--grpc-port", str(tiny_grpc_port), *TINY_ARGS]
     base_url, process = launch(args, log_path)
     yield base_url
     stop(process)
@@ -89,13 +93,13 @@ def test_500_cancelled_streams_free_every_block_m1(tiny_server: str) -> None:
     assert cancelled_count(tiny_server) == 500
 
 
-def test_cancelled_grpc_streams_free_their_blocks(tiny_server: str) -> None:
+def test_cancelled_grpc_streams_free_their_blocks(tiny_server: str, tiny_grpc_port: int) -> None:
     baseline = kv_blocks_free(tiny_server)
     request = generate_pb2.GenerateRequest(
         inputs="A very long story:",
         parameters=generate_pb2.Parameters(max_new_tokens=300, ignore_eos=True),
     )
-    with grpc.insecure_channel(f"127.0.0.1:{TINY_GRPC_PORT}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{tiny_grpc_port}") as channel:
         stub = generate_pb2_grpc.TextGenerationStub(channel)
         for _ in range(5):
             call = stub.GenerateStream(request, timeout=60)

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.executors import free_port
 from tests.e2e.conftest import launch, stop
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def _ray(*args: str, env: dict[str, str]) -> None:
 @pytest.fixture
 def two_node_cluster(tmp_path: Path) -> Iterator[str]:
     """Two Ray nodes on this machine (head + worker, one CPU each); ``host:port``."""
-    port = free_port()
+    port = unused_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     bin_dir = Path(sys.executable).parent
     env["PATH"] = f"{bin_dir}:{env['PATH']}"

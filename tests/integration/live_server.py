@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from router.executors import free_port
+from tests.ports import unused_port
 
 # Small budgets keep warm-up short; the tiny model's context is 512 tokens.
 TINY_BUDGETS = ["--executor", "local", "--max-batch-prefill-tokens", "256",
@@ -84,7 +84,7 @@ def launch_tiny(
     ``--model``) on free ports with ``args`` after ``budgets`` (default: the tiny-model
     budgets; ``args`` override them) and ``env`` added to this process's environment;
     wait until healthy unless ``wait`` is False."""
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = unused_port(), unused_port()
     full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -11,15 +11,30 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.live_server import launch_tiny
+from tests.integration.live_server import LiveServer, launch_tiny
 
 # Enough tokens to outlast a 1 s graceful timeout by far on any machine.
 LONG = {"max_new_tokens": 480, "ignore_eos": True}
+
+
+def wait_running(server: LiveServer, count: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``count`` requests decode (``shardserve_running_batch_size``): on a
+    loaded machine the blocking clients' requests may reach the server after the
+    streaming one has had its first tokens."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "shardserve_running_batch_size" and float(value) >= count:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{count} requests never ran together")
 
 
 @pytest.mark.parametrize("api_servers", ["0", "1"])
@@ -52,6 +67,7 @@ def test_requests_past_the_graceful_timeout_end_with_a_clear_error(
                     continue
                 events.append(json.loads(line[5:]))
                 if len(events) == 2:
+                    wait_running(server, len(blocking) + 1)
                     server.process.send_signal(signal.SIGTERM)
         for thread in blocking:
             thread.join(timeout=120)

@@ -22,11 +22,11 @@ from router.api.app import create_app
 from router.api.state import ServerState
 from router.config import SchedulerConfig, ValidationLimits
 from router.engine import Engine
-from router.executors import free_port
 from router.grpc_api.server import SERVICE_NAME, start_grpc_server
 from router.shard_client import ShardClient
 from router.tokenizer import Tokenizer
 from router.validation import Validator
+from tests.ports import unused_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -35,7 +35,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @pytest.fixture
 def shard_process(tiny_model_dir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A ``python -m shard.server`` process serving the tiny model: (address, process)."""
-    port = free_port()
+    port = unused_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "shard.server", "--model", str(tiny_model_dir), "--port",
          str(port), "--device", "cpu", "--kv-cache-bytes", str(4 * 1024 * 1024)],
@@ -68,7 +68,7 @@ async def state(
 @pytest.fixture
 async def http_url(state: ServerState) -> AsyncIterator[str]:
     """The HTTP app served by uvicorn on a free port."""
-    port = free_port()
+    port = unused_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())

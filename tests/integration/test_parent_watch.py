@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from router.executors import free_port
+from tests.ports import unused_port
 
 # The launcher's part: start a shard in a session of its own, say its pid, wait.
 LAUNCHER = """
@@ -60,7 +60,7 @@ def _wait_listening(port: int, timeout_s: float) -> None:
 def test_a_shard_stops_once_its_launcher_is_killed(
     tiny_model_dir: Path, watch: bool, killed_when: str,
 ) -> None:
-    port = free_port()
+    port = unused_port()
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(tiny_model_dir), str(port),
          "watch" if watch else "no-watch"], stdout=subprocess.PIPE)

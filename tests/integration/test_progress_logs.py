@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.executors import free_port
 from tests.integration.live_server import TINY_BUDGETS, LiveServer, launch_tiny
+from tests.ports import unused_port
 
 STATUS = re.compile(
     r"status: prompt (?P<prompt>[\d.]+) tok/s, generation (?P<generation>[\d.]+) tok/s, "
@@ -77,7 +77,7 @@ def test_busy_server_logs_a_status_line(server: LiveServer) -> None:
 
 
 def test_warm_up_draws_a_progress_bar_on_a_terminal(tiny_model_dir: Path) -> None:
-    port = free_port()
+    port = unused_port()
     controller, terminal = pty.openpty()
     # A terminal of 40 rows x 200 columns (a fresh pty has no size, and tqdm then hides).
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))

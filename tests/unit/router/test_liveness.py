@@ -11,9 +11,10 @@ import subprocess
 import grpc
 import pytest
 
-from router.executors import HealthProbe, LocalExecutor, free_port
+from router.executors import HealthProbe, LocalExecutor
 from shard.config import ShardConfig, config_from_args
 from shard.pb import shard_pb2, shard_pb2_grpc
+from tests.ports import unused_port
 
 
 class AlwaysHealthy(shard_pb2_grpc.ShardServiceServicer):
@@ -25,7 +26,7 @@ class AlwaysHealthy(shard_pb2_grpc.ShardServiceServicer):
 async def test_a_rank_silent_since_start_up_is_hung_once_the_group_is_ready() -> None:
     executor = LocalExecutor(ShardConfig(model_path="m", model_id="m"))
     # nothing listens there: the probe never gets an answer
-    executor.probes = [HealthProbe(f"127.0.0.1:{free_port()}", timeout_s=0.5)]
+    executor.probes = [HealthProbe(f"127.0.0.1:{unused_port()}", timeout_s=0.5)]
     try:
         assert await executor.dead_rank() is None  # still loading, as far as it knows
         executor.mark_ready()
@@ -37,7 +38,7 @@ async def test_a_rank_silent_since_start_up_is_hung_once_the_group_is_ready() ->
 
 async def test_a_rank_that_listens_after_refused_probes_is_not_hung() -> None:
     executor = LocalExecutor(ShardConfig(model_path="m", model_id="m"))
-    port = free_port()
+    port = unused_port()
     probe = HealthProbe(f"127.0.0.1:{port}", timeout_s=0.3)
     executor.probes = [probe]
     server = grpc.aio.server()

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from router.executors import free_port
 from shard.config import ShardConfig
 from shard.distributed import destroy_distributed
 from shard.inputs import SeqChunk
 from shard.model_runner import ModelRunner
+from tests.ports import unused_port
 from tests.unit.shard.helpers import BLOCK_SIZE, BlockPool, DecodeDriver, prefill, request
 
 POOL_BLOCKS = 512  # the same block ids at every TP size
@@ -117,7 +117,7 @@ def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_token
         AssertionError: a rank exited with an error or did not finish in ``timeout_s``.
     """
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = unused_port()
     out = tmp / f"tp{world_size}.pt"
     procs = [
         ctx.Process(target=_worker,
