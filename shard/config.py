@@ -129,6 +129,9 @@ class ShardConfig:
             comma-separated sizes such as ``"1,2,4,8,16,32"``. CUDA only.
         pdl: Programmatic dependent launch of our Triton kernels (:mod:`shard.pdl`):
             ``"auto"`` (on where it runs: CUDA compute capability 9.0+) or ``"off"``.
+        gemm_tuning: Prefill products through the cuBLASLt algorithm measured fastest
+            at warm-up (:mod:`shard.layers.gemm_tuning`): ``"auto"`` (on CUDA with
+            bfloat16 or float16 weights) or ``"off"`` (cuBLAS's own pick everywhere).
         block_size: Tokens per KV block; must suit the attention backend.
         kv_cache_bytes: KV cache budget on CPU, in bytes (all layers, K and V).
         gpu_memory_fraction: Fraction of total GPU memory the shard may use
@@ -171,6 +174,10 @@ class ShardConfig:
         "programmatic dependent launch of our Triton kernels, each starting while the one "
         "before it finishes: auto (on where it runs: CUDA compute capability 9.0+) or off",
         choices=("auto", "off")))
+    gemm_tuning: str = field(default="auto", metadata=_flag(
+        "time cuBLASLt's algorithms for the prefill products at warm-up and run each "
+        "through the fastest: auto (on a GPU, bfloat16/float16) or off",
+        choices=("auto", "off")))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block", type=int))
     kv_cache_bytes: int = field(default=512 * MiB, metadata=_flag(
         "KV cache per rank on CPU: bytes, or with a unit (512MiB, 1GiB, 2G)",
@@ -200,6 +207,8 @@ class ShardConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.pdl not in ("auto", "off"):
             raise ValueError(f"pdl must be 'auto' or 'off', got {self.pdl!r}")
+        if self.gemm_tuning not in ("auto", "off"):
+            raise ValueError(f"gemm_tuning must be 'auto' or 'off', got {self.gemm_tuning!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

@@ -30,6 +30,8 @@ from shard.host_copy import HostCopy, to_device
 from shard.host_memory import retain_freed_memory
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
+from shard.layers import gemm_tuning
+from shard.layers.linear import linear_weights
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
@@ -201,8 +203,13 @@ class ModelRunner:
             self.model_config, self.block_size, self.dtype, self.config.world_size
         )
         chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, self.block_size)
-        with PhaseProgress("warm-up", WARMUP_PHASES + bool(buckets), self.log,
+        tune = self._tunes_gemms()
+        with PhaseProgress("warm-up", WARMUP_PHASES + bool(buckets) + tune, self.log,
                            show_bar=self.config.rank == 0) as progress:
+            if tune:
+                progress.phase("timing cuBLASLt's algorithms for the prefill products")
+                gemm_tuning.clear()
+                gemm_tuning.tune(linear_weights(self.model), max_batch_prefill_tokens, self.log)
             if self.device.type == "cuda":
                 progress.phase(
                     f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
@@ -230,6 +237,12 @@ class ModelRunner:
                               list(buckets), time.perf_counter() - started)
         self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, self.block_size)
         return num_blocks
+
+    def _tunes_gemms(self) -> bool:
+        """Whether warm-up tunes the prefill products (``--gemm-tuning auto`` on CUDA with
+        bfloat16 or float16 weights)."""
+        return (self.config.gemm_tuning == "auto" and self.device.type == "cuda"
+                and self.dtype in (torch.bfloat16, torch.float16))
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:
         return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, current_parallel
-from shard.layers import fused
+from shard.layers import fused, gemm_tuning
 from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
 
 # our Triton kernel for products of up to 16 rows (see _matmul)
@@ -119,7 +119,9 @@ def _matmul(
     """``x @ weight.T + bias``: through the oneDNN-packed copy of ``weight`` when there is
     one (see :func:`pack_cpu_weights`); on CUDA at up to 16 rows (decode at small batch,
     short prefills) through our skinny GEMM kernel
-    (:mod:`shard.layers.skinny_gemm_kernel`); else ``F.linear``."""
+    (:mod:`shard.layers.skinny_gemm_kernel`), at prefill sizes through the cuBLASLt
+    algorithm tuned at warm-up for the shape, if any (:mod:`shard.layers.gemm_tuning`);
+    else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
@@ -128,6 +130,10 @@ def _matmul(
         skinny: torch.Tensor | None = kernel(x, weight, bias) if kernel is not None else None
         if skinny is not None:  # None: rows or dtypes the kernel does not take
             return skinny
+        if gemm_tuning.tuned():
+            tuned = gemm_tuning.run(x, weight, bias)
+            if tuned is not None:
+                return tuned
     return F.linear(x, weight, bias)
 
 
@@ -370,3 +376,9 @@ def pack_cpu_weights(model: _ModuleTree) -> int:
         if m.packed_weight is not None and owners.get(id(m.weight), 0) == 1:
             m.weight.data = m.weight.data.new_empty(0)
     return len(packed)
+
+
+def linear_weights(model: _ModuleTree) -> list[torch.Tensor]:
+    """The weights of every tensor-parallel linear layer of ``model`` (the decoder
+    layers' projections; not the embedding or the LM head), in module order."""
+    return [m.weight.detach() for m in model.modules() if isinstance(m, _ParallelLinearBase)]
