@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_power import PowerLog
 from benchmarks.kernel_sweep import PROJECTIONS, _weights, graph_time_us
 from benchmarks.step_energy import Work, measure
-from shard.layers import cublaslt
+from shard.layers import cublaslt, gemm_tuning
 
 Product = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -49,7 +49,9 @@ def sweep(m: int, n: int, k: int, copies: int, limit: int, search: str,
     screened. ``search``: ``heuristic`` times each of :func:`cublaslt.candidates` over
     ``copies`` weights; ``variants`` screens each of :func:`cublaslt.variants` over two
     copies, then times the ``finalists`` fastest (and the heuristic's first) over
-    ``copies``."""
+    ``copies``; ``tuner`` runs the server's warm-up search
+    (:func:`shard.layers.gemm_tuning.tune_shape`), whose pick is kept only where it beats
+    ``F.linear`` by its margin (else ``F.linear`` stays: no entry)."""
     weights = _weights(n, k, copies)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     base = graph_time_us(_loop(x, weights, F.linear)) / copies
@@ -73,6 +75,12 @@ def sweep(m: int, n: int, k: int, copies: int, limit: int, search: str,
                 notes.append(f"{algo.describe()}: {e}")
         return sorted(timed, key=lambda t: t[0])
 
+    if search == "tuner":  # the server's own warm-up search (shard.layers.gemm_tuning)
+        gemm_tuning.clear()
+        result = gemm_tuning.tune_shape(m, weights)
+        gemm_tuning.clear()
+        best = [(result.best_us, result.algorithm)] if result.algorithm is not None else []
+        return result.default_us, best, notes, result.screened
     if search == "heuristic":
         algos = cublaslt.candidates(m, n, k, limit=limit)
         timed = time_all(algos, weights, 10)
@@ -85,19 +93,20 @@ def sweep(m: int, n: int, k: int, copies: int, limit: int, search: str,
     return base, timed, notes, len(algos)
 
 
-def step_products(m: int, layers: int, choice: dict[str, cublaslt.Algorithm] | None,
+def step_products(m: int, layers: int, choice: dict[str, cublaslt.Algorithm | None] | None,
                   weights: dict[str, list[torch.Tensor]], name: str, lm_head: bool) -> Work:
     """The products of ``layers`` layers (and the LM head if ``lm_head``: a decode step's,
     not a prefill's) at ``m`` rows, through ``F.linear`` (``choice`` None) or the chosen
-    algorithm per projection."""
+    algorithm per projection (``F.linear`` where it is None)."""
     xs = {p: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for p, _, k in PROJECTIONS}
     outs = {p: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for p, n, _ in PROJECTIONS}
 
     def product(p: str, w: torch.Tensor) -> None:
-        if choice is None:
+        algo = None if choice is None else choice[p]
+        if algo is None:
             torch.matmul(xs[p], w.t(), out=outs[p])
         else:
-            cublaslt.matmul(xs[p], w, choice[p], out=outs[p])
+            cublaslt.matmul(xs[p], w, algo, out=outs[p])
 
     def run() -> None:
         for i in range(layers):
@@ -118,9 +127,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[256, 16384])
     p.add_argument("--copies", type=int, default=8, help="weight copies per timed graph")
     p.add_argument("--limit", type=int, default=64, help="candidates asked of the heuristic")
-    p.add_argument("--search", choices=["heuristic", "variants"], default="variants",
-                   help="the heuristic's candidates only, or every tile and cluster shape "
-                        "around them")
+    p.add_argument("--search", choices=["heuristic", "variants", "tuner"], default="variants",
+                   help="the heuristic's candidates only, every tile and cluster shape "
+                        "around them, or the server's warm-up search")
     p.add_argument("--seconds", type=float, default=3.0, help="sustained loop per class (0: skip)")
     p.add_argument("--layers", type=int, default=32, help="layers of the sustained classes "
                    "(4 at 4096 rows or more)")
@@ -132,14 +141,17 @@ def main() -> None:
     print("| rows | projection | F.linear µs | heuristic's first µs | best µs | best / F.linear "
           "| candidates | best (cuBLASLt config) |")
     print("|---:|---|---:|---:|---:|---:|---:|---|", flush=True)
-    chosen: dict[int, dict[str, cublaslt.Algorithm]] = {}
+    chosen: dict[int, dict[str, cublaslt.Algorithm | None]] = {}
     for m in args.rows:
         chosen[m] = {}
         for name, n, k in PROJECTIONS:
             copies = 1 if name == "lm_head" else args.copies
             base, timed, notes, screened = sweep(m, n, k, copies, args.limit, args.search)
             if not timed:
-                print(f"| {m} | {name} | {base:.1f} | — | — | — | 0 | {'; '.join(notes)[:200]} |")
+                if args.search == "tuner":
+                    chosen[m][name] = None  # F.linear kept
+                print(f"| {m} | {name} | {base:.1f} | — | — | — | {screened} | "
+                      f"{'; '.join(notes)[:200] or 'F.linear kept'} |")
                 continue
             first = next((us for us, a in timed if a.index == 0), float("nan"))
             best_us, best = timed[0]

@@ -31,7 +31,7 @@ from shard.host_memory import retain_freed_memory
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers import gemm_tuning
-from shard.layers.linear import linear_weights
+from shard.layers.linear import linear_weights, lm_head_weights
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
@@ -207,9 +207,11 @@ class ModelRunner:
         with PhaseProgress("warm-up", WARMUP_PHASES + bool(buckets) + tune, self.log,
                            show_bar=self.config.rank == 0) as progress:
             if tune:
-                progress.phase("timing cuBLASLt's algorithms for the prefill products")
+                progress.phase("timing cuBLASLt's algorithms for the products")
                 gemm_tuning.clear()
-                gemm_tuning.tune(linear_weights(self.model), max_batch_prefill_tokens, self.log)
+                gemm_tuning.tune(linear_weights(self.model), max_batch_prefill_tokens, self.log,
+                                 decode_rows=buckets,
+                                 decode_weights=lm_head_weights(self.model))
             if self.device.type == "cuda":
                 progress.phase(
                     f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
@@ -239,8 +241,8 @@ class ModelRunner:
         return num_blocks
 
     def _tunes_gemms(self) -> bool:
-        """Whether warm-up tunes the prefill products (``--gemm-tuning auto`` on CUDA with
-        bfloat16 or float16 weights)."""
+        """Whether warm-up tunes the products (``--gemm-tuning auto`` on CUDA with bfloat16
+        or float16 weights)."""
         return (self.config.gemm_tuning == "auto" and self.device.type == "cuda"
                 and self.dtype in (torch.bfloat16, torch.float16))
 

@@ -1,16 +1,26 @@
-"""Prefill products through the cuBLASLt algorithm measured fastest at warm-up.
+"""Products through the cuBLASLt algorithm measured fastest at warm-up.
 
-cuBLAS's heuristic picks one kernel per product shape; at prefill sizes another tile or
-cluster shape is sometimes faster (``benchmarks/results/kernels-h200.md``, "cuBLASLt's
-other algorithms"). At warm-up :func:`tune` times, for each weight shape ``[n, k]`` of
-the model's linear layers, ``F.linear`` and every algorithm of
-:func:`shard.layers.cublaslt.variants` at prefill row counts (the prefill token budget,
-then halves of it down to :data:`MIN_ROWS`), over the model's own weights of that shape
-(several layers' copies, streamed from HBM as in a step). An algorithm faster than
-``F.linear`` by more than :data:`MARGIN` is kept for that shape and row count; a product
-of ``m`` rows then runs through the one kept at the largest tuned row count ``<= m``
-(:func:`lookup`), if cuBLASLt accepts it for ``m`` rows. Decode steps (fewer rows than
-:data:`MIN_ROWS`) are left to cuBLAS: there its pick was the fastest measured.
+cuBLAS's heuristic picks one kernel per product shape; another tile or cluster shape is
+often faster, at prefill sizes and at decode batch sizes alike
+(``benchmarks/results/kernels-h200.md``, "cuBLASLt's other algorithms"). At warm-up
+:func:`tune` times, for each weight shape ``[n, k]`` of the model's linear layers,
+``F.linear`` and the algorithms of :func:`shard.layers.cublaslt.variants` over the
+model's own weights of that shape (several layers' copies, streamed from HBM as in a
+step), at two kinds of row counts:
+
+- prefill: the prefill token budget, then halves of it down to :data:`MIN_ROWS`. A
+  product of ``m >= MIN_ROWS`` rows runs through the algorithm kept at the largest tuned
+  row count ``<= m`` (:func:`lookup`), if cuBLASLt accepts it for ``m`` rows.
+- decode: the batch sizes of the decode CUDA graphs above :data:`SKINNY_ROWS` (fewer
+  rows run through the skinny kernel, not a library product), the LM head's shape
+  included. The powers of two among them (and the largest) are searched in full
+  (:func:`decode_anchors`); each other batch size chooses between ``F.linear`` and the
+  algorithms kept at the anchors around it. A product of exactly a tuned batch size runs
+  through its algorithm when captured in a decode graph; eager products below
+  :data:`MIN_ROWS` keep ``F.linear`` (:func:`run`).
+
+An algorithm is kept only where it is faster than ``F.linear`` by more than
+:data:`MARGIN`.
 
 The choice is per process (each tensor-parallel rank tunes its own shards) and holds
 until :func:`clear`. A tuned product differs from ``F.linear``'s by the float32
@@ -23,21 +33,25 @@ BLAS implementation registered for a GEMM shape and keeps the fastest.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from shard.layers import cublaslt
 
-MIN_ROWS = 4096  # fewer rows: decode steps and short prefills, left to cuBLAS
+MIN_ROWS = 4096  # prefill sizes from here: the largest tuned row count at or below
+SKINNY_ROWS = 16  # up to here the skinny kernel runs the product (shard.layers.linear)
 MARGIN = 0.01  # an algorithm is kept only if at least 1% faster than F.linear
 FINALISTS = 4  # variants timed again over several weights after the screening
 TIMED_WEIGHTS = 4  # weights of a shape a finalist is timed over
+QUEUE_CYCLES = 200_000  # GPU clock cycles (~0.1 ms) queued ahead of each timed product
 
 _table: dict[tuple[int, int, torch.dtype], list[tuple[int, cublaslt.Algorithm]]] = {}
 _accepted: dict[tuple[int, int, int, torch.dtype, bytes], bool] = {}
+_exact: dict[tuple[int, int, int, torch.dtype], cublaslt.Algorithm] = {}  # decode sizes
 
 
 @dataclass(frozen=True)
@@ -80,11 +94,17 @@ def row_counts(max_rows: int) -> list[int]:
 
 
 def _time_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], reps: int) -> float:
-    """Fastest of ``reps`` timings (CUDA events) of ``fn`` over ``weights``, µs per product."""
+    """Fastest of ``reps`` timings (CUDA events) of ``fn`` over ``weights``, µs per product.
+
+    Each timing starts behind a spin of the GPU (:data:`QUEUE_CYCLES` per product) long
+    enough for the host to queue every launch: a decode-sized product takes less time on
+    the GPU than its launch from Python (more through ctypes than through ``F.linear``),
+    which would otherwise be timed instead of the kernel."""
     fn(weights[0])
     best = float("inf")
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(QUEUE_CYCLES * len(weights))
         start.record()
         for w in weights:
             fn(w)
@@ -94,10 +114,59 @@ def _time_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], 
     return best
 
 
+def decode_anchors(rows: Sequence[int]) -> list[int]:
+    """The decode row counts among ``rows`` searched in full: the powers of two above
+    :data:`SKINNY_ROWS`, and the largest (the others choose among their winners)."""
+    above = sorted({r for r in rows if r > SKINNY_ROWS})
+    return sorted({r for r in above if r & (r - 1) == 0} | set(above[-1:]))
+
+
+def _record(rows: int, n: int, k: int, dtype: torch.dtype, algo: cublaslt.Algorithm) -> None:
+    if rows < MIN_ROWS:
+        _exact[(rows, n, k, dtype)] = algo
+        return
+    entries = [e for e in _table.get((n, k, dtype), []) if e[0] != rows]
+    _table[(n, k, dtype)] = sorted([*entries, (rows, algo)], key=lambda e: -e[0])
+
+
+def _through(x: torch.Tensor, out: torch.Tensor,
+             algo: cublaslt.Algorithm) -> Callable[[torch.Tensor], object]:
+    return lambda w: cublaslt.matmul(x, w, algo, out)
+
+
+def _keep_fastest(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor],
+                  algos: Sequence[cublaslt.Algorithm], default_us: float
+                  ) -> tuple[float, cublaslt.Algorithm | None]:
+    """Time each of ``algos`` for ``x @ w.T`` over ``weights``; record the fastest for
+    this shape and row count if it beats ``default_us`` by :data:`MARGIN`. Returns its
+    µs per product and it, or None where it was not kept."""
+    best_us, best = float("inf"), None
+    for algo in algos:
+        try:
+            us = _time_us(_through(x, out, algo), weights, reps=3)
+        except cublaslt.CublasLtError:
+            continue
+        if us < best_us:
+            best_us, best = us, algo
+    if best is None or best_us >= default_us * (1 - MARGIN):
+        return best_us, None
+    n, k = weights[0].shape
+    _record(x.shape[0], n, k, x.dtype, best)
+    return best_us, best
+
+
+def _inputs(rows: int, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weights[0].shape
+    x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+    return x, torch.empty(rows, n, dtype=x.dtype, device=x.device)
+
+
 def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
     """Time ``F.linear`` and the cuBLASLt variants for ``[rows, k] @ w.T`` over
     ``weights`` (same shape ``[n, k]``, dtype and device) and record the fastest
-    variant if it beats ``F.linear`` by :data:`MARGIN`.
+    variant if it beats ``F.linear`` by :data:`MARGIN`. At decode sizes (fewer than
+    :data:`MIN_ROWS` rows) each variant is screened over several weights, so that a
+    weight small enough for the L2 cache is still read from HBM, as in a step.
 
     Raises:
         cublaslt.CublasLtError: if cuBLASLt's heuristic fails for this shape.
@@ -105,19 +174,16 @@ def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
     n, k = weights[0].shape
     dtype, device = weights[0].dtype, weights[0].device
     timed = weights[:TIMED_WEIGHTS]
-    x = torch.randn(rows, k, dtype=dtype, device=device)
-    out = torch.empty(rows, n, dtype=dtype, device=device)
+    screened_over = timed[:1] if rows >= MIN_ROWS else timed
+    x, out = _inputs(rows, weights)
     default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
     index = device.index or 0
-
-    def through(algo: cublaslt.Algorithm) -> Callable[[torch.Tensor], object]:
-        return lambda w: cublaslt.matmul(x, w, algo, out)
 
     def screen(algos: list[cublaslt.Algorithm]) -> list[tuple[float, cublaslt.Algorithm]]:
         timings = []
         for algo in algos:
             try:
-                timings.append((_time_us(through(algo), timed[:1], reps=1), algo))
+                timings.append((_time_us(_through(x, out, algo), screened_over, reps=1), algo))
             except cublaslt.CublasLtError:
                 continue
         return sorted(timings, key=lambda t: t[0])
@@ -128,64 +194,108 @@ def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
     shaped = [v for _, a in tiles[:2 * FINALISTS]
               for v in cublaslt.cluster_variants(rows, n, k, dtype, a, index)[1:]]
     screened = sorted(tiles + screen(shaped), key=lambda t: t[0])
-    finalists = screened[:FINALISTS]
-    best_us, best = float("inf"), None
-    for _, algo in finalists:
-        us = _time_us(through(algo), timed, reps=3)
-        if us < best_us:
-            best_us, best = us, algo
-    keep = best if best is not None and best_us < default_us * (1 - MARGIN) else None
-    if keep is not None:
-        entries = [e for e in _table.get((n, k, dtype), []) if e[0] != rows]
-        _table[(n, k, dtype)] = sorted([*entries, (rows, keep)], key=lambda e: -e[0])
+    best_us, keep = _keep_fastest(x, out, timed, [a for _, a in screened[:FINALISTS]],
+                                  default_us)
     return TunedProduct(rows, n, k, default_us, best_us, keep, len(screened))
 
 
-def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None) -> list[TunedProduct]:
-    """Tune every distinct weight shape among ``weights`` (2-D CUDA bfloat16 or float16
-    tensors; others are skipped) at :func:`row_counts` of ``max_rows``; log each result
-    and the time taken when ``log`` (a loguru logger) is given.
+def choose_shape(rows: int, weights: list[torch.Tensor],
+                 algos: Sequence[cublaslt.Algorithm]) -> TunedProduct:
+    """Time ``F.linear`` and each of ``algos`` (tuned at other row counts; those cuBLASLt
+    rejects for ``rows`` are skipped) for ``[rows, k] @ w.T`` over ``weights``, and
+    record the fastest if it beats ``F.linear`` by :data:`MARGIN`."""
+    n, k = weights[0].shape
+    timed = weights[:TIMED_WEIGHTS]
+    x, out = _inputs(rows, weights)
+    default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
+    usable = [a for a in algos if cublaslt.accepts(rows, n, k, x.dtype, a)]
+    best_us, keep = _keep_fastest(x, out, timed, usable, default_us)
+    return TunedProduct(rows, n, k, default_us, best_us, keep, len(algos))
 
-    Returns:
-        what was measured, one entry per shape and row count.
-    """
+
+def _by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int, torch.dtype],
+                                                         list[torch.Tensor]]:
     by_shape: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
     for w in weights:
         if w.dim() == 2 and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) \
                 and w.is_contiguous():
             by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+    return by_shape
+
+
+def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
+         decode_rows: Sequence[int] = (), decode_weights: Iterable[torch.Tensor] = ()
+         ) -> list[TunedProduct]:
+    """Tune every distinct weight shape among ``weights`` (2-D contiguous CUDA bfloat16
+    or float16 tensors; others are skipped) at :func:`row_counts` of ``max_rows``, then
+    those shapes and ``decode_weights``' (the LM head's: it only ever sees one row per
+    sequence) at the ``decode_rows`` above :data:`SKINNY_ROWS` (the decode CUDA graphs'
+    batch sizes): in full at :func:`decode_anchors`, each other row count among the
+    algorithms kept at the anchors on either side of it. Log each searched result, a
+    summary and the time taken when ``log`` (a loguru logger) is given.
+
+    Returns:
+        what was measured, one entry per shape and row count.
+    """
+    by_shape = _by_shape(weights)
+    decode_shapes = {**by_shape, **_by_shape(decode_weights)}
     started = time.perf_counter()
     results: list[TunedProduct] = []
     try:
         cublaslt.library()
     except (OSError, AttributeError) as e:  # no libcublasLt, or one without these calls
         if log is not None:
-            log.warning("prefill products left to cuBLAS: cuBLASLt not usable here ({})", e)
+            log.warning("products left to cuBLAS: cuBLASLt not usable here ({})", e)
         return results
+
+    def attempt(what: Callable[[], TunedProduct], rows: int, shape: torch.Size,
+                announce: bool) -> TunedProduct | None:
+        try:
+            result = what()
+        except cublaslt.CublasLtError as e:
+            if log is not None:
+                log.warning("cuBLASLt tuning of {} rows x {} skipped: {}", rows, tuple(shape), e)
+            return None
+        results.append(result)
+        if log is not None and announce:
+            log.info("product {}", result.describe())
+        return result
+
     for rows in row_counts(max_rows):
         for shape_weights in by_shape.values():
-            try:
-                results.append(tune_shape(rows, shape_weights))
-            except cublaslt.CublasLtError as e:
-                if log is not None:
-                    log.warning("cuBLASLt tuning of {} rows x {} skipped: {}", rows,
-                                tuple(shape_weights[0].shape), e)
-            if log is not None and results:
-                log.info("prefill product {}", results[-1].describe())
+            attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights[0].shape,
+                    announce=True)
+    anchors = decode_anchors(decode_rows)
+    others = sorted({r for r in decode_rows if r > SKINNY_ROWS} - set(anchors))
+    for shape_weights in decode_shapes.values():
+        kept: dict[int, cublaslt.Algorithm] = {}
+        for rows in anchors:
+            result = attempt(partial(tune_shape, rows, shape_weights), rows,
+                             shape_weights[0].shape, announce=True)
+            if result is not None and result.algorithm is not None:
+                kept[rows] = result.algorithm
+        for rows in others:  # the winners of the nearest anchors on either side
+            around = [max((r for r in anchors if r < rows), default=0),
+                      min((r for r in anchors if r > rows), default=0)]
+            choices = [kept[r] for r in around if r in kept]
+            if choices:
+                attempt(partial(choose_shape, rows, shape_weights, choices), rows,
+                        shape_weights[0].shape, announce=False)
     torch.cuda.empty_cache()
     if log is not None:
-        log.info("tuned {} prefill product shapes in {:.1f} s ({} through cuBLASLt)",
-                 len(results), time.perf_counter() - started,
-                 sum(r.algorithm is not None for r in results))
+        log.info("tuned {} product shapes and row counts in {:.1f} s ({} through cuBLASLt, "
+                 "{} of them decode batch sizes)", len(results), time.perf_counter() - started,
+                 sum(r.algorithm is not None for r in results),
+                 sum(r.algorithm is not None and r.rows < MIN_ROWS for r in results))
     return results
 
 
 def lookup(m: int, n: int, k: int, dtype: torch.dtype) -> cublaslt.Algorithm | None:
-    """The tuned algorithm for ``[m, k] @ [n, k].T``: the one kept at the largest tuned
-    row count ``<= m``, if cuBLASLt accepts it for ``m`` rows; else None (use
-    ``F.linear``)."""
+    """The tuned algorithm for ``[m, k] @ [n, k].T``: below :data:`MIN_ROWS` the one kept
+    for exactly ``m`` rows; from there the one kept at the largest tuned row count
+    ``<= m``, if cuBLASLt accepts it for ``m`` rows; else None (use ``F.linear``)."""
     if m < MIN_ROWS:
-        return None
+        return _exact.get((m, n, k, dtype))
     entries = _table.get((n, k, dtype))
     if not entries:
         return None
@@ -206,17 +316,22 @@ def clear() -> None:
     """Forget every tuned choice (products go back to ``F.linear``)."""
     _table.clear()
     _accepted.clear()
+    _exact.clear()
 
 
 def tuned() -> bool:
     """Whether any product shape runs through a tuned algorithm."""
-    return bool(_table)
+    return bool(_table or _exact)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ weight.T (+ bias)`` through the tuned algorithm for its shape, or None where
-    there is none (2-D contiguous CUDA ``x`` only)."""
+    there is none (2-D contiguous CUDA ``x`` only). Below :data:`MIN_ROWS` only while a
+    CUDA graph is being captured (the decode graphs): an eager product that small takes
+    about as long to launch from Python as to run, and ``F.linear`` launches faster."""
     if x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
+        return None
+    if x.shape[0] < MIN_ROWS and not torch.cuda.is_current_stream_capturing():
         return None
     algo = lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
     if algo is None:

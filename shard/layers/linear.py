@@ -119,8 +119,8 @@ def _matmul(
     """``x @ weight.T + bias``: through the oneDNN-packed copy of ``weight`` when there is
     one (see :func:`pack_cpu_weights`); on CUDA at up to 16 rows (decode at small batch,
     short prefills) through our skinny GEMM kernel
-    (:mod:`shard.layers.skinny_gemm_kernel`), at prefill sizes through the cuBLASLt
-    algorithm tuned at warm-up for the shape, if any (:mod:`shard.layers.gemm_tuning`);
+    (:mod:`shard.layers.skinny_gemm_kernel`), else through the cuBLASLt algorithm tuned
+    at warm-up for the shape and row count, if any (:mod:`shard.layers.gemm_tuning`);
     else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -382,3 +382,8 @@ def linear_weights(model: _ModuleTree) -> list[torch.Tensor]:
     """The weights of every tensor-parallel linear layer of ``model`` (the decoder
     layers' projections; not the embedding or the LM head), in module order."""
     return [m.weight.detach() for m in model.modules() if isinstance(m, _ParallelLinearBase)]
+
+
+def lm_head_weights(model: _ModuleTree) -> list[torch.Tensor]:
+    """The weights of ``model``'s LM heads (:class:`ParallelLMHead`; one in a causal LM)."""
+    return [m.weight.detach() for m in model.modules() if isinstance(m, ParallelLMHead)]

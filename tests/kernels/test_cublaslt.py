@@ -45,7 +45,7 @@ def test_lookup_takes_the_largest_tuned_row_count_at_or_below(monkeypatch):
     gemm_tuning._table[(64, 32, torch.bfloat16)] = [(4 * m, big), (m, small)]
     gemm_tuning._table[(8, 32, torch.bfloat16)] = [(m, rejected)]
     assert gemm_tuning.tuned()
-    assert gemm_tuning.lookup(m - 1, 64, 32, torch.bfloat16) is None  # decode sizes: cuBLAS
+    assert gemm_tuning.lookup(m - 1, 64, 32, torch.bfloat16) is None  # none tuned there
     assert gemm_tuning.lookup(m, 64, 32, torch.bfloat16) is small
     assert gemm_tuning.lookup(4 * m - 1, 64, 32, torch.bfloat16) is small
     assert gemm_tuning.lookup(4 * m, 64, 32, torch.bfloat16) is big
@@ -56,6 +56,28 @@ def test_lookup_takes_the_largest_tuned_row_count_at_or_below(monkeypatch):
     assert len(accepted) == calls  # the check is cached per row count
     gemm_tuning.clear()
     assert not gemm_tuning.tuned() and gemm_tuning.lookup(4 * m, 64, 32, torch.bfloat16) is None
+
+
+def test_decode_anchors_are_the_powers_of_two_above_the_skinny_kernel_and_the_largest():
+    from shard.cuda_graphs import default_buckets
+
+    assert gemm_tuning.decode_anchors(default_buckets(512)) == [32, 64, 128, 256, 512]
+    assert gemm_tuning.decode_anchors(default_buckets(200)) == [32, 64, 128, 200]
+    assert gemm_tuning.decode_anchors([1, 2, 4, 8, 16]) == []
+    assert gemm_tuning.decode_anchors([]) == []
+
+
+def test_decode_sizes_take_only_the_algorithm_tuned_for_exactly_their_rows(monkeypatch):
+    monkeypatch.setattr(cublaslt, "accepts", lambda *args: pytest.fail("no check needed"))
+    at_256 = _fake_algorithm(3)
+    gemm_tuning._exact[(256, 64, 32, torch.bfloat16)] = at_256
+    assert gemm_tuning.tuned()
+    assert gemm_tuning.lookup(256, 64, 32, torch.bfloat16) is at_256
+    assert gemm_tuning.lookup(240, 64, 32, torch.bfloat16) is None
+    assert gemm_tuning.lookup(272, 64, 32, torch.bfloat16) is None
+    assert gemm_tuning.lookup(256, 64, 32, torch.float16) is None
+    gemm_tuning.clear()
+    assert not gemm_tuning.tuned() and gemm_tuning.lookup(256, 64, 32, torch.bfloat16) is None
 
 
 def test_the_flag_is_validated():
@@ -109,3 +131,30 @@ def test_a_tuned_layer_gives_the_untuned_output(monkeypatch):
     small = x[:100]
     assert gemm_tuning.run(small, weights[0], None) is None  # fewer rows than tuned: cuBLAS
     _assert_close(_matmul(small, weights[0], None, None), F.linear(small, weights[0]))
+
+
+@needs_cuda
+def test_decode_batch_sizes_are_tuned_and_captured_graphs_give_the_untuned_output(monkeypatch):
+    from shard.layers.linear import _matmul
+
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
+    gen = torch.Generator().manual_seed(5)
+    layers = [(torch.randn(768, 512, generator=gen) * 0.05).bfloat16().cuda() for _ in range(3)]
+    head = (torch.randn(2000, 512, generator=gen) * 0.05).bfloat16().cuda()
+    results = gemm_tuning.tune(layers, max_rows=1024, decode_rows=[1, 8, 16, 32, 48, 64],
+                               decode_weights=[head])
+    tuned = {(r.rows, r.n) for r in results if r.algorithm is not None}
+    assert tuned == {(rows, n) for rows in (32, 48, 64) for n in (768, 2000)}
+    assert not any(r.rows >= gemm_tuning.MIN_ROWS for r in results)  # budget below MIN_ROWS
+    x = torch.randn(64, 512, generator=gen).bfloat16().cuda()
+    for rows in (32, 48, 64):
+        for w in (layers[0], head):
+            assert gemm_tuning.lookup(rows, w.shape[0], 512, torch.bfloat16) is not None
+            assert gemm_tuning.run(x[:rows], w, None) is None  # eager: F.linear
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = _matmul(x[:rows], w, None, None)
+            out.zero_()
+            graph.replay()
+            _assert_close(out, F.linear(x[:rows], w))
+    assert gemm_tuning.lookup(40, 768, 512, torch.bfloat16) is None  # no graph of 40 rows

@@ -35,11 +35,12 @@ def test_parse_buckets() -> None:
         parse_buckets("0,4", 64)
 
 
-def _runner(folder: Path, dtype: str, graphs: str) -> ModelRunner:
+def _runner(folder: Path, dtype: str, graphs: str, max_batch_size: int = 8) -> ModelRunner:
     runner = ModelRunner(ShardConfig(model_path=str(folder), device="cuda", dtype=dtype,
                                      block_size=4, attention_backend="triton",
                                      cuda_graphs=graphs, gpu_memory_fraction=0.2))
-    runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=8)
+    runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512,
+                  max_batch_size=max_batch_size)
     return runner
 
 
@@ -145,6 +146,39 @@ def test_graph_logits_close_to_eager_bf16(tmp_path: Path) -> None:
         eager = runner.model.compute_logits(runner.forward(inputs))
     err = ((graphed - eager).norm() / eager.norm()).item()
     print(f"\nGPU-CHECK graph vs eager bf16 logits rel_err={err:.2e}")
+    assert err < 2e-2
+
+
+@needs_cuda
+def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypatch) -> None:
+    """A 32-row bucket captures the cuBLASLt algorithms tuned for 32 rows at warm-up; the
+    eager forward of the same 20 rows keeps ``F.linear`` (no tuning for 20 rows)."""
+    pytest.importorskip("triton")
+    from shard.decode_state import DecodeRows
+    from shard.layers import gemm_tuning
+    from shard.layers.linear import linear_weights, lm_head_weights
+    from tests.unit.shard.helpers import make_hf_model
+
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
+    make_hf_model("llama", tmp_path)
+    try:
+        runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
+        assert runner.graphs is not None and 32 in runner.graphs.buckets
+        for w in linear_weights(runner.model) + lm_head_weights(runner.model):
+            assert gemm_tuning.lookup(32, *w.shape, torch.bfloat16) is not None
+            assert gemm_tuning.lookup(20, *w.shape, torch.bfloat16) is None
+        torch.manual_seed(0)
+        contexts = [3 + (7 * i) % 29 for i in range(20)]
+        tables = [list(range(8 * i, 8 * i + 8)) for i in range(20)]  # 32 tokens each
+        rows = DecodeRows.build(list(range(1, 21)), contexts, tables, torch.device("cuda"))
+        with torch.inference_mode():
+            graphed = runner.graphs.run(rows).clone()
+            inputs = rows.model_inputs(runner.block_size, max(contexts) + 1)
+            eager = runner.model.compute_logits(runner.forward(inputs))
+    finally:
+        gemm_tuning.clear()
+    err = ((graphed - eager).norm() / eager.norm()).item()
+    print(f"\nGPU-CHECK graph (tuned products) vs eager bf16 logits rel_err={err:.2e}")
     assert err < 2e-2
 
 
