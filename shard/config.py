@@ -129,9 +129,10 @@ class ShardConfig:
             comma-separated sizes such as ``"1,2,4,8,16,32"``. CUDA only.
         pdl: Programmatic dependent launch of our Triton kernels (:mod:`shard.pdl`):
             ``"auto"`` (on where it runs: CUDA compute capability 9.0+) or ``"off"``.
-        gemm_tuning: Prefill products through the cuBLASLt algorithm measured fastest
-            at warm-up (:mod:`shard.layers.gemm_tuning`): ``"auto"`` (on CUDA with
-            bfloat16 or float16 weights) or ``"off"`` (cuBLAS's own pick everywhere).
+        gemm_tuning: Prefill and decode-graph products through the cuBLASLt algorithm
+            measured fastest at warm-up (:mod:`shard.layers.gemm_tuning`): ``"auto"`` (on
+            CUDA with bfloat16 or float16 weights) or ``"off"`` (cuBLAS's own pick
+            everywhere).
         block_size: Tokens per KV block; must suit the attention backend.
         kv_cache_bytes: KV cache budget on CPU, in bytes (all layers, K and V).
         gpu_memory_fraction: Fraction of total GPU memory the shard may use
@@ -175,8 +176,8 @@ class ShardConfig:
         "before it finishes: auto (on where it runs: CUDA compute capability 9.0+) or off",
         choices=("auto", "off")))
     gemm_tuning: str = field(default="auto", metadata=_flag(
-        "time cuBLASLt's algorithms for the prefill products at warm-up and run each "
-        "through the fastest: auto (on a GPU, bfloat16/float16) or off",
+        "time cuBLASLt's algorithms for the prefill and decode-graph products at warm-up "
+        "and run each through the fastest: auto (on a GPU, bfloat16/float16) or off",
         choices=("auto", "off")))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block", type=int))
     kv_cache_bytes: int = field(default=512 * MiB, metadata=_flag(
