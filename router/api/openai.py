@@ -260,7 +260,7 @@ class _CompletionAnswer:
         return [CompletionChunk(
             id=self.ident, created=self.created, model=self.state.model_id,
             choices=[self.choice(index, completion, [event], start, text)],
-        ).model_dump_json(exclude_none=True)]
+        ).model_dump_json()]
 
     def usage_chunk(self, done: list[Completion]) -> str:
         return CompletionChunk(
@@ -392,7 +392,7 @@ class _ChatAnswer:
         return ChatCompletionChunk(
             id=self.ident, created=self.created, model=self.state.model_id, choices=choices,
             usage=usage,
-        ).model_dump_json(exclude_none=usage is None)
+        ).model_dump_json()
 
     def on_event(self, index: int, event: TokenEvent) -> list[str]:
         """The stream chunks of one token of choice ``index`` (none while held back:

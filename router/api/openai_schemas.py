@@ -20,6 +20,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.parameters import MAX_PENALTY, MAX_SEED, MIN_PENALTY
 
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+def _omitted() -> Any:
+    """A field of a stream chunk left out of its JSON while None (OpenAI's chunks carry
+    only the delta's fields that changed), where a choice's ``finish_reason`` and
+    ``logprobs`` are always present, null until set."""
+    return Field(default=None, exclude_if=_is_none)
+
 # NOTE: the one list of OpenAI request fields this server does not implement: field →
 # why. Delete an entry when its feature lands. A field is only refused when set to
 # something other than "off": null, an empty list or object, false, or a value of
@@ -328,23 +339,23 @@ class ChatCompletionResponse(BaseModel):
 
 
 class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+    name: str | None = _omitted()
+    arguments: str | None = _omitted()
 
 
 class ToolCallDelta(BaseModel):
     """A streamed piece of tool call ``index`` (id, type and name come first)."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = _omitted()
+    type: Literal["function"] | None = _omitted()
     function: FunctionCallDelta
 
 
 class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    role: Literal["assistant"] | None = _omitted()
+    content: str | None = _omitted()
+    tool_calls: list[ToolCallDelta] | None = _omitted()
 
 
 class ChatChunkChoice(BaseModel):
@@ -359,9 +370,9 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = _omitted()
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = _omitted()
 
 
 class CompletionChunk(BaseModel):
@@ -369,9 +380,9 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = _omitted()
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | None = _omitted()
 
 
 class ModelCard(BaseModel):

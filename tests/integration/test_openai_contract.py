@@ -1,7 +1,8 @@
 """The OpenAI routes keep OpenAI's contract, through the ``openai`` package against the
 real server on the tiny model: unsupported fields are refused by name, an unknown model
 is a 404, errors name OpenAI's fields, ``echo`` with ``logprobs`` covers the prompt,
-JSON types are strict, 429 carries Retry-After and refused requests are counted."""
+JSON types are strict, 429 carries Retry-After, refused requests are counted, and stream
+chunks carry each choice's finish_reason and logprobs (null until set)."""
 
 from __future__ import annotations
 
@@ -260,3 +261,35 @@ def test_completion_top_logprobs_include_the_sampled_token(client: openai.OpenAI
         assert tops[token] == pytest.approx(logprob)
         outside_top += len(tops) == 2
     assert outside_top, "every sampled token was the most likely: sample more"
+
+
+def _sse_chunks(server: LiveServer, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    chunks = []
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_choices_carry_finish_reason_and_logprobs_null_until_set(
+        server: LiveServer, path: str) -> None:
+    """As OpenAI's chunks: every choice has ``finish_reason`` and ``logprobs`` (null
+    until set); a chat delta carries only its fields that are set."""
+    body: dict[str, Any] = {"model": NAMES[0], "max_tokens": 4, "temperature": 0,
+                            "stream": True, "ignore_eos": True}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})
+    choices = [c for chunk in _sse_chunks(server, path, body) for c in chunk["choices"]]
+    assert len(choices) >= 4
+    for choice in choices:
+        assert "finish_reason" in choice and "logprobs" in choice, choice
+        assert choice["logprobs"] is None
+    assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert choices[-1]["finish_reason"] == "length"
+    if "chat" in path:
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(None not in c["delta"].values() for c in choices)
