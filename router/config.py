@@ -4,14 +4,13 @@ Command-line flags (``router/cli.py``) map onto these; the shards' flags and the
 defaults are defined once, with :class:`shard.config.ShardConfig`. Environment variables with the
 ``SHARDSERVE_`` prefix are read in two places only, both at call time: every flag's
 ``SHARDSERVE_<FLAG>`` by ``router.cli.apply_env_defaults``, and the cache folder by
-:func:`default_cache_dir`.
+:func:`shard.config.default_cache_dir`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from shard.config import ENV_PREFIX, ShardConfig
 
@@ -23,14 +22,6 @@ def env_default(name: str, default: str | None = None) -> str | None:
     depends on it.
     """
     return os.environ.get(ENV_PREFIX + name.upper(), default)
-
-
-def default_cache_dir() -> Path:
-    """Folder for converted models: ``$SHARDSERVE_CACHE_DIR`` or ``~/.cache/shardserve``."""
-    configured = env_default("cache_dir")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardserve"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.config import default_cache_dir
+from shard.config import default_cache_dir
 from shard.default_model import DEFAULT_MODEL_ID, is_converted
 
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"

@@ -9,8 +9,9 @@ the local executor starts a rank with (:func:`shard_argv`), and the shard flags 
 
 This module is part of the router ↔ shard contract: it imports no torch (torch is
 imported inside the two methods that resolve a device and a dtype), so the router can
-import it. Environment variables (prefix ``SHARDSERVE_``) are read in exactly one place,
-:func:`env_overrides`, and only when it is called — never at import time.
+import it. Environment variables (prefix ``SHARDSERVE_``) are read in two places only,
+:func:`env_overrides` and :func:`default_cache_dir`, and only when called — never at
+import time.
 """
 
 from __future__ import annotations
@@ -21,12 +22,22 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
 
 ENV_PREFIX = "SHARDSERVE_"
+
+
+def default_cache_dir() -> Path:
+    """Folder for converted models and warm-up tuning results: ``$SHARDSERVE_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/shardserve`` (``~/.cache/shardserve``)."""
+    configured = os.environ.get(ENV_PREFIX + "CACHE_DIR")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardserve"
 MiB = 1024 * 1024
 
 LoadFormat = Literal["safetensors", "dummy"]

@@ -20,7 +20,7 @@ from loguru import logger
 from shard import step_trace
 from shard.attention import AttentionSpec, select_backend
 from shard.batch import BatchStore, CachedBatch, RequestState
-from shard.config import ShardConfig, dtype_name
+from shard.config import ShardConfig, default_cache_dir, dtype_name
 from shard.cuda_graphs import DecodeGraphs, parse_buckets
 from shard.decode_state import DecodeRows
 from shard.distributed import init_distributed
@@ -211,7 +211,8 @@ class ModelRunner:
                 gemm_tuning.clear()
                 gemm_tuning.tune(linear_weights(self.model), max_batch_prefill_tokens, self.log,
                                  decode_rows=buckets,
-                                 decode_weights=lm_head_weights(self.model))
+                                 decode_weights=lm_head_weights(self.model),
+                                 cache=self._tuning_cache())
             if self.device.type == "cuda":
                 progress.phase(
                     f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
@@ -245,6 +246,17 @@ class ModelRunner:
         or float16 weights)."""
         return (self.config.gemm_tuning == "auto" and self.device.type == "cuda"
                 and self.dtype in (torch.bfloat16, torch.float16))
+
+    def _tuning_cache(self) -> gemm_tuning.TuningCache | None:
+        """The file of earlier warm-ups' tuning results for this GPU and these libraries,
+        under :func:`~shard.config.default_cache_dir` (None where cuBLASLt cannot be
+        loaded: then nothing is tuned)."""
+        try:
+            identity = gemm_tuning.cache_identity(self.device)
+        except (OSError, AttributeError):
+            return None
+        path = gemm_tuning.cache_file(default_cache_dir() / "gemm-tuning", identity)
+        return gemm_tuning.TuningCache(path, identity, self.log)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:
         return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,

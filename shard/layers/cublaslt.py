@@ -106,6 +106,8 @@ def _lib() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int
+    lib.cublasLtGetVersion.argtypes = []
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
     return lib
 
 
@@ -117,6 +119,12 @@ def library() -> ctypes.CDLL:
         AttributeError: if it lacks one of the calls used here.
     """
     return _lib()
+
+
+def version() -> int:
+    """cuBLASLt's version number (``cublasLtGetVersion``: major * 10000 + minor * 100 +
+    patch), which decides the meaning of an algorithm's configuration."""
+    return int(_lib().cublasLtGetVersion())
 
 
 def _check(status: int, what: str) -> None:

@@ -20,7 +20,8 @@ step), at two kinds of row counts:
   :data:`MIN_ROWS` keep ``F.linear`` (:func:`run`).
 
 An algorithm is kept only where it is faster than ``F.linear`` by more than
-:data:`MARGIN`.
+:data:`MARGIN`. The results are kept on disk per GPU model and library versions
+(:class:`TuningCache`), so a restart takes them instead of searching again.
 
 The choice is per process (each tensor-parallel rank tunes its own shards) and holds
 until :func:`clear`. A tuned product differs from ``F.linear``'s by the float32
@@ -32,10 +33,17 @@ BLAS implementation registered for a GEMM shape and keeps the fastest.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,6 +221,126 @@ def choose_shape(rows: int, weights: list[torch.Tensor],
     return TunedProduct(rows, n, k, default_us, best_us, keep, len(algos))
 
 
+CACHE_FORMAT = 1  # bump when the file's layout, a record's meaning or the search changes
+
+
+def cache_identity(device: torch.device) -> dict[str, Any]:
+    """What a tuning result depends on besides the shape: the GPU model (name, SMs,
+    compute capability), cuBLASLt's version (the meaning of an algorithm's bytes), CUDA
+    and PyTorch's versions (cuBLAS's own pick, the baseline)."""
+    props = torch.cuda.get_device_properties(device)
+    return {"format": CACHE_FORMAT, "device": props.name, "sms": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}", "cublaslt": cublaslt.version(),
+            "cuda": torch.version.cuda, "torch": torch.__version__}
+
+
+def cache_file(directory: Path, identity: dict[str, Any]) -> Path:
+    """The file in ``directory`` for results measured under ``identity``: the device
+    name and a digest of the whole identity."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9]+", "-", str(identity.get("device", "gpu"))).strip("-")
+    return directory / f"{name}-{digest}.json"
+
+
+def _key(rows: int, n: int, k: int, dtype: torch.dtype) -> str:
+    return f"{rows},{n},{k},{str(dtype).removeprefix('torch.')}"
+
+
+class TuningCache:
+    """Results of earlier warm-ups on this GPU model and library versions, one JSON file
+    (:func:`cache_file`), so that a restart reuses them instead of searching again (as
+    PyTorch's TunableOp keeps its results in a CSV file).
+
+    A file that is missing, unreadable or written under another identity counts as empty;
+    one that cannot be written is left alone: either way the server tunes as without a
+    cache (a warning is logged). Processes of one host (tensor-parallel ranks) merge
+    their results into the file on :meth:`save`; its replacement is atomic.
+    """
+
+    def __init__(self, path: Path, identity: dict[str, Any], log: Any = None) -> None:
+        self.path, self.identity, self.log = path, identity, log
+        self.records: dict[str, dict[str, Any]] = self._read()
+        self.added = 0
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            self._warn("unreadable, ignored", e)
+            return {}
+        if not isinstance(data, dict) or data.get("identity") != self.identity:
+            return {}
+        records = data.get("records")
+        return dict(records) if isinstance(records, dict) else {}
+
+    def _warn(self, what: str, error: Exception) -> None:
+        if self.log is not None:
+            self.log.warning("GEMM tuning cache {}: {} ({})", self.path, what, error)
+
+    def get(self, rows: int, n: int, k: int, dtype: torch.dtype) -> TunedProduct | None:
+        """The result recorded for this product, or None (not recorded, or malformed)."""
+        record = self.records.get(_key(rows, n, k, dtype))
+        if record is None:
+            return None
+        try:
+            algo = record["algorithm"]
+            algorithm = None if algo is None else cublaslt.Algorithm(
+                **{**algo, "raw": bytes.fromhex(algo["raw"])})
+            best = record["best_us"]
+            return TunedProduct(rows, n, k, float(record["default_us"]),
+                                float("inf") if best is None else float(best), algorithm, 0)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, result: TunedProduct, dtype: torch.dtype) -> None:
+        algo = result.algorithm
+        self.records[_key(result.rows, result.n, result.k, dtype)] = {
+            "default_us": result.default_us,
+            "best_us": result.best_us if result.best_us != float("inf") else None,
+            "algorithm": None if algo is None else {
+                **dataclasses.asdict(algo), "raw": algo.raw.hex()},
+        }
+        self.added += 1
+
+    def save(self) -> None:
+        """Write the records, merged over what the file holds now, if any were added."""
+        if not self.added:
+            return
+        merged = {**self._read(), **self.records}
+        body = json.dumps({"identity": self.identity, "records": merged}, indent=1)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            self._warn("not written", e)
+            return
+        self.records, self.added = merged, 0
+
+
+def _tuned(cache: TuningCache | None, rows: int, weights: list[torch.Tensor],
+           search: Callable[[], TunedProduct]) -> TunedProduct:
+    """The result for ``rows`` x ``weights``' shape: from ``cache`` if recorded there (and
+    its algorithm still accepted by cuBLASLt for this product), else ``search()``'s,
+    recorded into ``cache``."""
+    n, k = weights[0].shape
+    dtype = weights[0].dtype
+    hit = cache.get(rows, n, k, dtype) if cache is not None else None
+    if hit is not None and (hit.algorithm is None
+                            or cublaslt.accepts(rows, n, k, dtype, hit.algorithm)):
+        if hit.algorithm is not None:
+            _record(rows, n, k, dtype, hit.algorithm)
+        return hit
+    result = search()
+    if cache is not None:
+        cache.put(result, dtype)
+    return result
+
+
 def _by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int, torch.dtype],
                                                          list[torch.Tensor]]:
     by_shape: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
@@ -224,18 +352,20 @@ def _by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int, torch.dty
 
 
 def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
-         decode_rows: Sequence[int] = (), decode_weights: Iterable[torch.Tensor] = ()
-         ) -> list[TunedProduct]:
+         decode_rows: Sequence[int] = (), decode_weights: Iterable[torch.Tensor] = (),
+         cache: TuningCache | None = None) -> list[TunedProduct]:
     """Tune every distinct weight shape among ``weights`` (2-D contiguous CUDA bfloat16
     or float16 tensors; others are skipped) at :func:`row_counts` of ``max_rows``, then
     those shapes and ``decode_weights``' (the LM head's: it only ever sees one row per
     sequence) at the ``decode_rows`` above :data:`SKINNY_ROWS` (the decode CUDA graphs'
     batch sizes): in full at :func:`decode_anchors`, each other row count among the
-    algorithms kept at the anchors on either side of it. Log each searched result, a
-    summary and the time taken when ``log`` (a loguru logger) is given.
+    algorithms kept at the anchors on either side of it. Results recorded in ``cache``
+    are taken from it (``screened`` 0) and new ones recorded there and saved. Log each
+    searched result, a summary and the time taken when ``log`` (a loguru logger) is
+    given.
 
     Returns:
-        what was measured, one entry per shape and row count.
+        what was measured or taken from ``cache``, one entry per shape and row count.
     """
     by_shape = _by_shape(weights)
     decode_shapes = {**by_shape, **_by_shape(decode_weights)}
@@ -248,30 +378,31 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
             log.warning("products left to cuBLAS: cuBLASLt not usable here ({})", e)
         return results
 
-    def attempt(what: Callable[[], TunedProduct], rows: int, shape: torch.Size,
+    def attempt(search: Callable[[], TunedProduct], rows: int, weights: list[torch.Tensor],
                 announce: bool) -> TunedProduct | None:
         try:
-            result = what()
+            result = _tuned(cache, rows, weights, search)
         except cublaslt.CublasLtError as e:
             if log is not None:
-                log.warning("cuBLASLt tuning of {} rows x {} skipped: {}", rows, tuple(shape), e)
+                log.warning("cuBLASLt tuning of {} rows x {} skipped: {}", rows,
+                            tuple(weights[0].shape), e)
             return None
         results.append(result)
-        if log is not None and announce:
+        if log is not None and announce and result.screened:
             log.info("product {}", result.describe())
         return result
 
     for rows in row_counts(max_rows):
         for shape_weights in by_shape.values():
-            attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights[0].shape,
+            attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,
                     announce=True)
     anchors = decode_anchors(decode_rows)
     others = sorted({r for r in decode_rows if r > SKINNY_ROWS} - set(anchors))
     for shape_weights in decode_shapes.values():
         kept: dict[int, cublaslt.Algorithm] = {}
         for rows in anchors:
-            result = attempt(partial(tune_shape, rows, shape_weights), rows,
-                             shape_weights[0].shape, announce=True)
+            result = attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,
+                             announce=True)
             if result is not None and result.algorithm is not None:
                 kept[rows] = result.algorithm
         for rows in others:  # the winners of the nearest anchors on either side
@@ -280,13 +411,17 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
             choices = [kept[r] for r in around if r in kept]
             if choices:
                 attempt(partial(choose_shape, rows, shape_weights, choices), rows,
-                        shape_weights[0].shape, announce=False)
+                        shape_weights, announce=False)
     torch.cuda.empty_cache()
+    if cache is not None:
+        cache.save()
     if log is not None:
         log.info("tuned {} product shapes and row counts in {:.1f} s ({} through cuBLASLt, "
-                 "{} of them decode batch sizes)", len(results), time.perf_counter() - started,
-                 sum(r.algorithm is not None for r in results),
-                 sum(r.algorithm is not None and r.rows < MIN_ROWS for r in results))
+                 "{} of them decode batch sizes; {} from {})", len(results),
+                 time.perf_counter() - started, sum(r.algorithm is not None for r in results),
+                 sum(r.algorithm is not None and r.rows < MIN_ROWS for r in results),
+                 sum(not r.screened for r in results),
+                 cache.path if cache is not None else "no cache")
     return results
 
 

@@ -80,6 +80,101 @@ def test_decode_sizes_take_only_the_algorithm_tuned_for_exactly_their_rows(monke
     assert not gemm_tuning.tuned() and gemm_tuning.lookup(256, 64, 32, torch.bfloat16) is None
 
 
+def _fake_weights(n: int, k: int) -> list[torch.Tensor]:
+    return [torch.empty(n, k, dtype=torch.bfloat16)]  # only the shape and dtype are read
+
+
+def test_the_cache_file_is_named_by_device_and_identity(tmp_path):
+    identity = {"format": 1, "device": "NVIDIA H200", "cublaslt": 130000}
+    path = gemm_tuning.cache_file(tmp_path, identity)
+    assert path.parent == tmp_path and path.name.startswith("NVIDIA-H200-")
+    assert gemm_tuning.cache_file(tmp_path, {**identity, "cublaslt": 130001}) != path
+
+
+def test_cached_results_are_reused_and_nothing_is_searched(tmp_path, monkeypatch):
+    monkeypatch.setattr(cublaslt, "accepts", lambda *args: True)
+    identity = {"format": 1, "device": "gpu"}
+    path = gemm_tuning.cache_file(tmp_path, identity)
+    kept, searches = _fake_algorithm(4), []
+
+    def search(rows, algorithm, k=32):
+        def run():
+            searches.append(algorithm)
+            return gemm_tuning.TunedProduct(rows, 64, k, 10.0, 9.0, algorithm, 100)
+        return run
+
+    cache = gemm_tuning.TuningCache(path, identity)
+    first = gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), search(256, kept))
+    gemm_tuning._tuned(cache, 512, _fake_weights(64, 32), search(512, None))
+    assert first.algorithm is kept and len(searches) == 2
+    cache.save()
+    gemm_tuning.clear()
+
+    again = gemm_tuning.TuningCache(path, identity)
+    hit = gemm_tuning._tuned(again, 256, _fake_weights(64, 32), search(256, None))
+    assert hit.algorithm == kept and hit.screened == 0 and (hit.default_us, hit.best_us) == (10, 9)
+    assert gemm_tuning.lookup(256, 64, 32, torch.bfloat16) == kept  # recorded for use
+    none_kept = gemm_tuning._tuned(again, 512, _fake_weights(64, 32), search(512, kept))
+    assert none_kept.algorithm is None and none_kept.screened == 0
+    assert len(searches) == 2
+    gemm_tuning._tuned(again, 256, _fake_weights(64, 16), search(256, None, k=16))  # new shape
+    assert len(searches) == 3
+
+
+def test_a_cached_algorithm_cuBLASLt_rejects_is_searched_again(tmp_path, monkeypatch):
+    identity = {"format": 1, "device": "gpu"}
+    cache = gemm_tuning.TuningCache(gemm_tuning.cache_file(tmp_path, identity), identity)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, _fake_algorithm(4), 100),
+              torch.bfloat16)
+    monkeypatch.setattr(cublaslt, "accepts", lambda *args: False)
+    fresh = gemm_tuning.TunedProduct(256, 64, 32, 10.0, 10.0, None, 100)
+    assert gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: fresh) is fresh
+    assert not gemm_tuning.tuned()
+
+
+def test_another_identity_or_a_broken_file_counts_as_empty(tmp_path):
+    identity = {"format": 1, "device": "gpu"}
+    path = gemm_tuning.cache_file(tmp_path, identity)
+    cache = gemm_tuning.TuningCache(path, identity)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16)
+    cache.save()
+    assert gemm_tuning.TuningCache(path, identity).get(256, 64, 32, torch.bfloat16) is not None
+    assert gemm_tuning.TuningCache(path, {**identity, "device": "other"}).records == {}
+    path.write_text("{not json")
+    warnings = []
+
+    class Log:
+        def warning(self, *args):
+            warnings.append(args)
+
+    assert gemm_tuning.TuningCache(path, identity, Log()).records == {}
+    assert warnings and "unreadable" in warnings[0][2]
+
+
+def test_save_merges_what_another_process_wrote_meanwhile(tmp_path):
+    identity = {"format": 1, "device": "gpu"}
+    path = gemm_tuning.cache_file(tmp_path / "new" / "folder", identity)
+    ours, theirs = (gemm_tuning.TuningCache(path, identity) for _ in range(2))
+    ours.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16)
+    theirs.put(gemm_tuning.TunedProduct(256, 32, 64, 8.0, 9.0, None, 100), torch.bfloat16)
+    theirs.save()
+    ours.save()
+    merged = gemm_tuning.TuningCache(path, identity)
+    assert merged.get(256, 64, 32, torch.bfloat16) is not None
+    assert merged.get(256, 32, 64, torch.bfloat16) is not None
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+
+
+def test_an_unwritable_cache_is_left_alone(tmp_path):
+    identity = {"format": 1, "device": "gpu"}
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = gemm_tuning.TuningCache(gemm_tuning.cache_file(blocker, identity), identity)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16)
+    cache.save()  # its folder cannot be made: nothing raised
+    assert cache.added == 1
+
+
 def test_the_flag_is_validated():
     assert ShardConfig(model_path="m").gemm_tuning == "auto"
     assert ShardConfig(model_path="m", gemm_tuning="off").gemm_tuning == "off"
@@ -158,3 +253,21 @@ def test_decode_batch_sizes_are_tuned_and_captured_graphs_give_the_untuned_outpu
             graph.replay()
             _assert_close(out, F.linear(x[:rows], w))
     assert gemm_tuning.lookup(40, 768, 512, torch.bfloat16) is None  # no graph of 40 rows
+
+
+@needs_cuda
+def test_a_second_warm_up_takes_every_result_from_the_cache(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    layers = [(torch.randn(768, 512, generator=gen) * 0.05).bfloat16().cuda() for _ in range(3)]
+    identity = gemm_tuning.cache_identity(layers[0].device)
+    path = gemm_tuning.cache_file(tmp_path, identity)
+    first = gemm_tuning.tune(layers, max_rows=0, decode_rows=[32, 48, 64],
+                             cache=gemm_tuning.TuningCache(path, identity))
+    assert path.exists() and all(r.screened for r in first)
+    table = {r.rows: gemm_tuning.lookup(r.rows, 768, 512, torch.bfloat16) for r in first}
+    gemm_tuning.clear()
+    second = gemm_tuning.tune(layers, max_rows=0, decode_rows=[32, 48, 64],
+                              cache=gemm_tuning.TuningCache(path, identity))
+    assert [(r.rows, r.algorithm) for r in second] == [(r.rows, r.algorithm) for r in first]
+    assert not any(r.screened for r in second)
+    assert {r.rows: gemm_tuning.lookup(r.rows, 768, 512, torch.bfloat16) for r in second} == table

@@ -160,6 +160,7 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
     from tests.unit.shard.helpers import make_hf_model
 
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))  # no earlier results
     make_hf_model("llama", tmp_path)
     try:
         runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
