@@ -33,11 +33,18 @@ ENV_PREFIX = "SHARDSERVE_"
 
 def default_cache_dir() -> Path:
     """Folder for converted models and warm-up tuning results: ``$SHARDSERVE_CACHE_DIR``,
-    else ``$XDG_CACHE_HOME/shardserve`` (``~/.cache/shardserve``)."""
+    else ``$XDG_CACHE_HOME/shardserve``, else ``~/.cache/shardserve``.
+
+    Raises:
+        RuntimeError: if neither variable is set and the home folder cannot be resolved.
+    """
     configured = os.environ.get(ENV_PREFIX + "CACHE_DIR")
     if configured:
         return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardserve"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "shardserve"
+
+
 MiB = 1024 * 1024
 
 LoadFormat = Literal["safetensors", "dummy"]

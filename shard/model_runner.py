@@ -250,12 +250,16 @@ class ModelRunner:
     def _tuning_cache(self) -> gemm_tuning.TuningCache | None:
         """The file of earlier warm-ups' tuning results for this GPU and these libraries,
         under :func:`~shard.config.default_cache_dir` (None where cuBLASLt cannot be
-        loaded: then nothing is tuned)."""
+        loaded: then nothing is tuned; or no cache folder resolves: then nothing is kept)."""
         try:
             identity = gemm_tuning.cache_identity(self.device)
         except (OSError, AttributeError):
             return None
-        path = gemm_tuning.cache_file(default_cache_dir() / "gemm-tuning", identity)
+        try:
+            path = gemm_tuning.cache_file(default_cache_dir() / "gemm-tuning", identity)
+        except RuntimeError as e:  # no cache folder configured and no home folder
+            self.log.warning("GEMM tuning results not kept: {}", e)
+            return None
         return gemm_tuning.TuningCache(path, identity, self.log)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:

@@ -48,6 +48,9 @@ class _Algo(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t
 
 
+ALGO_BYTES = ctypes.sizeof(_Algo)  # the length of an Algorithm's ``raw``
+
+
 class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
     _fields_ = [
         ("algo", _Algo),

@@ -34,6 +34,7 @@ BLAS implementation registered for a GEMM shape and keeps the fastest.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -58,7 +59,7 @@ TIMED_WEIGHTS = 4  # weights of a shape a finalist is timed over
 QUEUE_CYCLES = 200_000  # GPU clock cycles (~0.1 ms) queued ahead of each timed product
 
 _table: dict[tuple[int, int, torch.dtype], list[tuple[int, cublaslt.Algorithm]]] = {}
-_accepted: dict[tuple[int, int, int, torch.dtype, bytes], bool] = {}
+_accepted: dict[tuple[int, int, int, torch.dtype, bytes, int], bool] = {}
 _exact: dict[tuple[int, int, int, torch.dtype], cublaslt.Algorithm] = {}  # decode sizes
 
 
@@ -163,6 +164,10 @@ def _keep_fastest(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor
     return best_us, best
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _inputs(rows: int, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weights[0].shape
     x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
@@ -185,7 +190,7 @@ def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
     screened_over = timed[:1] if rows >= MIN_ROWS else timed
     x, out = _inputs(rows, weights)
     default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
-    index = device.index or 0
+    index = _index(device)
 
     def screen(algos: list[cublaslt.Algorithm]) -> list[tuple[float, cublaslt.Algorithm]]:
         timings = []
@@ -216,9 +221,10 @@ def choose_shape(rows: int, weights: list[torch.Tensor],
     timed = weights[:TIMED_WEIGHTS]
     x, out = _inputs(rows, weights)
     default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
-    usable = [a for a in algos if cublaslt.accepts(rows, n, k, x.dtype, a)]
+    usable = [a for a in algos
+              if cublaslt.accepts(rows, n, k, x.dtype, a, device=_index(x.device))]
     best_us, keep = _keep_fastest(x, out, timed, usable, default_us)
-    return TunedProduct(rows, n, k, default_us, best_us, keep, len(algos))
+    return TunedProduct(rows, n, k, default_us, best_us, keep, len(usable))
 
 
 CACHE_FORMAT = 1  # bump when the file's layout, a record's meaning or the search changes
@@ -260,7 +266,7 @@ class TuningCache:
     def __init__(self, path: Path, identity: dict[str, Any], log: Any = None) -> None:
         self.path, self.identity, self.log = path, identity, log
         self.records: dict[str, dict[str, Any]] = self._read()
-        self.added = 0
+        self.added: set[str] = set()  # keys recorded since the last save
 
     def _read(self) -> dict[str, dict[str, Any]]:
         try:
@@ -282,62 +288,95 @@ class TuningCache:
     def get(self, rows: int, n: int, k: int, dtype: torch.dtype) -> TunedProduct | None:
         """The result recorded for this product, or None (not recorded, or malformed)."""
         record = self.records.get(_key(rows, n, k, dtype))
-        if record is None:
+        if not isinstance(record, dict):
             return None
         try:
             algo = record["algorithm"]
-            algorithm = None if algo is None else cublaslt.Algorithm(
-                **{**algo, "raw": bytes.fromhex(algo["raw"])})
+            algorithm = None
+            if algo is not None:
+                raw = bytes.fromhex(algo["raw"])
+                if len(raw) != cublaslt.ALGO_BYTES:
+                    return None
+                algorithm = cublaslt.Algorithm(**{**algo, "raw": raw})
             best = record["best_us"]
             return TunedProduct(rows, n, k, float(record["default_us"]),
                                 float("inf") if best is None else float(best), algorithm, 0)
-        except (KeyError, TypeError, ValueError):
+        except (AttributeError, KeyError, TypeError, ValueError):
             return None
 
-    def put(self, result: TunedProduct, dtype: torch.dtype) -> None:
+    def put(self, result: TunedProduct, dtype: torch.dtype, search: str) -> None:
+        """Record ``result`` (``search``: how it was found, "full" or "choice" among
+        other row counts' winners; kept for whoever reads the file)."""
         algo = result.algorithm
-        self.records[_key(result.rows, result.n, result.k, dtype)] = {
+        key = _key(result.rows, result.n, result.k, dtype)
+        self.records[key] = {
             "default_us": result.default_us,
             "best_us": result.best_us if result.best_us != float("inf") else None,
             "algorithm": None if algo is None else {
                 **dataclasses.asdict(algo), "raw": algo.raw.hex()},
+            "search": search,
         }
-        self.added += 1
+        self.added.add(key)
 
     def save(self) -> None:
-        """Write the records, merged over what the file holds now, if any were added."""
+        """Write the records added since the last save over what the file holds now (other
+        processes' results kept), under an exclusive lock of a file beside it."""
         if not self.added:
             return
-        merged = {**self._read(), **self.records}
-        body = json.dumps({"identity": self.identity, "records": merged}, indent=1)
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
-            with os.fdopen(fd, "w") as f:
-                f.write(body)
-            os.replace(tmp, self.path)
+            with open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                merged = {**self.records, **self._read(),
+                          **{key: self.records[key] for key in self.added}}
+                body = json.dumps({"identity": self.identity, "records": merged}, indent=1)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
+                with os.fdopen(fd, "w") as f:
+                    f.write(body)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, self.path)
+                tmp = None
         except OSError as e:
             self._warn("not written", e)
             return
-        self.records, self.added = merged, 0
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+        self.records, self.added = merged, set()
+
+
+def _runs(rows: int, weights: list[torch.Tensor], algorithm: cublaslt.Algorithm) -> bool:
+    """Whether cuBLASLt accepts ``algorithm`` for ``rows`` x ``weights[0]`` and runs it
+    once, eagerly: its first launch (the handle, the workspace, the plan) then happens
+    here, not inside a CUDA graph's capture."""
+    n, k = weights[0].shape
+    if not cublaslt.accepts(rows, n, k, weights[0].dtype, algorithm,
+                            device=_index(weights[0].device)):
+        return False
+    x, out = _inputs(rows, weights)
+    try:
+        cublaslt.matmul(x, weights[0], algorithm, out)
+    except cublaslt.CublasLtError:
+        return False
+    return True
 
 
 def _tuned(cache: TuningCache | None, rows: int, weights: list[torch.Tensor],
-           search: Callable[[], TunedProduct]) -> TunedProduct:
-    """The result for ``rows`` x ``weights``' shape: from ``cache`` if recorded there (and
-    its algorithm still accepted by cuBLASLt for this product), else ``search()``'s,
-    recorded into ``cache``."""
+           search: Callable[[], TunedProduct], kind: str) -> TunedProduct:
+    """The result for ``rows`` x ``weights``' shape: from ``cache`` if recorded there and
+    its algorithm still runs (:func:`_runs`), else ``search()``'s (a ``kind`` search),
+    recorded into ``cache`` unless nothing could be timed."""
     n, k = weights[0].shape
     dtype = weights[0].dtype
     hit = cache.get(rows, n, k, dtype) if cache is not None else None
-    if hit is not None and (hit.algorithm is None
-                            or cublaslt.accepts(rows, n, k, dtype, hit.algorithm)):
+    if hit is not None and (hit.algorithm is None or _runs(rows, weights, hit.algorithm)):
         if hit.algorithm is not None:
             _record(rows, n, k, dtype, hit.algorithm)
         return hit
     result = search()
-    if cache is not None:
-        cache.put(result, dtype)
+    if cache is not None and result.screened:
+        cache.put(result, dtype, kind)
     return result
 
 
@@ -371,6 +410,8 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
     decode_shapes = {**by_shape, **_by_shape(decode_weights)}
     started = time.perf_counter()
     results: list[TunedProduct] = []
+    if not decode_shapes:
+        return results
     try:
         cublaslt.library()
     except (OSError, AttributeError) as e:  # no libcublasLt, or one without these calls
@@ -379,40 +420,41 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
         return results
 
     def attempt(search: Callable[[], TunedProduct], rows: int, weights: list[torch.Tensor],
-                announce: bool) -> TunedProduct | None:
+                kind: str) -> TunedProduct | None:
         try:
-            result = _tuned(cache, rows, weights, search)
+            result = _tuned(cache, rows, weights, search, kind)
         except cublaslt.CublasLtError as e:
             if log is not None:
                 log.warning("cuBLASLt tuning of {} rows x {} skipped: {}", rows,
                             tuple(weights[0].shape), e)
             return None
         results.append(result)
-        if log is not None and announce and result.screened:
+        if log is not None and kind == "full" and result.screened:
             log.info("product {}", result.describe())
         return result
 
-    for rows in row_counts(max_rows):
-        for shape_weights in by_shape.values():
-            attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,
-                    announce=True)
-    anchors = decode_anchors(decode_rows)
-    others = sorted({r for r in decode_rows if r > SKINNY_ROWS} - set(anchors))
-    for shape_weights in decode_shapes.values():
-        kept: dict[int, cublaslt.Algorithm] = {}
-        for rows in anchors:
-            result = attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,
-                             announce=True)
-            if result is not None and result.algorithm is not None:
-                kept[rows] = result.algorithm
-        for rows in others:  # the winners of the nearest anchors on either side
-            around = [max((r for r in anchors if r < rows), default=0),
-                      min((r for r in anchors if r > rows), default=0)]
-            choices = [kept[r] for r in around if r in kept]
-            if choices:
-                attempt(partial(choose_shape, rows, shape_weights, choices), rows,
-                        shape_weights, announce=False)
-    torch.cuda.empty_cache()
+    device = next(iter(decode_shapes.values()))[0].device
+    with torch.cuda.device(device):  # the handle, workspace and timings on the weights' GPU
+        for rows in row_counts(max_rows):
+            for shape_weights in by_shape.values():
+                attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights, "full")
+        anchors = decode_anchors(decode_rows)
+        others = sorted({r for r in decode_rows if r > SKINNY_ROWS} - set(anchors))
+        for shape_weights in decode_shapes.values():
+            kept: dict[int, cublaslt.Algorithm] = {}
+            for rows in anchors:
+                result = attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,
+                                 "full")
+                if result is not None and result.algorithm is not None:
+                    kept[rows] = result.algorithm
+            for rows in others:  # the winners of the nearest anchors on either side
+                around = [max((r for r in anchors if r < rows), default=0),
+                          min((r for r in anchors if r > rows), default=0)]
+                choices = [kept[r] for r in around if r in kept]
+                if choices:
+                    attempt(partial(choose_shape, rows, shape_weights, choices), rows,
+                            shape_weights, "choice")
+        torch.cuda.empty_cache()
     if cache is not None:
         cache.save()
     if log is not None:
@@ -425,10 +467,12 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
     return results
 
 
-def lookup(m: int, n: int, k: int, dtype: torch.dtype) -> cublaslt.Algorithm | None:
+def lookup(m: int, n: int, k: int, dtype: torch.dtype,
+           device: int = 0) -> cublaslt.Algorithm | None:
     """The tuned algorithm for ``[m, k] @ [n, k].T``: below :data:`MIN_ROWS` the one kept
     for exactly ``m`` rows; from there the one kept at the largest tuned row count
-    ``<= m``, if cuBLASLt accepts it for ``m`` rows; else None (use ``F.linear``)."""
+    ``<= m``, if cuBLASLt accepts it for ``m`` rows on CUDA device ``device``; else None
+    (use ``F.linear``)."""
     if m < MIN_ROWS:
         return _exact.get((m, n, k, dtype))
     entries = _table.get((n, k, dtype))
@@ -437,10 +481,10 @@ def lookup(m: int, n: int, k: int, dtype: torch.dtype) -> cublaslt.Algorithm | N
     algo = next((a for rows, a in entries if rows <= m), None)
     if algo is None:
         return None
-    key = (m, n, k, dtype, algo.raw)
+    key = (m, n, k, dtype, algo.raw, device)
     accepted = _accepted.get(key)
     if accepted is None:
-        accepted = cublaslt.accepts(m, n, k, dtype, algo)
+        accepted = cublaslt.accepts(m, n, k, dtype, algo, device=device)
         if len(_accepted) > 4096:
             _accepted.clear()
         _accepted[key] = accepted
@@ -460,16 +504,17 @@ def tuned() -> bool:
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ weight.T (+ bias)`` through the tuned algorithm for its shape, or None where
-    there is none (2-D contiguous CUDA ``x`` only). Below :data:`MIN_ROWS` only while a
-    CUDA graph is being captured (the decode graphs): an eager product that small takes
-    about as long to launch from Python as to run, and ``F.linear`` launches faster."""
-    if x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
+    """``x @ weight.T`` through the tuned algorithm for its shape, or None where there is
+    none (2-D contiguous CUDA ``x`` only). Below :data:`MIN_ROWS` only while a CUDA graph
+    is being captured (the decode graphs): an eager product that small takes about as
+    long to launch from Python as to run, and ``F.linear`` launches faster. Products with
+    a ``bias`` are left to ``F.linear`` (its kernel adds the bias in its epilogue; the
+    tuning timed products without one)."""
+    if bias is not None or x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
         return None
     if x.shape[0] < MIN_ROWS and not torch.cuda.is_current_stream_capturing():
         return None
-    algo = lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+    algo = lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, _index(x.device))
     if algo is None:
         return None
-    out = cublaslt.matmul(x, weight, algo)
-    return out if bias is None else out.add_(bias)
+    return cublaslt.matmul(x, weight, algo)

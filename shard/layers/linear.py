@@ -379,9 +379,11 @@ def pack_cpu_weights(model: _ModuleTree) -> int:
 
 
 def linear_weights(model: _ModuleTree) -> list[torch.Tensor]:
-    """The weights of every tensor-parallel linear layer of ``model`` (the decoder
-    layers' projections; not the embedding or the LM head), in module order."""
-    return [m.weight.detach() for m in model.modules() if isinstance(m, _ParallelLinearBase)]
+    """The weights of every tensor-parallel linear layer of ``model`` whose product runs
+    without a bias (the decoder layers' projections, a row-parallel layer's bias being
+    added after the all-reduce; not the embedding or the LM head), in module order."""
+    return [m.weight.detach() for m in model.modules() if isinstance(m, _ParallelLinearBase)
+            and (m.bias is None or isinstance(m, RowParallelLinear))]
 
 
 def lm_head_weights(model: _ModuleTree) -> list[torch.Tensor]:

@@ -15,6 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory: pytest.TempPathFactory,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warm-ups in these tests neither read nor write the user's cache (GEMM tuning)."""
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "kernels: attention kernels and backend selection (pytest -m kernels)"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from shard.config import ShardConfig
 from shard.layers import cublaslt, gemm_tuning
 
+BF16 = torch.bfloat16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -38,8 +39,8 @@ def test_row_counts_halve_down_to_the_minimum():
 
 def test_lookup_takes_the_largest_tuned_row_count_at_or_below(monkeypatch):
     accepted = []
-    monkeypatch.setattr(cublaslt, "accepts",
-                        lambda m, n, k, dtype, algo: accepted.append(m) or algo.index != 9)
+    monkeypatch.setattr(cublaslt, "accepts", lambda m, n, k, dtype, algo, device:
+                        accepted.append((m, device)) or algo.index != 9)
     m = gemm_tuning.MIN_ROWS
     big, small, rejected = _fake_algorithm(1), _fake_algorithm(2), _fake_algorithm(9)
     gemm_tuning._table[(64, 32, torch.bfloat16)] = [(4 * m, big), (m, small)]
@@ -54,6 +55,8 @@ def test_lookup_takes_the_largest_tuned_row_count_at_or_below(monkeypatch):
     calls = len(accepted)
     gemm_tuning.lookup(m, 64, 32, torch.bfloat16)
     assert len(accepted) == calls  # the check is cached per row count
+    gemm_tuning.lookup(m, 64, 32, torch.bfloat16, device=1)
+    assert accepted[-1] == (m, 1) and len(accepted) == calls + 1  # and per device
     gemm_tuning.clear()
     assert not gemm_tuning.tuned() and gemm_tuning.lookup(4 * m, 64, 32, torch.bfloat16) is None
 
@@ -92,7 +95,7 @@ def test_the_cache_file_is_named_by_device_and_identity(tmp_path):
 
 
 def test_cached_results_are_reused_and_nothing_is_searched(tmp_path, monkeypatch):
-    monkeypatch.setattr(cublaslt, "accepts", lambda *args: True)
+    monkeypatch.setattr(gemm_tuning, "_runs", lambda *args: True)
     identity = {"format": 1, "device": "gpu"}
     path = gemm_tuning.cache_file(tmp_path, identity)
     kept, searches = _fake_algorithm(4), []
@@ -104,20 +107,22 @@ def test_cached_results_are_reused_and_nothing_is_searched(tmp_path, monkeypatch
         return run
 
     cache = gemm_tuning.TuningCache(path, identity)
-    first = gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), search(256, kept))
-    gemm_tuning._tuned(cache, 512, _fake_weights(64, 32), search(512, None))
+    first = gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), search(256, kept), "full")
+    gemm_tuning._tuned(cache, 512, _fake_weights(64, 32), search(512, None), "full")
     assert first.algorithm is kept and len(searches) == 2
     cache.save()
     gemm_tuning.clear()
 
     again = gemm_tuning.TuningCache(path, identity)
-    hit = gemm_tuning._tuned(again, 256, _fake_weights(64, 32), search(256, None))
+    hit = gemm_tuning._tuned(again, 256, _fake_weights(64, 32), search(256, None), "full")
     assert hit.algorithm == kept and hit.screened == 0 and (hit.default_us, hit.best_us) == (10, 9)
     assert gemm_tuning.lookup(256, 64, 32, torch.bfloat16) == kept  # recorded for use
-    none_kept = gemm_tuning._tuned(again, 512, _fake_weights(64, 32), search(512, kept))
+    none_kept = gemm_tuning._tuned(again, 512, _fake_weights(64, 32), search(512, kept),
+                                   "full")
     assert none_kept.algorithm is None and none_kept.screened == 0
     assert len(searches) == 2
-    gemm_tuning._tuned(again, 256, _fake_weights(64, 16), search(256, None, k=16))  # new shape
+    gemm_tuning._tuned(again, 256, _fake_weights(64, 16), search(256, None, k=16),
+                       "full")  # a new shape
     assert len(searches) == 3
 
 
@@ -125,10 +130,10 @@ def test_a_cached_algorithm_cuBLASLt_rejects_is_searched_again(tmp_path, monkeyp
     identity = {"format": 1, "device": "gpu"}
     cache = gemm_tuning.TuningCache(gemm_tuning.cache_file(tmp_path, identity), identity)
     cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, _fake_algorithm(4), 100),
-              torch.bfloat16)
-    monkeypatch.setattr(cublaslt, "accepts", lambda *args: False)
+              torch.bfloat16, "full")
+    monkeypatch.setattr(gemm_tuning, "_runs", lambda *args: False)
     fresh = gemm_tuning.TunedProduct(256, 64, 32, 10.0, 10.0, None, 100)
-    assert gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: fresh) is fresh
+    assert gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: fresh, "full") is fresh
     assert not gemm_tuning.tuned()
 
 
@@ -136,7 +141,7 @@ def test_another_identity_or_a_broken_file_counts_as_empty(tmp_path):
     identity = {"format": 1, "device": "gpu"}
     path = gemm_tuning.cache_file(tmp_path, identity)
     cache = gemm_tuning.TuningCache(path, identity)
-    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), BF16, "full")
     cache.save()
     assert gemm_tuning.TuningCache(path, identity).get(256, 64, 32, torch.bfloat16) is not None
     assert gemm_tuning.TuningCache(path, {**identity, "device": "other"}).records == {}
@@ -155,14 +160,14 @@ def test_save_merges_what_another_process_wrote_meanwhile(tmp_path):
     identity = {"format": 1, "device": "gpu"}
     path = gemm_tuning.cache_file(tmp_path / "new" / "folder", identity)
     ours, theirs = (gemm_tuning.TuningCache(path, identity) for _ in range(2))
-    ours.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16)
-    theirs.put(gemm_tuning.TunedProduct(256, 32, 64, 8.0, 9.0, None, 100), torch.bfloat16)
+    ours.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), BF16, "full")
+    theirs.put(gemm_tuning.TunedProduct(256, 32, 64, 8.0, 9.0, None, 100), BF16, "full")
     theirs.save()
     ours.save()
     merged = gemm_tuning.TuningCache(path, identity)
     assert merged.get(256, 64, 32, torch.bfloat16) is not None
     assert merged.get(256, 32, 64, torch.bfloat16) is not None
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    assert not list(path.parent.glob(".tuning-*"))  # no temporary left
 
 
 def test_an_unwritable_cache_is_left_alone(tmp_path):
@@ -170,9 +175,56 @@ def test_an_unwritable_cache_is_left_alone(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     cache = gemm_tuning.TuningCache(gemm_tuning.cache_file(blocker, identity), identity)
-    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), BF16, "full")
     cache.save()  # its folder cannot be made: nothing raised
-    assert cache.added == 1
+    assert len(cache.added) == 1  # kept for a later save
+
+
+def test_malformed_records_count_as_missing(tmp_path):
+    identity = {"format": 1, "device": "gpu"}
+    cache = gemm_tuning.TuningCache(gemm_tuning.cache_file(tmp_path, identity), identity)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, _fake_algorithm(4), 100),
+              torch.bfloat16, "full")
+    good = cache.get(256, 64, 32, torch.bfloat16)
+    assert good is not None and good.algorithm == _fake_algorithm(4)
+    record = cache.records["256,64,32,bfloat16"]
+    for raw in ("abcd", "zz" * 64, 17):  # too short, not hex, not a string
+        record["algorithm"]["raw"] = raw
+        assert cache.get(256, 64, 32, torch.bfloat16) is None
+    cache.records["256,64,32,bfloat16"] = ["not", "a", "record"]
+    assert cache.get(256, 64, 32, torch.bfloat16) is None
+
+
+def test_a_search_that_timed_nothing_is_not_cached(tmp_path):
+    identity = {"format": 1, "device": "gpu"}
+    cache = gemm_tuning.TuningCache(gemm_tuning.cache_file(tmp_path, identity), identity)
+    nothing = gemm_tuning.TunedProduct(256, 64, 32, 10.0, float("inf"), None, 0)
+    assert gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: nothing,
+                              "choice") is nothing
+    assert cache.get(256, 64, 32, torch.bfloat16) is None and not cache.added
+    timed = gemm_tuning.TunedProduct(256, 64, 32, 10.0, 11.0, None, 2)
+    gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: timed, "choice")
+    assert cache.records["256,64,32,bfloat16"]["search"] == "choice"
+
+
+def test_save_keeps_newer_results_of_other_processes_for_keys_it_did_not_add(tmp_path):
+    identity = {"format": 1, "device": "gpu"}
+    path = gemm_tuning.cache_file(tmp_path, identity)
+    first = gemm_tuning.TuningCache(path, identity)
+    first.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), torch.bfloat16,
+              "full")
+    first.save()
+    ours, theirs = (gemm_tuning.TuningCache(path, identity) for _ in range(2))
+    theirs.put(gemm_tuning.TunedProduct(256, 64, 32, 20.0, 19.0, None, 100), torch.bfloat16,
+               "full")
+    theirs.save()
+    ours.put(gemm_tuning.TunedProduct(512, 64, 32, 30.0, 29.0, None, 100), torch.bfloat16,
+             "full")
+    ours.save()
+    merged = gemm_tuning.TuningCache(path, identity)
+    assert merged.get(256, 64, 32, torch.bfloat16).default_us == 20.0  # theirs, not ours' old
+    assert merged.get(512, 64, 32, torch.bfloat16).default_us == 30.0
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by other users of a shared cache
 
 
 def test_the_flag_is_validated():
@@ -222,6 +274,9 @@ def test_a_tuned_layer_gives_the_untuned_output(monkeypatch):
     x = torch.randn(700, 512, generator=gen).bfloat16().cuda()
     bias = torch.randn(1024, generator=gen).bfloat16().cuda()
     assert gemm_tuning.lookup(700, 1024, 512, torch.bfloat16) is results[1].algorithm
+    assert gemm_tuning.run(x, weights[0], None) is not None
+    _assert_close(_matmul(x, weights[0], None, None), F.linear(x, weights[0]))
+    assert gemm_tuning.run(x, weights[0], bias) is None  # a bias: F.linear's epilogue
     _assert_close(_matmul(x, weights[0], None, bias), F.linear(x, weights[0], bias))
     small = x[:100]
     assert gemm_tuning.run(small, weights[0], None) is None  # fewer rows than tuned: cuBLAS

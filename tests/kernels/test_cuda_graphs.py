@@ -155,19 +155,30 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
     eager forward of the same 20 rows keeps ``F.linear`` (no tuning for 20 rows)."""
     pytest.importorskip("triton")
     from shard.decode_state import DecodeRows
-    from shard.layers import gemm_tuning
+    from shard.layers import cublaslt, gemm_tuning
     from shard.layers.linear import linear_weights, lm_head_weights
     from tests.unit.shard.helpers import make_hf_model
 
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
-    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))  # no earlier results
+    captured: list[int] = []  # rows of each cuBLASLt product recorded into a graph
+    matmul = cublaslt.matmul
+
+    def counting(x, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            captured.append(x.shape[0])
+        return matmul(x, *args, **kwargs)
+
+    monkeypatch.setattr(cublaslt, "matmul", counting)
     make_hf_model("llama", tmp_path)
     try:
         runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
         assert runner.graphs is not None and 32 in runner.graphs.buckets
-        for w in linear_weights(runner.model) + lm_head_weights(runner.model):
+        products = linear_weights(runner.model) + lm_head_weights(runner.model)
+        for w in products:
             assert gemm_tuning.lookup(32, *w.shape, torch.bfloat16) is not None
             assert gemm_tuning.lookup(20, *w.shape, torch.bfloat16) is None
+        # the 32-row graph runs every product through its tuned algorithm, no other does
+        assert captured and set(captured) == {32} and len(captured) % len(products) == 0
         torch.manual_seed(0)
         contexts = [3 + (7 * i) % 29 for i in range(20)]
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(20)]  # 32 tokens each

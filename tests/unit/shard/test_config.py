@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from shard.config import ShardConfig, env_overrides, shard_argv
+from shard.config import ShardConfig, default_cache_dir, env_overrides, shard_argv
 from shard.layers.rotary import compute_inv_freq
 from shard.models.config import ModelConfig, RopeConfig
 from shard.models.registry import get_model_class
@@ -243,3 +244,18 @@ def test_rope_scalings_change_frequencies() -> None:
     torch.testing.assert_close(linear, default / 4)
     assert llama3[0] == default[0] and llama3[-1] == default[-1] / 8  # high freq kept, low scaled
     assert default[1] / 8 < llama3[1] < default[1]  # medium band (wavelength 8..32) interpolated
+
+
+def test_default_cache_dir_reads_the_home_folder_only_as_the_last_choice(monkeypatch):
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", "/data/cache")
+    assert default_cache_dir() == Path("/data/cache")
+    monkeypatch.delenv("SHARDSERVE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert default_cache_dir() == Path("/xdg/shardserve")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    with pytest.raises(RuntimeError, match="home"):
+        default_cache_dir()
