@@ -550,15 +550,21 @@ def split_k_sweep(tokens: list[int], layers: int) -> list[str]:
 
 GATE_UP_GRID = [GateUpConfig(*c) for c in itertools.product((64, 128), (64, 128), (64, 128),
                                                              (4, 8), (3, 4))]
+# up to the skinny kernel's 16 rows: one 16-row tile, the skinny kernel's column blocks
+# and K slices
+GATE_UP_SKINNY_GRID = [GateUpConfig(16, *c) for c in itertools.product(
+    (16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5))]
 
 
 def _gate_up_chain(x: torch.Tensor, weights: list[torch.Tensor],
                    config: GateUpConfig | None) -> None:
-    """Each layer's gate/up with SwiGLU: cuBLAS then our silu·mul kernel (``config``
-    None), or the fused kernel with ``config``."""
+    """Each layer's gate/up with SwiGLU as the server ran it before the fused kernel
+    (``config`` None: the skinny kernel up to 16 rows, else cuBLAS; then our silu·mul
+    kernel), or the fused kernel with ``config``."""
     for w in weights:
         if config is None:
-            silu_and_mul(F.linear(x, w))
+            product = skinny_linear(x, w, None) if x.shape[0] <= 16 else None
+            silu_and_mul(product if product is not None else F.linear(x, w))
         else:
             gate_up_silu(x, w, config, min_rows=1, max_rows=1 << 20)
 
@@ -568,7 +574,8 @@ def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
     kernel at each token count, over :data:`GATE_UP_GRID`, timed like :func:`gemm_sweep`
     (``layers`` distinct weights); every configuration's output checked against the
     unfused path."""
-    rows = ["| tokens | cuBLAS + silu·mul µs | default µs | best µs | best config (block_m, "
+    rows = ["| tokens | unfused (skinny up to 16 rows, else cuBLAS) + silu·mul µs | "
+            "default µs | best µs | best config (block_m, "
             "block_n, block_k, warps, stages) | best / unfused |",
             "|---:|---:|---:|---:|---|---:|"]
     n, k = 2 * INTERMEDIATE, HIDDEN
@@ -578,7 +585,7 @@ def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
         want = silu_and_mul(F.linear(x, weights[0])).float()
         base = graph_time_us(functools.partial(_gate_up_chain, x, weights, None)) / layers
         results = []
-        for config in GATE_UP_GRID:
+        for config in GATE_UP_SKINNY_GRID if m <= 16 else GATE_UP_GRID:
             try:
                 got = gate_up_silu(x, weights[0], config, min_rows=1, max_rows=1 << 20)
                 assert got is not None
