@@ -151,6 +151,9 @@ class ShardConfig:
             measured fastest at warm-up (:mod:`shard.layers.gemm_tuning`): ``"auto"`` (on
             CUDA with bfloat16 or float16 weights) or ``"off"`` (cuBLAS's own pick
             everywhere).
+        gemm_tuning_cache: Folder of the warm-up tuning results kept for later warm-ups
+            (one file per GPU model and library versions); ``""`` = ``gemm-tuning`` under
+            :func:`default_cache_dir`.
         block_size: Tokens per KV block; must suit the attention backend.
         kv_cache_bytes: KV cache budget on CPU, in bytes (all layers, K and V).
         gpu_memory_fraction: Fraction of total GPU memory the shard may use
@@ -197,6 +200,10 @@ class ShardConfig:
         "time cuBLASLt's algorithms for the prefill and decode-graph products at warm-up "
         "and run each through the fastest: auto (on a GPU, bfloat16/float16) or off",
         choices=("auto", "off")))
+    gemm_tuning_cache: str = field(default="", metadata=_flag(
+        "folder where --gemm-tuning keeps its results for later warm-ups (one file per GPU "
+        "model and library versions; give it a writable volume where the root filesystem "
+        "is read-only); empty = gemm-tuning/ under $SHARDSERVE_CACHE_DIR", metavar="DIR"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block", type=int))
     kv_cache_bytes: int = field(default=512 * MiB, metadata=_flag(
         "KV cache per rank on CPU: bytes, or with a unit (512MiB, 1GiB, 2G)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,14 +250,17 @@ class ModelRunner:
 
     def _tuning_cache(self) -> gemm_tuning.TuningCache | None:
         """The file of earlier warm-ups' tuning results for this GPU and these libraries,
-        under :func:`~shard.config.default_cache_dir` (None where cuBLASLt cannot be
-        loaded: then nothing is tuned; or no cache folder resolves: then nothing is kept)."""
+        in ``--gemm-tuning-cache`` or under :func:`~shard.config.default_cache_dir` (None
+        where cuBLASLt cannot be loaded: then nothing is tuned; or no cache folder
+        resolves: then nothing is kept)."""
         try:
             identity = gemm_tuning.cache_identity(self.device)
         except (OSError, AttributeError):
             return None
         try:
-            path = gemm_tuning.cache_file(default_cache_dir() / "gemm-tuning", identity)
+            folder = (Path(self.config.gemm_tuning_cache) if self.config.gemm_tuning_cache
+                      else default_cache_dir() / "gemm-tuning")
+            path = gemm_tuning.cache_file(folder, identity)
         except RuntimeError as e:  # no cache folder configured and no home folder
             self.log.warning("GEMM tuning results not kept: {}", e)
             return None

@@ -159,7 +159,8 @@ def test_shard_flags_of_launch_are_the_shard_configs(default_model_dir: Path) ->
     default = ShardConfig(model_path="-")
     defaults = launch_parser().parse_args([])
     for name in ("dtype", "device", "load_format", "attention_backend", "cuda_graphs", "pdl",
-                 "gemm_tuning", "block_size", "kv_cache_bytes", "gpu_memory_fraction"):
+                 "gemm_tuning", "gemm_tuning_cache", "block_size", "kv_cache_bytes",
+                 "gpu_memory_fraction"):
         assert getattr(defaults, name) == getattr(default, name), name
         flag = "--" + name.replace("_", "-")
         assert shard_flag(name).help in blocks[flag], blocks[flag]
@@ -169,12 +170,12 @@ def test_shard_flags_of_launch_are_the_shard_configs(default_model_dir: Path) ->
     args = launch_parser().parse_args([
         "--model", str(default_model_dir), "--kv-cache-bytes", "1GiB", "--block-size", "32",
         "--dtype", "float32", "--cuda-graphs", "0", "--pdl", "off", "--gemm-tuning", "off",
-        "--json-output"])
+        "--gemm-tuning-cache", "/data/tuning", "--json-output"])
     config = config_from_args(args)
     assert config.shard == ShardConfig(
         model_path=str(default_model_dir), model_id=default_model_dir.name, dtype="float32",
-        cuda_graphs="0", pdl="off", gemm_tuning="off", block_size=32, kv_cache_bytes=2**30,
-        json_logs=True)
+        cuda_graphs="0", pdl="off", gemm_tuning="off", gemm_tuning_cache="/data/tuning",
+        block_size=32, kv_cache_bytes=2**30, json_logs=True)
     rank = config.shard.for_rank(0, "127.0.0.1", 0)
     assert shard_config_from_args(shard_argv(rank, "127.0.0.1", 5000), environ={}) == (
         rank, "127.0.0.1", 5000)
