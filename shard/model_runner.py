@@ -94,6 +94,8 @@ class ModelRunner:
         self.config = config
         self.log = logger.bind(rank=config.rank)
         self.device = config.torch_device()
+        if self.device.type == "cuda":  # cuda:N: our kernels and libraries' calls go there
+            torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu" and retain_freed_memory():
             self.log.info("malloc keeps freed memory mapped for the CPU forward's temporaries")
@@ -258,7 +260,8 @@ class ModelRunner:
         except (OSError, AttributeError):
             return None
         try:
-            folder = (Path(self.config.gemm_tuning_cache) if self.config.gemm_tuning_cache
+            folder = (Path(self.config.gemm_tuning_cache).expanduser()
+                      if self.config.gemm_tuning_cache
                       else default_cache_dir() / "gemm-tuning")
             path = gemm_tuning.cache_file(folder, identity)
         except RuntimeError as e:  # no cache folder configured and no home folder

@@ -135,8 +135,13 @@ def _check(status: int, what: str) -> None:
         raise CublasLtError(f"{what} returned cuBLAS status {status}")
 
 
+def _handle(device: int | None) -> ctypes.c_void_p:
+    """The cuBLASLt handle of CUDA device ``device`` (None: the current device)."""
+    return _device_handle(torch.cuda.current_device() if device is None else device)
+
+
 @functools.cache
-def _handle(device: int) -> ctypes.c_void_p:
+def _device_handle(device: int) -> ctypes.c_void_p:
     handle = ctypes.c_void_p()
     with torch.cuda.device(device):
         _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
@@ -218,7 +223,7 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype) -> _Plan:
 
 
 def candidates(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-               limit: int = 64, device: int = 0) -> list[Algorithm]:
+               limit: int = 64, device: int | None = None) -> list[Algorithm]:
     """The algorithms cuBLASLt's heuristic offers for ``[m, k] @ [n, k].T`` in ``dtype``
     (float32 accumulation), best first by its own ranking, at most ``limit``.
 
@@ -245,7 +250,7 @@ def _algorithm(index: int, r: _Heuristic) -> Algorithm:
 
 
 def _check_algo(m: int, n: int, k: int, dtype: torch.dtype, algo: _Algo,
-                device: int) -> _Heuristic | None:
+                device: int | None) -> _Heuristic | None:
     """``cublasLtMatmulAlgoCheck``'s result for ``algo`` at this shape, or None where it
     is rejected or needs more than :data:`WORKSPACE_BYTES`."""
     plan, result = _plan(m, n, k, dtype), _Heuristic()
@@ -258,7 +263,7 @@ def _check_algo(m: int, n: int, k: int, dtype: torch.dtype, algo: _Algo,
 
 
 def accepts(m: int, n: int, k: int, dtype: torch.dtype, algorithm: Algorithm,
-            device: int = 0) -> bool:
+            device: int | None = None) -> bool:
     """Whether cuBLASLt accepts ``algorithm`` (found for another row count, say) for
     ``[m, k] @ [n, k].T`` in ``dtype`` within the workspace."""
     return _check_algo(m, n, k, dtype, _Algo.from_buffer_copy(algorithm.raw), device) is not None
@@ -280,7 +285,7 @@ def _cap_ids(algo: _Algo, attr: int) -> list[int]:
 class _Variants:
     """Distinct algorithms for one shape that ``cublasLtMatmulAlgoCheck`` accepts."""
 
-    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, device: int) -> None:
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, device: int | None) -> None:
         self.shape, self.device = (m, n, k, dtype), device
         self.seen: set[tuple[int, ...]] = set()
         self.found: list[Algorithm] = []
@@ -309,7 +314,7 @@ class _Variants:
 
 
 def variants(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-             limit: int = 64, device: int = 0,
+             limit: int = 64, device: int | None = None,
              clusters: tuple[int, ...] = CLUSTER_SHAPES) -> list[Algorithm]:
     """The heuristic's candidates (:func:`candidates`) and, around each, every tile its
     algorithm supports (``CUBLASLT_ALGO_CAP_TILE_IDS``) with each of ``clusters``
@@ -331,7 +336,7 @@ def variants(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
 
 
 def cluster_variants(m: int, n: int, k: int, dtype: torch.dtype, algorithm: Algorithm,
-                     device: int = 0) -> list[Algorithm]:
+                     device: int | None = None) -> list[Algorithm]:
     """``algorithm`` with each of :data:`CLUSTER_SHAPES` that cuBLASLt accepts for this
     shape (its own first)."""
     found = _Variants(m, n, k, dtype, device)

@@ -59,7 +59,7 @@ TIMED_WEIGHTS = 4  # weights of a shape a finalist is timed over
 QUEUE_CYCLES = 200_000  # GPU clock cycles (~0.1 ms) queued ahead of each timed product
 
 _table: dict[tuple[int, int, torch.dtype], list[tuple[int, cublaslt.Algorithm]]] = {}
-_accepted: dict[tuple[int, int, int, torch.dtype, bytes, int], bool] = {}
+_accepted: dict[tuple[int, int, int, torch.dtype, bytes, int | None], bool] = {}
 _exact: dict[tuple[int, int, int, torch.dtype], cublaslt.Algorithm] = {}  # decode sizes
 
 
@@ -73,7 +73,8 @@ class TunedProduct:
         best_us: the fastest cuBLASLt variant's µs per product.
         algorithm: that variant, or None where none beat ``F.linear`` by :data:`MARGIN`
             (then ``F.linear`` stays).
-        screened: how many variants were timed.
+        screened: how many variants were timed (0 for a result from the cache).
+        cached: whether it was taken from a :class:`TuningCache`.
     """
 
     rows: int
@@ -83,6 +84,7 @@ class TunedProduct:
     best_us: float
     algorithm: cublaslt.Algorithm | None
     screened: int
+    cached: bool = False
 
     def describe(self) -> str:
         pick = self.algorithm.describe() if self.algorithm else "F.linear kept"
@@ -227,7 +229,7 @@ def choose_shape(rows: int, weights: list[torch.Tensor],
     return TunedProduct(rows, n, k, default_us, best_us, keep, len(usable))
 
 
-CACHE_FORMAT = 1  # bump when the file's layout, a record's meaning or the search changes
+CACHE_FORMAT = 2  # bump when the file's layout, a record's meaning or the search changes
 
 
 def cache_identity(device: torch.device) -> dict[str, Any]:
@@ -300,7 +302,8 @@ class TuningCache:
                 algorithm = cublaslt.Algorithm(**{**algo, "raw": raw})
             best = record["best_us"]
             return TunedProduct(rows, n, k, float(record["default_us"]),
-                                float("inf") if best is None else float(best), algorithm, 0)
+                                float("inf") if best is None else float(best), algorithm, 0,
+                                cached=True)
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
 
@@ -366,7 +369,7 @@ def _tuned(cache: TuningCache | None, rows: int, weights: list[torch.Tensor],
            search: Callable[[], TunedProduct], kind: str) -> TunedProduct:
     """The result for ``rows`` x ``weights``' shape: from ``cache`` if recorded there and
     its algorithm still runs (:func:`_runs`), else ``search()``'s (a ``kind`` search),
-    recorded into ``cache`` unless nothing could be timed."""
+    recorded into ``cache`` unless no variant could be timed."""
     n, k = weights[0].shape
     dtype = weights[0].dtype
     hit = cache.get(rows, n, k, dtype) if cache is not None else None
@@ -375,7 +378,7 @@ def _tuned(cache: TuningCache | None, rows: int, weights: list[torch.Tensor],
             _record(rows, n, k, dtype, hit.algorithm)
         return hit
     result = search()
-    if cache is not None and result.screened:
+    if cache is not None and result.screened and result.best_us != float("inf"):
         cache.put(result, dtype, kind)
     return result
 
@@ -399,7 +402,7 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
     sequence) at the ``decode_rows`` above :data:`SKINNY_ROWS` (the decode CUDA graphs'
     batch sizes): in full at :func:`decode_anchors`, each other row count among the
     algorithms kept at the anchors on either side of it. Results recorded in ``cache``
-    are taken from it (``screened`` 0) and new ones recorded there and saved. Log each
+    are taken from it (``cached``) and new ones recorded there and saved. Log each
     searched result, a summary and the time taken when ``log`` (a loguru logger) is
     given.
 
@@ -462,17 +465,17 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
                  "{} of them decode batch sizes; {} from {})", len(results),
                  time.perf_counter() - started, sum(r.algorithm is not None for r in results),
                  sum(r.algorithm is not None and r.rows < MIN_ROWS for r in results),
-                 sum(not r.screened for r in results),
+                 sum(r.cached for r in results),
                  cache.path if cache is not None else "no cache")
     return results
 
 
 def lookup(m: int, n: int, k: int, dtype: torch.dtype,
-           device: int = 0) -> cublaslt.Algorithm | None:
+           device: int | None = None) -> cublaslt.Algorithm | None:
     """The tuned algorithm for ``[m, k] @ [n, k].T``: below :data:`MIN_ROWS` the one kept
     for exactly ``m`` rows; from there the one kept at the largest tuned row count
-    ``<= m``, if cuBLASLt accepts it for ``m`` rows on CUDA device ``device``; else None
-    (use ``F.linear``)."""
+    ``<= m``, if cuBLASLt accepts it for ``m`` rows on CUDA device ``device`` (None: the
+    current one); else None (use ``F.linear``)."""
     if m < MIN_ROWS:
         return _exact.get((m, n, k, dtype))
     entries = _table.get((n, k, dtype))

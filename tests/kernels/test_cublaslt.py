@@ -202,6 +202,9 @@ def test_a_search_that_timed_nothing_is_not_cached(tmp_path):
     assert gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: nothing,
                               "choice") is nothing
     assert cache.get(256, 64, 32, torch.bfloat16) is None and not cache.added
+    failed = gemm_tuning.TunedProduct(256, 64, 32, 10.0, float("inf"), None, 12)
+    gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: failed, "full")
+    assert not cache.added  # variants screened, but every finalist failed
     timed = gemm_tuning.TunedProduct(256, 64, 32, 10.0, 11.0, None, 2)
     gemm_tuning._tuned(cache, 256, _fake_weights(64, 32), lambda: timed, "choice")
     assert cache.records["256,64,32,bfloat16"]["search"] == "choice"
@@ -225,6 +228,61 @@ def test_save_keeps_newer_results_of_other_processes_for_keys_it_did_not_add(tmp
     assert merged.get(256, 64, 32, torch.bfloat16).default_us == 20.0  # theirs, not ours' old
     assert merged.get(512, 64, 32, torch.bfloat16).default_us == 30.0
     assert path.stat().st_mode & 0o777 == 0o644  # readable by other users of a shared cache
+
+
+def test_a_cached_algorithm_is_checked_then_run_once_on_the_weights_device(monkeypatch):
+    monkeypatch.setattr(gemm_tuning, "_index", lambda device: 3)
+    calls = []
+
+    def accepts(m, n, k, dtype, algo, device):
+        calls.append(("accepts", m, n, k, device))
+        return algo.index != 9
+
+    def matmul(x, w, algo, out):
+        calls.append(("matmul", tuple(x.shape), tuple(out.shape)))
+        if algo.index == 7:
+            raise cublaslt.CublasLtError("rejected at launch")
+        return out
+
+    monkeypatch.setattr(cublaslt, "accepts", accepts)
+    monkeypatch.setattr(cublaslt, "matmul", matmul)
+    weights = _fake_weights(64, 32)
+    assert gemm_tuning._runs(256, weights, _fake_algorithm(4))
+    assert calls == [("accepts", 256, 64, 32, 3), ("matmul", (256, 32), (256, 64))]
+    calls.clear()
+    assert not gemm_tuning._runs(256, weights, _fake_algorithm(9))  # refused by the check
+    assert calls == [("accepts", 256, 64, 32, 3)]
+    assert not gemm_tuning._runs(256, weights, _fake_algorithm(7))  # refused at launch
+
+
+def test_a_failed_save_leaves_no_temporary_and_keeps_its_records(tmp_path, monkeypatch):
+    identity = {"format": 1, "device": "gpu"}
+    path = gemm_tuning.cache_file(tmp_path, identity)
+    cache = gemm_tuning.TuningCache(path, identity)
+    cache.put(gemm_tuning.TunedProduct(256, 64, 32, 10.0, 9.0, None, 100), BF16, "full")
+
+    def refuse(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gemm_tuning.os, "replace", refuse)
+    cache.save()
+    assert not path.exists() and not list(tmp_path.glob(".tuning-*"))
+    assert cache.added == {"256,64,32,bfloat16"}  # saved by a later save
+    monkeypatch.undo()
+    cache.save()
+    assert gemm_tuning.TuningCache(path, identity).get(256, 64, 32, BF16).cached
+
+
+def test_only_products_without_a_bias_are_tuned():
+    from torch import nn
+
+    from shard.layers.linear import ColumnParallelLinear, RowParallelLinear, linear_weights
+
+    model = nn.Sequential(ColumnParallelLinear(16, 24, bias=True),   # bias in the product
+                          ColumnParallelLinear(16, 24, bias=False),
+                          RowParallelLinear(24, 16, bias=True))       # bias after the reduce
+    assert [w.shape for w in linear_weights(model)] == [(24, 16), (16, 24)]
+    assert linear_weights(model)[0].data_ptr() == model[1].weight.data_ptr()
 
 
 def test_the_flag_is_validated():
@@ -324,5 +382,5 @@ def test_a_second_warm_up_takes_every_result_from_the_cache(tmp_path):
     second = gemm_tuning.tune(layers, max_rows=0, decode_rows=[32, 48, 64],
                               cache=gemm_tuning.TuningCache(path, identity))
     assert [(r.rows, r.algorithm) for r in second] == [(r.rows, r.algorithm) for r in first]
-    assert not any(r.screened for r in second)
+    assert all(r.cached and not r.screened for r in second)
     assert {r.rows: gemm_tuning.lookup(r.rows, 768, 512, torch.bfloat16) for r in second} == table
