@@ -166,10 +166,6 @@ def _keep_fastest(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor
     return best_us, best
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _inputs(rows: int, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weights[0].shape
     x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
@@ -192,7 +188,7 @@ def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
     screened_over = timed[:1] if rows >= MIN_ROWS else timed
     x, out = _inputs(rows, weights)
     default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
-    index = _index(device)
+    index = device.index  # None: the current device (cuBLASLt's handle resolves it)
 
     def screen(algos: list[cublaslt.Algorithm]) -> list[tuple[float, cublaslt.Algorithm]]:
         timings = []
@@ -224,7 +220,7 @@ def choose_shape(rows: int, weights: list[torch.Tensor],
     x, out = _inputs(rows, weights)
     default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
     usable = [a for a in algos
-              if cublaslt.accepts(rows, n, k, x.dtype, a, device=_index(x.device))]
+              if cublaslt.accepts(rows, n, k, x.dtype, a, device=x.device.index)]
     best_us, keep = _keep_fastest(x, out, timed, usable, default_us)
     return TunedProduct(rows, n, k, default_us, best_us, keep, len(usable))
 
@@ -355,7 +351,7 @@ def _runs(rows: int, weights: list[torch.Tensor], algorithm: cublaslt.Algorithm)
     here, not inside a CUDA graph's capture."""
     n, k = weights[0].shape
     if not cublaslt.accepts(rows, n, k, weights[0].dtype, algorithm,
-                            device=_index(weights[0].device)):
+                            device=weights[0].device.index):
         return False
     x, out = _inputs(rows, weights)
     try:
@@ -517,7 +513,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
         return None
     if x.shape[0] < MIN_ROWS and not torch.cuda.is_current_stream_capturing():
         return None
-    algo = lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, _index(x.device))
+    algo = lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device.index)
     if algo is None:
         return None
     return cublaslt.matmul(x, weight, algo)
