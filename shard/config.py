@@ -281,7 +281,10 @@ class ShardConfig:
 
     def torch_device(self) -> torch.device:
         """Resolve ``device`` ("auto" → cuda when available, else cpu; with several
-        visible GPUs and world_size > 1, rank r takes ``cuda:r``)."""
+        visible GPUs and world_size > 1, rank r takes ``cuda:r``). A CUDA device always
+        comes back with its index (plain "cuda" → the current device, ``cuda:0`` in a
+        fresh process), as ``torch.cuda.set_device`` and cuBLASLt's per-device handles
+        need one."""
         import torch
 
         device = self.device
@@ -291,7 +294,10 @@ class ShardConfig:
             # Plain processes on one host see every GPU: one per rank. (Ray actors see
             # only their own GPU, so they stay on cuda:0.)
             return torch.device(f"cuda:{self.rank % torch.cuda.device_count()}")
-        return torch.device(device)
+        resolved = torch.device(device)
+        if resolved.type == "cuda" and resolved.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return resolved
 
     def torch_dtype(self) -> torch.dtype:
         """Resolve ``dtype`` ("auto" → bfloat16 on CUDA, float32 on CPU)."""

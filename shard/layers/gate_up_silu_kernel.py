@@ -1,5 +1,5 @@
 """SwiGLU's ``silu(x @ W_gate.T) * (x @ W_up.T)`` as one Triton GEMM with the activation
-in its epilogue (CUDA; the interpreter in tests), for decode batches of 17 to 128 rows.
+in its epilogue (CUDA; the interpreter in tests), for decode batches of 1 to 128 rows.
 
 The MLP's gate/up projection writes ``[rows, 2 * intermediate]`` and a second kernel
 reads it back to write ``[rows, intermediate]``
@@ -7,7 +7,9 @@ reads it back to write ``[rows, intermediate]``
 ``BLOCK_N`` intermediate features: it streams the matching rows of both halves of the
 fused weight (``[gate | up]``, as :class:`~shard.layers.linear.MergedColumnParallelLinear`
 holds them on every rank) over the whole of K into two float32 accumulators, then writes
-the activated product only: no intermediate tensor, no second kernel.
+the activated product only: no intermediate tensor, no second kernel. Up to 16 rows it
+is the skinny kernel's scheme (:mod:`shard.layers.skinny_gemm_kernel`): one 16-row tile,
+narrow column blocks over the whole of K.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import triton.language as tl
 
 from shard.pdl import launch_options, pdl_start
 
-# Row counts this kernel takes by default: from one row past the skinny kernel's bound to
-# the most rows where it measured faster than cuBLAS + silu·mul on an H200 at the
-# 8B-shaped model's gate/up (0.94-0.99 of its time at 32-128 rows, 1.19-1.21 at 256-512:
-# benchmarks/results/kernels-h200.md); larger batches and prefills stay on cuBLAS.
-MIN_ROWS = 17
+# Row counts this kernel takes by default: up to the most rows where it measured faster
+# than the unfused path at the 8B-shaped model's gate/up (benchmarks/results/kernels-h200.md):
+# 0.97 of the skinny kernel + silu·mul at 1 and 16 rows (H100), 0.94-0.99 of cuBLAS +
+# silu·mul at 32-128 rows, 1.19-1.21 at 256-512 (H200); larger batches and prefills stay
+# on cuBLAS.
+MIN_ROWS = 1
 MAX_ROWS = 128
 
 
@@ -41,8 +44,11 @@ class GateUpConfig(NamedTuple):
 
 @functools.cache
 def default_config(rows: int) -> GateUpConfig:
-    """The configuration for ``rows`` rows: the H200 sweep's best at 32 and 64 rows up to
-    64 rows, its best at 128 rows above."""
+    """The configuration for ``rows`` rows: one 16-row tile up to 16 rows (the sweep's
+    best at 1 and 16 rows), the H200 sweep's best at 32 and 64 rows up to 64 rows, its
+    best at 128 rows above."""
+    if rows <= 16:
+        return GateUpConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
     if rows <= 64:
         return GateUpConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
     return GateUpConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)

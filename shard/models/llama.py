@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate/up fused.
 
-    On CUDA, at decode batches of 17 to 128 tokens, the gate/up product
+    On CUDA, at decode batches of 1 to 128 tokens, the gate/up product
     and the activation run as one Triton kernel (:mod:`shard.layers.gate_up_silu_kernel`);
     elsewhere as the projection then :class:`SiluAndMul`.
     """

@@ -147,7 +147,7 @@ def _run_wrappers() -> None:
         skinny_linear(torch.empty(m, 4096, dtype=bf16), torch.empty(n, 4096, dtype=bf16),
                       torch.empty(n, dtype=bf16) if bias else None)
     skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16))
-    for rows in (32, 128):  # both default configurations, the 8B-shaped model's gate/up
+    for rows in (1, 32, 128):  # the three default configurations, the 8B-shaped model's gate/up
         gate_up_silu(torch.empty(rows, 4096, dtype=bf16), torch.empty(2 * 14336, 4096, dtype=bf16))
 
 

@@ -30,6 +30,7 @@ DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # (rows, intermediate N, in_features K, config): rows past a tile and not, K tiled evenly
 # and not, N past a tile
 SHAPES = [(MIN_ROWS, 80, 96, GateUpConfig(16, 32, 32, 4, 2)),
+          (16, 48, 64, GateUpConfig(16, 16, 32, 4, 3)),
           (40, 48, 64, GateUpConfig(32, 16, 64, 4, 3)),
           (33, 64, 100, GateUpConfig(16, 64, 32, 4, 2))]
 
@@ -70,9 +71,9 @@ def test_gate_up_silu_strided_rows() -> None:
 def test_gate_up_kernel_declines_what_it_does_not_take() -> None:
     # None sends the layer to the reference: never a wrong or partial result
     weight = torch.randn(64, 32).half().to(DEVICE)
-    x = torch.randn(MIN_ROWS, 32).half().to(DEVICE)
+    x = torch.randn(4, 32).half().to(DEVICE)
     assert gate_up_silu(x, weight, GateUpConfig(16, 16, 32, 4, 2)) is not None
-    assert gate_up_silu(x[: MIN_ROWS - 1], weight) is None  # the skinny kernel's rows
+    assert gate_up_silu(x[:0], weight) is None  # no rows
     assert gate_up_silu(torch.randn(MAX_ROWS + 1, 32).half().to(DEVICE), weight) is None
     assert gate_up_silu(x.float(), weight.float()) is None  # float32: cuBLAS, exact
     assert gate_up_silu(x, weight.bfloat16()) is None  # mixed dtypes
@@ -84,14 +85,16 @@ def test_gate_up_kernel_declines_what_it_does_not_take() -> None:
 
 
 def test_default_config_by_rows() -> None:
-    assert default_config(MIN_ROWS).block_m == 64
+    assert default_config(MIN_ROWS) == default_config(16) == GateUpConfig(16, 32, 256, 4, 3)
+    assert default_config(17).block_m == 64
     assert default_config(MAX_ROWS).block_m == 128
     assert default_config(64) == GateUpConfig(64, 64, 128, 4, 4)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [3, 24])  # one 16-row tile; past it
 def test_model_logits_with_and_without_the_fused_mlp_bf16(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
     import gc
 
     from shard.config import ShardConfig
@@ -116,7 +119,6 @@ def test_model_logits_with_and_without_the_fused_mlp_bf16(
                                      cuda_graphs="0", gpu_memory_fraction=0.2))
     try:
         runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=32)
-        rows = 24  # in the kernel's default range
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 100, (rows,), generator=generator).tolist()
         lens = torch.randint(1, 30, (rows,), generator=generator).tolist()

@@ -46,6 +46,22 @@ def test_shard_config_defaults_and_resolution() -> None:
     assert ShardConfig(model_path="m", dtype="bfloat16").torch_dtype() == torch.bfloat16
 
 
+
+
+def test_cuda_device_resolves_with_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.set_device and cuBLASLt's handles need an index: plain "cuda" takes the
+    current device's, an explicit one stays, and TP ranks on one host take one GPU each."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert ShardConfig(model_path="m", device="cuda").torch_device() == torch.device("cuda", 3)
+    assert ShardConfig(model_path="m").torch_device() == torch.device("cuda", 3)  # auto
+    assert ShardConfig(model_path="m", device="cuda:1").torch_device() == torch.device("cuda", 1)
+    rank1 = ShardConfig(model_path="m", device="cuda", rank=1, world_size=2)
+    assert rank1.torch_device() == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a Ray actor's one GPU
+    assert rank1.torch_device() == torch.device("cuda", 3)
+    assert ShardConfig(model_path="m", device="cuda").torch_dtype() == torch.bfloat16
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
