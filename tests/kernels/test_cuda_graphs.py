@@ -152,11 +152,14 @@ def test_graph_logits_close_to_eager_bf16(tmp_path: Path) -> None:
 @needs_cuda
 def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypatch) -> None:
     """A 32-row bucket captures the cuBLASLt algorithms tuned for 32 rows at warm-up; the
-    eager forward of the same 20 rows keeps ``F.linear`` (no tuning for 20 rows)."""
+    eager forward of the same 20 rows keeps ``F.linear`` (no tuning for 20 rows). The
+    fused gate/up + SwiGLU kernel, which takes gate/up at 32 rows, is off, so that every
+    product of the graph is a cuBLASLt one."""
     pytest.importorskip("triton")
     from shard.decode_state import DecodeRows
-    from shard.layers import cublaslt, gemm_tuning
+    from shard.layers import cublaslt, fused, gemm_tuning
     from shard.layers.linear import linear_weights, lm_head_weights
+    from shard.models.llama import GATE_UP_SILU
     from tests.unit.shard.helpers import make_hf_model
 
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
@@ -170,25 +173,26 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(cublaslt, "matmul", counting)
     make_hf_model("llama", tmp_path)
-    try:
-        runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
-        assert runner.graphs is not None and 32 in runner.graphs.buckets
-        products = linear_weights(runner.model) + lm_head_weights(runner.model)
-        for w in products:
-            assert gemm_tuning.lookup(32, *w.shape, torch.bfloat16) is not None
-            assert gemm_tuning.lookup(20, *w.shape, torch.bfloat16) is None
-        # the 32-row graph runs every product through its tuned algorithm, no other does
-        assert captured and set(captured) == {32} and len(captured) % len(products) == 0
-        torch.manual_seed(0)
-        contexts = [3 + (7 * i) % 29 for i in range(20)]
-        tables = [list(range(8 * i, 8 * i + 8)) for i in range(20)]  # 32 tokens each
-        rows = DecodeRows.build(list(range(1, 21)), contexts, tables, torch.device("cuda"))
-        with torch.inference_mode():
-            graphed = runner.graphs.run(rows).clone()
-            inputs = rows.model_inputs(runner.block_size, max(contexts) + 1)
-            eager = runner.model.compute_logits(runner.forward(inputs))
-    finally:
-        gemm_tuning.clear()
+    with fused.triton_kernels_disabled(GATE_UP_SILU):
+        try:
+            runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
+            assert runner.graphs is not None and 32 in runner.graphs.buckets
+            products = linear_weights(runner.model) + lm_head_weights(runner.model)
+            for w in products:
+                assert gemm_tuning.lookup(32, *w.shape, torch.bfloat16) is not None
+                assert gemm_tuning.lookup(20, *w.shape, torch.bfloat16) is None
+            # the 32-row graph runs every product through its tuned algorithm, no other does
+            assert captured and set(captured) == {32} and len(captured) % len(products) == 0
+            torch.manual_seed(0)
+            contexts = [3 + (7 * i) % 29 for i in range(20)]
+            tables = [list(range(8 * i, 8 * i + 8)) for i in range(20)]  # 32 tokens each
+            rows = DecodeRows.build(list(range(1, 21)), contexts, tables, torch.device("cuda"))
+            with torch.inference_mode():
+                graphed = runner.graphs.run(rows).clone()
+                inputs = rows.model_inputs(runner.block_size, max(contexts) + 1)
+                eager = runner.model.compute_logits(runner.forward(inputs))
+        finally:
+            gemm_tuning.clear()
     err = ((graphed - eager).norm() / eager.norm()).item()
     print(f"\nGPU-CHECK graph (tuned products) vs eager bf16 logits rel_err={err:.2e}")
     assert err < 2e-2
