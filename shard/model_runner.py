@@ -36,6 +36,7 @@ from shard.layers.linear import linear_weights, lm_head_weights
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
 from shard.models.config import ModelConfig
+from shard.models.llama import fused_decode_rows
 from shard.pending_step import PendingStep, StepTimer
 from shard.progress import PhaseProgress
 from shard.records import (
@@ -215,7 +216,8 @@ class ModelRunner:
                 gemm_tuning.tune(linear_weights(self.model), max_batch_prefill_tokens, self.log,
                                  decode_rows=buckets,
                                  decode_weights=lm_head_weights(self.model),
-                                 cache=self._tuning_cache())
+                                 cache=self._tuning_cache(),
+                                 decode_elsewhere=fused_decode_rows(self.model))
             if self.device.type == "cuda":
                 progress.phase(
                     f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"

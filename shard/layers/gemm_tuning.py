@@ -41,7 +41,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -123,6 +123,16 @@ def _time_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], 
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / len(weights))
     return best
+
+
+def decode_plan(rows: Sequence[int], elsewhere: range = range(0)) -> tuple[list[int], list[int]]:
+    """One weight shape's decode row counts: those searched in full (:func:`decode_anchors`
+    of ``rows``) and the others above :data:`SKINNY_ROWS` (each choosing among the
+    winners of the nearest searched ones), both without the row counts in ``elsewhere``
+    (served by another kernel, e.g. the fused gate/up + SwiGLU kernel: never a product)."""
+    anchors = decode_anchors(rows)
+    others = sorted({r for r in rows if r > SKINNY_ROWS} - set(anchors))
+    return [r for r in anchors if r not in elsewhere], [r for r in others if r not in elsewhere]
 
 
 def decode_anchors(rows: Sequence[int]) -> list[int]:
@@ -391,13 +401,16 @@ def _by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int, torch.dty
 
 def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
          decode_rows: Sequence[int] = (), decode_weights: Iterable[torch.Tensor] = (),
-         cache: TuningCache | None = None) -> list[TunedProduct]:
+         cache: TuningCache | None = None,
+         decode_elsewhere: Mapping[tuple[int, int], range] | None = None) -> list[TunedProduct]:
     """Tune every distinct weight shape among ``weights`` (2-D contiguous CUDA bfloat16
     or float16 tensors; others are skipped) at :func:`row_counts` of ``max_rows``, then
     those shapes and ``decode_weights``' (the LM head's: it only ever sees one row per
     sequence) at the ``decode_rows`` above :data:`SKINNY_ROWS` (the decode CUDA graphs'
     batch sizes): in full at :func:`decode_anchors`, each other row count among the
-    algorithms kept at the anchors on either side of it. Results recorded in ``cache``
+    algorithms kept at the anchors on either side of it (:func:`decode_plan`), except
+    the row counts ``decode_elsewhere`` maps a weight shape ``(n, k)`` to (another kernel
+    runs them). Results recorded in ``cache``
     are taken from it (``cached``) and new ones recorded there and saved. Log each
     searched result, a summary and the time taken when ``log`` (a loguru logger) is
     given.
@@ -437,9 +450,9 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
         for rows in row_counts(max_rows):
             for shape_weights in by_shape.values():
                 attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights, "full")
-        anchors = decode_anchors(decode_rows)
-        others = sorted({r for r in decode_rows if r > SKINNY_ROWS} - set(anchors))
-        for shape_weights in decode_shapes.values():
+        for (n, k, _), shape_weights in decode_shapes.items():
+            anchors, others = decode_plan(decode_rows,
+                                          (decode_elsewhere or {}).get((n, k), range(0)))
             kept: dict[int, cublaslt.Algorithm] = {}
             for rows in anchors:
                 result = attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,

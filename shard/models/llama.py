@@ -14,7 +14,8 @@ Forward works on flattened tokens (no padding): ``input_ids [num_tokens]``,
 
 from __future__ import annotations
 
-from typing import ClassVar
+import importlib
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -107,14 +108,44 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fused_kernel(self) -> Any | None:
+        """The fused gate/up + SwiGLU kernel's function where it can run for this layer
+        (a CUDA weight without a bias or a packed CPU copy, Triton importable, the kernel
+        not disabled), else None."""
         gate_up = self.gate_up_proj
-        if x.is_cuda and gate_up.bias is None and gate_up.packed_weight is None:
-            kernel = fused.triton_kernel(GATE_UP_SILU, "gate_up_silu")
-            act: torch.Tensor | None = kernel(x, gate_up.weight) if kernel is not None else None
+        if not gate_up.weight.is_cuda or gate_up.bias is not None \
+                or gate_up.packed_weight is not None:
+            return None
+        return fused.triton_kernel(GATE_UP_SILU, "gate_up_silu")
+
+    def fused_decode_rows(self) -> range:
+        """Row counts whose gate/up product and activation run as the fused kernel (its
+        bounds where :meth:`_fused_kernel` runs and the weight is float16/bfloat16; empty
+        elsewhere): the warm-up does not tune the gate/up product at these sizes."""
+        if self._fused_kernel() is None or self.gate_up_proj.weight.dtype not in (
+                torch.float16, torch.bfloat16):
+            return range(0)
+        bounds = importlib.import_module(GATE_UP_SILU)
+        return range(bounds.MIN_ROWS, bounds.MAX_ROWS + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._fused_kernel()
+        if kernel is not None:
+            act: torch.Tensor | None = kernel(x, self.gate_up_proj.weight)
             if act is not None:  # None: rows or dtypes the kernel does not take
                 return self.down_proj(act)
-        return self.down_proj(self.act_fn(gate_up(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def fused_decode_rows(model: Any) -> dict[tuple[int, int], range]:
+    """Per gate/up weight shape ``(n, k)`` of ``model`` (anything with ``modules()``), the
+    row counts whose gate/up product never runs, the fused kernel taking them
+    (:meth:`LlamaMLP.fused_decode_rows`; shapes where it does not run are left out). A
+    shape shared with another projection would leave that one untuned at these rows too:
+    not the case in the Llama family's configurations."""
+    return {(m.gate_up_proj.weight.shape[0], m.gate_up_proj.weight.shape[1]): rows
+            for m in model.modules() if isinstance(m, LlamaMLP)
+            if (rows := m.fused_decode_rows())}
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -70,6 +70,40 @@ def test_decode_anchors_are_the_powers_of_two_above_the_skinny_kernel_and_the_la
     assert gemm_tuning.decode_anchors([]) == []
 
 
+def test_the_decode_plan_leaves_out_rows_another_kernel_serves():
+    from shard.cuda_graphs import default_buckets
+
+    buckets = default_buckets(512)
+    anchors, others = gemm_tuning.decode_plan(buckets)
+    assert anchors == [32, 64, 128, 256, 512]
+    assert others == [r for r in buckets if r > 16 and r not in anchors] and 48 in others
+    # the fused gate/up kernel's 1-128 rows: its shape searched from 256, chosen from 144
+    anchors, others = gemm_tuning.decode_plan(buckets, range(1, 129))
+    assert anchors == [256, 512] and others[0] == 144 and 128 not in others
+    assert gemm_tuning.decode_plan([1, 2, 4, 8, 16], range(1, 129)) == ([], [])
+
+
+def test_the_fused_gate_up_rows_are_known_per_shape(tmp_path, monkeypatch):
+    from torch import nn
+
+    from shard.models.config import ModelConfig
+    from shard.models.llama import LlamaMLP, fused_decode_rows
+    from tests.unit.shard.helpers import make_hf_model
+
+    make_hf_model("llama", tmp_path)
+    mlp = LlamaMLP(ModelConfig.from_pretrained(str(tmp_path)))
+    model = nn.ModuleList([nn.Linear(4, 4), mlp])
+    shape = tuple(mlp.gate_up_proj.weight.shape)
+    assert fused_decode_rows(model) == {}  # CPU weights: the kernel never runs
+    pytest.importorskip("triton")
+    monkeypatch.setattr(LlamaMLP, "_fused_kernel", lambda self: object())  # as on CUDA
+    assert fused_decode_rows(model) == {}  # float32: the kernel declines, products run
+    model.to(torch.bfloat16)
+    from shard.layers.gate_up_silu_kernel import MAX_ROWS, MIN_ROWS
+
+    assert fused_decode_rows(model) == {shape: range(MIN_ROWS, MAX_ROWS + 1)}
+
+
 def test_decode_sizes_take_only_the_algorithm_tuned_for_exactly_their_rows(monkeypatch):
     monkeypatch.setattr(cublaslt, "accepts", lambda *args: pytest.fail("no check needed"))
     at_256 = _fake_algorithm(3)
