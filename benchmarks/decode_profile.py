@@ -240,7 +240,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="a small config instead of 8B")
     p.add_argument("--no-skinny", action="store_true",
-                   help="without the skinny GEMM kernel (cuBLAS at every batch size), for A/B")
+                   help="without the skinny GEMM kernel (cuBLAS at every batch size; gate/up "
+                        "at 1-128 rows keeps the fused gate/up + SwiGLU kernel), for A/B")
     p.add_argument("--trace", type=Path, default=None, metavar="FILE",
                    help="write the prefill profile as a Chrome trace (with --prefill)")
     p.add_argument("--pipelined", type=int, default=0, metavar="STEPS",

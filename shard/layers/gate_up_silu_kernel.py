@@ -24,10 +24,10 @@ import triton.language as tl
 from shard.pdl import launch_options, pdl_start
 
 # Row counts this kernel takes by default: up to the most rows where it measured faster
-# than the unfused path at the 8B-shaped model's gate/up (benchmarks/results/kernels-h200.md):
-# 0.97 of the skinny kernel + silu·mul at 1 and 16 rows (H100), 0.94-0.99 of cuBLAS +
-# silu·mul at 32-128 rows, 1.19-1.21 at 256-512 (H200); larger batches and prefills stay
-# on cuBLAS.
+# than the unfused path at the 8B-shaped model's gate/up: 0.97 of the skinny kernel +
+# silu·mul at 1 and 16 rows (H100; benchmarks/results/gpu-serving-h200.md, 2026-12-06),
+# 0.94-0.99 of cuBLAS + silu·mul at 32-128 rows, 1.19-1.21 at 256-512 (H200;
+# benchmarks/results/kernels-h200.md); larger batches and prefills stay on cuBLAS.
 MIN_ROWS = 1
 MAX_ROWS = 128
 

@@ -41,7 +41,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,7 +125,8 @@ def _time_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], 
     return best
 
 
-def decode_plan(rows: Sequence[int], elsewhere: range = range(0)) -> tuple[list[int], list[int]]:
+def decode_plan(rows: Sequence[int],
+                elsewhere: Container[int] = ()) -> tuple[list[int], list[int]]:
     """One weight shape's decode row counts: those searched in full (:func:`decode_anchors`
     of ``rows``) and the others above :data:`SKINNY_ROWS` (each choosing among the
     winners of the nearest searched ones), both without the row counts in ``elsewhere``
@@ -133,6 +134,16 @@ def decode_plan(rows: Sequence[int], elsewhere: range = range(0)) -> tuple[list[
     anchors = decode_anchors(rows)
     others = sorted({r for r in rows if r > SKINNY_ROWS} - set(anchors))
     return [r for r in anchors if r not in elsewhere], [r for r in others if r not in elsewhere]
+
+
+def served_elsewhere(weights: Sequence[torch.Tensor],
+                     elsewhere: Mapping[int, range] | None) -> set[int]:
+    """The row counts another kernel serves for every one of ``weights`` (one shape's;
+    ``elsewhere``: a weight's ``data_ptr()`` → its row counts served elsewhere). A shape
+    shared with a weight that is not served elsewhere, e.g. a small model's LM head of
+    gate/up's shape, is tuned at every row count."""
+    served = [set((elsewhere or {}).get(w.data_ptr(), ())) for w in weights]
+    return set.intersection(*served) if served else set()
 
 
 def decode_anchors(rows: Sequence[int]) -> list[int]:
@@ -402,24 +413,26 @@ def _by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int, torch.dty
 def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
          decode_rows: Sequence[int] = (), decode_weights: Iterable[torch.Tensor] = (),
          cache: TuningCache | None = None,
-         decode_elsewhere: Mapping[tuple[int, int], range] | None = None) -> list[TunedProduct]:
+         decode_elsewhere: Mapping[int, range] | None = None) -> list[TunedProduct]:
     """Tune every distinct weight shape among ``weights`` (2-D contiguous CUDA bfloat16
     or float16 tensors; others are skipped) at :func:`row_counts` of ``max_rows``, then
     those shapes and ``decode_weights``' (the LM head's: it only ever sees one row per
     sequence) at the ``decode_rows`` above :data:`SKINNY_ROWS` (the decode CUDA graphs'
     batch sizes): in full at :func:`decode_anchors`, each other row count among the
     algorithms kept at the anchors on either side of it (:func:`decode_plan`), except
-    the row counts ``decode_elsewhere`` maps a weight shape ``(n, k)`` to (another kernel
-    runs them). Results recorded in ``cache``
-    are taken from it (``cached``) and new ones recorded there and saved. Log each
-    searched result, a summary and the time taken when ``log`` (a loguru logger) is
-    given.
+    the row counts another kernel serves for every weight of the shape
+    (``decode_elsewhere``: a weight's ``data_ptr()`` → those row counts). Results
+    recorded in ``cache`` are taken from it (``cached``) and new ones recorded there and
+    saved. Log each searched result, a summary and the time taken when ``log`` (a loguru
+    logger) is given.
 
     Returns:
         what was measured or taken from ``cache``, one entry per shape and row count.
     """
     by_shape = _by_shape(weights)
-    decode_shapes = {**by_shape, **_by_shape(decode_weights)}
+    decode_shapes = {key: list(shape_weights) for key, shape_weights in by_shape.items()}
+    for key, shape_weights in _by_shape(decode_weights).items():
+        decode_shapes.setdefault(key, []).extend(shape_weights)
     started = time.perf_counter()
     results: list[TunedProduct] = []
     if not decode_shapes:
@@ -450,9 +463,9 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
         for rows in row_counts(max_rows):
             for shape_weights in by_shape.values():
                 attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights, "full")
-        for (n, k, _), shape_weights in decode_shapes.items():
+        for shape_weights in decode_shapes.values():
             anchors, others = decode_plan(decode_rows,
-                                          (decode_elsewhere or {}).get((n, k), range(0)))
+                                          served_elsewhere(shape_weights, decode_elsewhere))
             kept: dict[int, cublaslt.Algorithm] = {}
             for rows in anchors:
                 result = attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,

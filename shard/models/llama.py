@@ -137,13 +137,12 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-def fused_decode_rows(model: Any) -> dict[tuple[int, int], range]:
-    """Per gate/up weight shape ``(n, k)`` of ``model`` (anything with ``modules()``), the
-    row counts whose gate/up product never runs, the fused kernel taking them
-    (:meth:`LlamaMLP.fused_decode_rows`; shapes where it does not run are left out). A
-    shape shared with another projection would leave that one untuned at these rows too:
-    not the case in the Llama family's configurations."""
-    return {(m.gate_up_proj.weight.shape[0], m.gate_up_proj.weight.shape[1]): rows
+def fused_decode_rows(model: Any) -> dict[int, range]:
+    """Per gate/up weight of ``model`` (anything with ``modules()``), by its
+    ``data_ptr()``, the row counts whose gate/up product never runs, the fused kernel
+    taking them (:meth:`LlamaMLP.fused_decode_rows`; weights where it does not run are
+    left out): ``gemm_tuning.tune``'s ``decode_elsewhere``."""
+    return {m.gate_up_proj.weight.data_ptr(): rows
             for m in model.modules() if isinstance(m, LlamaMLP)
             if (rows := m.fused_decode_rows())}
 

@@ -83,6 +83,14 @@ def test_the_decode_plan_leaves_out_rows_another_kernel_serves():
     assert gemm_tuning.decode_plan([1, 2, 4, 8, 16], range(1, 129)) == ([], [])
 
 
+def test_rows_are_left_out_only_where_every_weight_of_the_shape_is_served_elsewhere():
+    gate_up, other = torch.empty(256, 64), torch.empty(256, 64)
+    fused = {gate_up.data_ptr(): range(1, 129)}
+    assert gemm_tuning.served_elsewhere([gate_up], fused) == set(range(1, 129))
+    assert gemm_tuning.served_elsewhere([gate_up, other], fused) == set()  # an LM head
+    assert gemm_tuning.served_elsewhere([gate_up], None) == set()
+
+
 def test_the_fused_gate_up_rows_are_known_per_shape(tmp_path, monkeypatch):
     from torch import nn
 
@@ -93,7 +101,6 @@ def test_the_fused_gate_up_rows_are_known_per_shape(tmp_path, monkeypatch):
     make_hf_model("llama", tmp_path)
     mlp = LlamaMLP(ModelConfig.from_pretrained(str(tmp_path)))
     model = nn.ModuleList([nn.Linear(4, 4), mlp])
-    shape = tuple(mlp.gate_up_proj.weight.shape)
     assert fused_decode_rows(model) == {}  # CPU weights: the kernel never runs
     pytest.importorskip("triton")
     monkeypatch.setattr(LlamaMLP, "_fused_kernel", lambda self: object())  # as on CUDA
@@ -101,7 +108,8 @@ def test_the_fused_gate_up_rows_are_known_per_shape(tmp_path, monkeypatch):
     model.to(torch.bfloat16)
     from shard.layers.gate_up_silu_kernel import MAX_ROWS, MIN_ROWS
 
-    assert fused_decode_rows(model) == {shape: range(MIN_ROWS, MAX_ROWS + 1)}
+    assert fused_decode_rows(model) == {
+        mlp.gate_up_proj.weight.data_ptr(): range(MIN_ROWS, MAX_ROWS + 1)}
 
 
 def test_decode_sizes_take_only_the_algorithm_tuned_for_exactly_their_rows(monkeypatch):

@@ -201,24 +201,29 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
 @needs_cuda
 def test_rows_the_fused_gate_up_kernel_takes_are_not_tuned(tmp_path: Path, monkeypatch) -> None:
     """At 32 rows gate/up runs through the fused gate/up + SwiGLU kernel: the warm-up
-    searches no product for it there (it does for the other projections)."""
+    searches no product for it there (it does for the other projections). The tied
+    model's LM head (128 x 64) does not share gate/up's shape (256 x 64), as the untied
+    one's would (a shared shape is tuned for the LM head)."""
     pytest.importorskip("triton")
     from shard.layers import gemm_tuning
+    from shard.layers.linear import lm_head_weights
     from shard.models.llama import LlamaMLP
     from tests.unit.shard.helpers import make_hf_model
 
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
-    make_hf_model("llama", tmp_path)
+    make_hf_model("llama_tied", tmp_path)
+    runner = None
     try:
         runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
         mlp = next(m for m in runner.model.modules() if isinstance(m, LlamaMLP))
         gate_up = mlp.gate_up_proj.weight.shape
         qkv = runner.model.model.layers[0].self_attn.qkv_proj.weight.shape
+        assert gate_up not in {w.shape for w in lm_head_weights(runner.model)}
         assert gemm_tuning.lookup(32, *gate_up, torch.bfloat16) is None
         assert gemm_tuning.lookup(32, *qkv, torch.bfloat16) is not None
+    finally:
         del runner
         gc.collect()
-    finally:
         gemm_tuning.clear()
 
 

@@ -46,8 +46,6 @@ def test_shard_config_defaults_and_resolution() -> None:
     assert ShardConfig(model_path="m", dtype="bfloat16").torch_dtype() == torch.bfloat16
 
 
-
-
 def test_cuda_device_resolves_with_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.cuda.set_device and cuBLASLt's handles need an index: plain "cuda" takes the
     current device's, an explicit one stays, and TP ranks on one host take one GPU each."""
@@ -62,6 +60,8 @@ def test_cuda_device_resolves_with_its_index(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a Ray actor's one GPU
     assert rank1.torch_device() == torch.device("cuda", 3)
     assert ShardConfig(model_path="m", device="cuda").torch_dtype() == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
