@@ -30,6 +30,8 @@ from shard.pdl import launch_options, pdl_start
 # benchmarks/results/kernels-h200.md); larger batches and prefills stay on cuBLAS.
 MIN_ROWS = 1
 MAX_ROWS = 128
+# dtypes it takes (float32 stays on cuBLAS, exact)
+DTYPES = (torch.float16, torch.bfloat16)
 
 
 class GateUpConfig(NamedTuple):
@@ -129,7 +131,7 @@ def gate_up_silu(
         when autograd would record the product (the caller runs the reference instead).
     """
     if not (x.dim() == 2 and weight.dim() == 2 and min_rows <= x.shape[0] <= max_rows
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and x.dtype in DTYPES and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == x.shape[1]
             and weight.shape[0] % 2 == 0):
         return None

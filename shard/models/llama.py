@@ -120,13 +120,15 @@ class LlamaMLP(nn.Module):
 
     def fused_decode_rows(self) -> range:
         """Row counts whose gate/up product and activation run as the fused kernel (its
-        bounds where :meth:`_fused_kernel` runs and the weight is float16/bfloat16; empty
-        elsewhere): the warm-up does not tune the gate/up product at these sizes."""
-        if self._fused_kernel() is None or self.gate_up_proj.weight.dtype not in (
-                torch.float16, torch.bfloat16):
+        ``MIN_ROWS``..``MAX_ROWS`` where :meth:`_fused_kernel` runs and it takes the
+        weight's dtype; empty elsewhere): the warm-up does not tune the gate/up product at
+        these sizes."""
+        if self._fused_kernel() is None:
             return range(0)
-        bounds = importlib.import_module(GATE_UP_SILU)
-        return range(bounds.MIN_ROWS, bounds.MAX_ROWS + 1)
+        kernel_module = importlib.import_module(GATE_UP_SILU)  # imported by _fused_kernel
+        if self.gate_up_proj.weight.dtype not in kernel_module.DTYPES:
+            return range(0)
+        return range(kernel_module.MIN_ROWS, kernel_module.MAX_ROWS + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._fused_kernel()

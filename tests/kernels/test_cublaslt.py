@@ -91,7 +91,7 @@ def test_rows_are_left_out_only_where_every_weight_of_the_shape_is_served_elsewh
     assert gemm_tuning.served_elsewhere([gate_up], None) == set()
 
 
-def test_the_fused_gate_up_rows_are_known_per_shape(tmp_path, monkeypatch):
+def test_the_fused_gate_up_rows_are_known_per_weight(tmp_path, monkeypatch):
     from torch import nn
 
     from shard.models.config import ModelConfig
