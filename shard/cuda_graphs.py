@@ -7,7 +7,9 @@ layers with attention → final norm → LM head) is captured once per bucket
 into the static buffers and replays the smallest bucket that holds the batch.
 
 Padded rows (bucket size minus batch size) get slot -1, so they never write a real KV
-slot, and a context of one token in block 0, which is read and ignored.
+slot, and a context of one token in the first block of their table row (a valid block
+id), which is read and ignored. One kernel fills the static inputs of a step
+(:mod:`shard.decode_inputs_kernel`).
 
 The attention backend's per-step ``prepare`` runs inside the captured region, so a
 replay repeats its device work on the new inputs (graph-safe backends do no host work
@@ -16,13 +18,15 @@ there; see :meth:`~shard.attention.base.AttentionBackend.prepare`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+from loguru import logger
 
 from shard.attention.base import AttentionBackend
 from shard.attention.metadata import AttentionMetadata
-from shard.decode_state import DecodeRows, decode_slot_mapping
+from shard.decode_inputs_kernel import fill_decode_inputs_torch
+from shard.decode_state import DecodeRows
 from shard.models.base import CausalLM
 
 
@@ -105,6 +109,7 @@ class DecodeGraphs:
         self.cu_seqlens_k = torch.zeros(size + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._fill: Callable[..., None] = fill_decode_inputs_torch
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured bucket holding ``batch`` rows, or None."""
@@ -114,7 +119,9 @@ class DecodeGraphs:
         return None
 
     def _forward(self, bucket: int) -> torch.Tensor:
-        """The captured region: inputs from the static buffers → logits [bucket, vocab]."""
+        """The captured region: inputs from the static buffers → logits [bucket, vocab]
+        in the model's dtype (the samplers cast what they need: the greedy kernel reads
+        bfloat16 as it is, so a greedy step writes and reads no float32 copy)."""
         seq_lens = self.seq_lens[:bucket]
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self.cu_seqlens_k[1 : bucket + 1])
         metadata = AttentionMetadata(
@@ -131,7 +138,7 @@ class DecodeGraphs:
         )
         self.backend.prepare(metadata)
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], metadata)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, dtype=None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -141,7 +148,7 @@ class DecodeGraphs:
         picks its algorithms) on a side stream, as capture requires.
         """
         self.release()
-        self._reset_padding(0)
+        self._pick_fill()
         pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -162,12 +169,30 @@ class DecodeGraphs:
         self._graphs.clear()
         self._logits.clear()
 
-    def _reset_padding(self, batch: int) -> None:
-        """Rows from ``batch`` on: no cache write, a one-token context in block 0."""
-        self.slot_mapping[batch:].fill_(-1)
-        self.seq_lens[batch:].fill_(1)
-        self.input_ids[batch:].zero_()
-        self.positions[batch:].zero_()
+    def _pick_fill(self) -> None:
+        """Use the one-kernel input fill (:func:`fill_decode_inputs`) where it runs, the
+        torch ops otherwise; its first call, here, fills every row as padding."""
+        empty = DecodeRows(
+            tokens=self.input_ids[:0], seq_lens=self.seq_lens[:0],
+            block_tables=self.block_tables[:0],
+        )
+        try:
+            from shard.decode_inputs_kernel import fill_decode_inputs
+
+            self._fill = fill_decode_inputs
+            self._fill_inputs(empty, len(self.input_ids))
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # no Triton, or a compile error (not a RuntimeError)
+            logger.warning("decode input kernel unavailable, using torch ops: {}: {}",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self._fill = fill_decode_inputs_torch
+            self._fill_inputs(empty, len(self.input_ids))
+
+    def _fill_inputs(self, rows: DecodeRows, bucket: int) -> None:
+        """Rows ``[:bucket]`` of the static inputs from ``rows`` (padding after them)."""
+        self._fill(rows.tokens, rows.seq_lens, rows.block_tables, self.block_size,
+                   self.input_ids[:bucket], self.positions[:bucket], self.seq_lens[:bucket],
+                   self.slot_mapping[:bucket], self.block_tables)
 
     def replay(self, batch: int) -> None:
         """Replay the graph of ``batch``'s bucket on the static inputs as they are (what
@@ -185,8 +210,8 @@ class DecodeGraphs:
         """One decode forward of ``rows`` by graph replay.
 
         Returns:
-            logits [len(rows), vocab] float32 (a view of the graph's output buffer,
-            valid until the next replay).
+            logits [len(rows), vocab] in the model's dtype (a view of the graph's
+            output buffer, valid until the next replay).
 
         The rows' contexts after this step must fit ``max_seqlen_k`` (the caller
         checks); block-table columns beyond it are never read, so a table grown wider
@@ -199,17 +224,7 @@ class DecodeGraphs:
         bucket = self.bucket_for(n)
         if bucket is None or bucket not in self._graphs:
             raise ValueError(f"no CUDA graph captured for a batch of {n}")
-        width = min(rows.block_tables.shape[1], self.block_tables.shape[1])
-        self.input_ids[:n].copy_(rows.tokens)
-        self.positions[:n].copy_(rows.seq_lens)
-        self.seq_lens[:n].copy_(rows.seq_lens)
-        self.seq_lens[:n] += 1
-        self.block_tables[:n, :width].copy_(rows.block_tables[:, :width])
-        self.slot_mapping[:n].copy_(
-            decode_slot_mapping(rows.block_tables, self.positions[:n], self.block_size)
-        )
-        if n < bucket:
-            self._reset_padding(n)
+        self._fill_inputs(rows, bucket)
         self._graphs[bucket].replay()
         return self._logits[bucket][:n]
 

@@ -285,7 +285,8 @@ class ModelRunner:
         inputs, hidden = self.run_chunks(chunks, is_prefill=True)
         logits = self.model.compute_logits(hidden[inputs.last_token_indices])
         sample(logits, dummy_sampling_rows(len(chunks)))
-        sample_greedy(logits)  # its kernel is compiled (or found unusable) here
+        sample_greedy(logits)  # its kernel is compiled (or found unusable) here,
+        sample_greedy(logits.to(self.dtype))  # also for a decode graph's logits (uncast)
         first = chunks[0]
         half = len(first.token_ids) // 2
         if half:
@@ -636,8 +637,9 @@ class ModelRunner:
             )
 
     def _decode_logits(self, rows: DecodeRows, max_seqlen_k: int) -> torch.Tensor:
-        """Logits [batch, vocab] float32 of one decode step: a CUDA graph replay when a
-        captured bucket holds the batch, the eager forward otherwise."""
+        """Logits [batch, vocab] of one decode step: a CUDA graph replay when a captured
+        bucket holds the batch (the model's dtype), the eager forward otherwise
+        (float32). Both samplers take either."""
         if not self.kv_cache:
             raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
         graphs = self.graphs

@@ -232,7 +232,8 @@ def sample(
     """Pick one token per row (see the module docstring for the pipeline).
 
     Args:
-        logits: [batch, vocab] float32 raw model logits.
+        logits: [batch, vocab] raw model logits, float32 or the model's dtype (a decode
+            graph's output; cast to float32 here).
         rows: one :class:`SamplingRow` per logits row.
         mask: the allowed tokens of grammar-constrained rows (logprobs stay those of
             the unmasked distribution).

@@ -318,11 +318,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, rows split across ranks; the logits are
     all-gathered so every rank holds (and samples from) the full row.
 
-    Forward: ``hidden [n, hidden_size] → logits [n, vocab_size]`` in float32.
+    Forward: ``hidden [n, hidden_size] → logits [n, vocab_size]`` in ``dtype``
+    (float32 by default; None: the weights' dtype, the product's own output, which a
+    float32 cast after it would hold exactly).
     """
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = _matmul(hidden, self.weight, self.packed_weight, None).to(torch.float32)
+    def forward(self, hidden: torch.Tensor,
+                dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        logits = _matmul(hidden, self.weight, self.packed_weight, None)
+        if dtype is not None:
+            logits = logits.to(dtype)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]

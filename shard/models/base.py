@@ -30,9 +30,10 @@ class CausalLM(Protocol):
         (model dtype)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] → logits [n, vocab_size] float32 (full vocabulary on
-        every rank)."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """hidden [n, hidden_size] → logits [n, vocab_size] in ``dtype`` (None: the
+        model's dtype, uncast; full vocabulary on every rank)."""
         ...
 
     def attention_layers(self) -> list[Attention]:

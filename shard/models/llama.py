@@ -241,9 +241,11 @@ class LlamaForCausalLM(nn.Module):
         (model dtype)."""
         return self.model(input_ids, positions, metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] → logits [n, vocab_size] float32."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """hidden [n, hidden_size] → logits [n, vocab_size] in ``dtype`` (None: the
+        model's dtype, uncast)."""
+        return self.lm_head(hidden, dtype)
 
     def attention_layers(self) -> list[Attention]:
         """The per-layer :class:`Attention` modules, in layer order (to bind the KV cache)."""

@@ -57,3 +57,19 @@ def test_tied_embeddings_share_storage(tiny_models) -> None:
     folder, _ = tiny_models("llama_tied")
     runner = make_runner(folder, warmup=False)
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+
+
+def test_logits_dtype_argument(tiny_models) -> None:
+    """float32 by default; ``dtype=None`` (what a decode graph captures) leaves the LM
+    head's product in the model's dtype, of which the default is the exact cast."""
+    folder, _ = tiny_models("llama")
+    runner = make_runner(folder, warmup=False)
+    hidden = torch.randn(3, runner.model_config.hidden_size,
+                         generator=torch.Generator().manual_seed(0)).to(runner.device)
+    with torch.inference_mode():
+        default = runner.model.compute_logits(hidden)
+        uncast = runner.model.compute_logits(hidden, dtype=None)
+        half = runner.model.compute_logits(hidden, dtype=torch.bfloat16)
+    assert default.dtype == torch.float32 and uncast.dtype == runner.dtype
+    assert torch.equal(uncast.to(torch.float32), default)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, default.to(torch.bfloat16))
