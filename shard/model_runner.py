@@ -286,7 +286,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.last_token_indices])
         sample(logits, dummy_sampling_rows(len(chunks)))
         sample_greedy(logits)  # its kernel is compiled (or found unusable) here,
-        sample_greedy(logits.to(self.dtype))  # also for a decode graph's logits (uncast)
+        if self.dtype != logits.dtype:  # and for a decode graph's logits (uncast)
+            sample_greedy(logits.to(self.dtype))
         first = chunks[0]
         half = len(first.token_ids) // 2
         if half:
