@@ -31,20 +31,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.api import openai as openai_api
 from router.api import tgi
 from router.api.auth import ApiKeyAuth
+from router.api.errors import error_body
 from router.api.generation import ClientDisconnected, GenerationFailed
 from router.api.limits import BodySizeLimit
 from router.api.openai import ModelNotFoundError
-from router.api.schemas import ErrorResponse, Info
+from router.api.schemas import Info
 from router.api.state import ServerState, State, server_state
 from router.chat_template import ChatTemplateError
 from router.engine import QueueFullError, ShuttingDownError
 from router.validation import RequestValidationError
 
 __all__ = ["ServerState", "create_app"]
-
-
-def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
 
 
 # Seconds a client refused with 429 is told to wait (Retry-After): about the time a
@@ -56,21 +53,11 @@ def _error(
     request: Request, status: int, message: str, error_type: str, param: str | None = None,
     code: str | None = None,
 ) -> JSONResponse:
-    """An error body in the shape of the route's API (TGI or OpenAI); a 429 carries
-    ``Retry-After``."""
+    """An error body in the shape of the route's API (TGI or OpenAI,
+    :func:`router.api.errors.error_body`); a 429 carries ``Retry-After``."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    if _is_openai(request):
-        openai_type = {
-            400: "invalid_request_error", 404: "invalid_request_error",
-            422: "invalid_request_error", 429: "rate_limit_error",
-        }.get(status, "server_error")
-        content: dict[str, Any] = {
-            "error": {"message": message, "type": openai_type, "param": param, "code": code}
-        }
-        return JSONResponse(status_code=400 if status == 422 else status, content=content,
-                            headers=headers)
-    body = ErrorResponse(error=message, error_type=error_type).model_dump()
-    return JSONResponse(status_code=status, content=body, headers=headers)
+    status, content = error_body(request.url.path, status, message, error_type, param, code)
+    return JSONResponse(status_code=status, content=content, headers=headers)
 
 
 def _field_path(loc: Sequence[Any]) -> str:

@@ -8,10 +8,11 @@ error body in the route's shape (OpenAI's under ``/v1/``, TGI's elsewhere).
 
 from __future__ import annotations
 
-import json
 import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.api.errors import send_error
 
 # Probes and scrapers must work without the key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -47,15 +48,5 @@ class ApiKeyAuth:
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
         message = "missing or wrong API key: send the header Authorization: Bearer <key>"
-        body: dict[str, object]
-        if scope["path"].startswith("/v1/"):
-            body = {"error": {"message": message, "type": "invalid_request_error",
-                              "param": None, "code": "invalid_api_key"}}
-        else:
-            body = {"error": message, "error_type": "authentication"}
-        payload = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        await send_error(send, scope["path"], 401, message, "authentication",
+                         code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])

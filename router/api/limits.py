@@ -6,11 +6,12 @@ drives generation, stalling every running stream.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.api.errors import send_error
 
 
 class BodySizeLimit:
@@ -35,7 +36,7 @@ class BodySizeLimit:
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(send)
+            await self._reject(scope, send)
             return
         received = 0
 
@@ -55,12 +56,8 @@ class BodySizeLimit:
     def _message(self) -> str:
         return f"request body larger than {self.max_bytes} bytes (--max-request-bytes)"
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, scope: Scope, send: Send) -> None:
         if self.on_reject is not None:
             self.on_reject()
-        body = json.dumps({"error": f"body: {self._message()}", "error_type": "validation"})
-        body_bytes = body.encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body_bytes)).encode())]})
-        await send({"type": "http.response.body", "body": body_bytes})
+        await send_error(send, scope["path"], 413, f"body: {self._message()}", "validation",
+                         param="body")

@@ -3,6 +3,9 @@ the route's error shape, and the server keeps serving."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
+
 import pytest
 
 from router.tokenizer import Tokenizer
@@ -47,6 +50,37 @@ async def test_oversized_body_is_413(make_app: AppFactory, tokenizer: Tokenizer)
     assert "--max-request-bytes" in response.json()["error"]
     ok = await client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
     assert ok.status_code == 200
+
+
+async def _chunks(data: bytes, size: int = 64 * 1024) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_oversized_body_on_an_openai_route_is_an_openai_413(
+    make_app: AppFactory, tokenizer: Tokenizer, chunked: bool
+) -> None:
+    """Up front (``Content-Length``) and while a chunked body arrives, the 413 on a
+    ``/v1/`` route has OpenAI's error shape naming the body, as the TGI routes have
+    theirs; the server keeps serving."""
+    client, _, _ = await make_app(text_script(tokenizer, " fine"), max_request_bytes=50_000)
+    data = json.dumps({"prompt": "hello world " * 10_000, "max_tokens": 2}).encode()
+    content = _chunks(data) if chunked else data
+    response = await client.post("/v1/completions", content=content,
+                                 headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert ("content-length" in response.request.headers) is not chunked
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "body"
+    assert "--max-request-bytes" in error["message"]
+    tgi = await client.post("/generate", content=_chunks(data) if chunked else data,
+                            headers={"content-type": "application/json"})
+    assert tgi.status_code == 413
+    assert tgi.json()["error_type"] == "validation"
+    assert tgi.json()["error"].startswith("body: ")
+    ok = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
 
 
 async def test_text_far_beyond_the_token_limit_is_rejected_before_tokenizing(
