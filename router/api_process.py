@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from router.api_server import ApiServers, ModelFacts, make_state
+from router.api_server import ApiServers, ModelFacts, listen_http, make_state
 from router.config import ServerConfig
 from router.engine import Engine
 from router.engine_client import EngineClient
@@ -45,7 +45,6 @@ from router.tokenizer import Tokenizer
 START_TIMEOUT_S = 120.0
 # Seconds past --graceful-timeout after which an API process still draining is killed.
 EXIT_MARGIN_S = 5.0
-HTTP_BACKLOG = 2048
 
 
 @dataclass(frozen=True)
@@ -65,21 +64,6 @@ class ApiProcessSetup:
     budgets: BudgetsUpdate
     index: int
     count: int
-
-
-def bind_http(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that child processes can inherit.
-
-    Raises:
-        OSError: the address cannot be bound.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(HTTP_BACKLOG)
-    sock.set_inheritable(True)
-    return sock
 
 
 class ApiProcesses:
@@ -117,11 +101,7 @@ class ApiProcesses:
             StartupError: the HTTP port cannot be bound.
             StartupError: an API process exited or did not answer during start-up.
         """
-        try:
-            self._http = bind_http(self.config.host, self.config.port)
-        except OSError as error:
-            raise StartupError(f"cannot serve HTTP on {self.config.host}:{self.config.port}: "
-                               f"{error.strerror or error} (--host, --port)") from error
+        self._http = listen_http(self.config)
         self.http_port = int(self._http.getsockname()[1])
         try:
             await asyncio.gather(*(self._start_one(index) for index in range(self.count)))

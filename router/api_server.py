@@ -16,7 +16,7 @@ import grpc
 from loguru import logger
 
 from router.api.app import ServerState, create_app
-from router.api.http_server import make_http_server
+from router.api.http_server import bind_http, make_http_server
 from router.config import ServerConfig
 from router.engine import EngineApi
 from router.executors import StartupError
@@ -117,16 +117,21 @@ class ApiServers:
         self.failed = False  # a frontend ended for a reason other than a request to exit
 
     async def start(self) -> None:
-        """Start the gRPC server (HTTP starts in :meth:`serve`).
+        """Bind the HTTP port (unless given a socket) and start the gRPC server; HTTP
+        requests are served from :meth:`serve`.
 
         Raises:
-            StartupError: the gRPC port could not be bound.
+            StartupError: the HTTP or the gRPC port could not be bound.
         """
+        if self.http_socket is None:
+            self.http_socket = listen_http(self.config)
+            self.http_port = int(self.http_socket.getsockname()[1])
         if self.config.grpc_port:
             try:
                 server, self.grpc_port = await start_grpc_server(
                     self.state, self.config.host, self.config.grpc_port, self.grpc_reuse_port)
             except RuntimeError as error:
+                self.http_socket.close()
                 raise StartupError(
                     f"cannot bind the gRPC port {self.config.host}:{self.config.grpc_port} (in use "
                     "or not an address of this machine; --host, --grpc-port)") from error
@@ -151,6 +156,19 @@ class ApiServers:
             await self.http.serve(sockets=sockets)
         finally:
             await self.grpc_drain.wait()  # started with the HTTP drain, as long at most
+
+
+def listen_http(config: ServerConfig) -> socket.socket:
+    """The listening socket of the HTTP API on ``--host``/``--port``.
+
+    Raises:
+        StartupError: the address cannot be bound (in use, or not this machine's).
+    """
+    try:
+        return bind_http(config.host, config.port)
+    except OSError as error:
+        raise StartupError(f"cannot bind the HTTP port {config.host}:{config.port}: "
+                           f"{error.strerror or error} (--host, --port)") from error
 
 
 def log_serving(model_id: str, config: ServerConfig, grpc_port: int | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 # Seconds an idle keep-alive connection stays open after a response (uvicorn's default).
 KEEP_ALIVE_S = 5
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+# Pending connections the listening socket queues (uvicorn's default).
+HTTP_BACKLOG = 2048
 
 
 class HttpConfig(uvicorn.Config):
@@ -113,3 +116,23 @@ def make_http_server(
                    timeout_keep_alive=KEEP_ALIVE_S,
                    timeout_graceful_shutdown=graceful_timeout_s)
     )
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``SO_REUSEADDR``), inheritable by child
+    processes (the API processes share it).
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(HTTP_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

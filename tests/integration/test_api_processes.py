@@ -230,7 +230,8 @@ def _listening(reuse_port: bool) -> socket.socket:
 def test_ports_in_use_are_start_up_errors(tiny_model_dir: Path, tmp_path: Path,
                                           api_servers: str) -> None:
     """A gRPC port another server holds is not silently shared (SO_REUSEPORT only with
-    several API processes); an HTTP port in use is a one-line start-up error."""
+    several API processes); an HTTP port in use is a one-line start-up error, with the
+    APIs in the engine's process or beside it, and nothing claims to serve."""
     with _listening(reuse_port=True) as grpc_taken, _listening(reuse_port=False) as http_taken:
         grpc_port = grpc_taken.getsockname()[1]
         server = launch_tiny(tiny_model_dir, tmp_path / "grpc.log",
@@ -238,11 +239,12 @@ def test_ports_in_use_are_start_up_errors(tiny_model_dir: Path, tmp_path: Path,
                              wait=False)
         assert server.process.wait(timeout=120) != 0
         assert f"cannot bind the gRPC port 127.0.0.1:{grpc_port}" in server.log()
-        if api_servers == "1":
-            http_port = http_taken.getsockname()[1]
-            server = launch_tiny(tiny_model_dir, tmp_path / "http.log",
-                                 ["--api-server-count", "1", "--port", str(http_port)],
-                                 wait=False)
-            assert server.process.wait(timeout=120) == 1
-            assert (f"start-up failed: cannot serve HTTP on 127.0.0.1:{http_port}: Address "
-                    "already in use" in server.log())
+        http_port = http_taken.getsockname()[1]
+        server = launch_tiny(tiny_model_dir, tmp_path / "http.log",
+                             ["--api-server-count", api_servers, "--port", str(http_port)],
+                             wait=False)
+        assert server.process.wait(timeout=120) == 1
+        log = server.log()
+        assert (f"start-up failed: cannot bind the HTTP port 127.0.0.1:{http_port}: Address "
+                "already in use (--host, --port)" in log), log
+        assert "serving" not in log and "Errno" not in log, log
