@@ -101,7 +101,7 @@ def token_item(rid: int, event: Event) -> EventItem:
     if isinstance(event, ErrorEvent):
         return (rid, event)
     return (rid, event.id, event.logprob, event.text, event.special, event.top_tokens,
-            event.finish, event.prompt_logprobs)
+            event.finish, event.prompt_logprobs, event.token_text)
 
 
 def event_of(item: EventItem) -> Event:

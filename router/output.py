@@ -80,10 +80,12 @@ class OutputProcessor:
             reason = FinishReason.STOP_SEQUENCE
             stop_text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         detokenizer = state.detokenizer
+        own: str | None = None  # the token's own text, where stop strings are checked
         if detokenizer is None:
             text, match = "", None
         elif stopping.stop_sequences:
-            text, match = state.stop.feed(detokenizer.add(token_id))
+            own = detokenizer.add(token_id)
+            text, match = state.stop.feed(own)
         else:
             text, match = detokenizer.add(token_id), None
         generated = len(seq.output_ids)
@@ -97,8 +99,13 @@ class OutputProcessor:
             if reason is not None:
                 text = generated_text(self.tokenizer, seq.request.input_ids, seq.output_ids)
         elif match is None and reason is not None:
-            more, match = state.stop.feed(detokenizer.flush())
-            text += more if match is not None else more + state.stop.flush()
+            tail = detokenizer.flush()
+            if own is None:
+                text += tail
+            else:
+                own += tail
+                more, match = state.stop.feed(tail)
+                text += more if match is not None else more + state.stop.flush()
         if match is not None:
             reason, stop_text = FinishReason.STOP_SEQUENCE, match.stop
             text += match.stop
@@ -113,6 +120,7 @@ class OutputProcessor:
             top_tokens=() if extras is None else extras.top_tokens,
             finish=finish,
             prompt_logprobs=() if extras is None else extras.prompt_logprobs,
+            token_text=None if own == text else own,
         )))
         return finish
 

@@ -76,10 +76,13 @@ class TokenEvent:
 
     Attributes:
         text: Text released with this token: its own text, or '' while it may still be
-            part of a stop string, or several tokens' held text at once.
+            part of a stop string, or several tokens' held text at once. Joined over a
+            sequence's events: its generated text.
         finish: Set on the last token of the sequence.
         prompt_logprobs: On the first token of a request with ``prompt_logprobs``: the
             logprob of every prompt token after the first (``len(prompt) - 1`` values).
+        token_text: The token's own text where ``text`` differs from it (text held back
+            or released for a stop string, or cut after one); None: ``text`` is it.
     """
 
     id: int
@@ -89,6 +92,15 @@ class TokenEvent:
     top_tokens: tuple[TopToken, ...] = ()
     finish: Finish | None = None
     prompt_logprobs: tuple[float, ...] = ()
+    token_text: str | None = None
+
+    @property
+    def own_text(self) -> str:
+        """The token's own text, whatever a stop string held back or released with it:
+        a whole answer's ``details.tokens[].text`` and what OpenAI's ``text_offset``
+        counts. A stream's pieces are :attr:`text` instead, so that no piece of a possible
+        stop string is sent before it is ruled out."""
+        return self.text if self.token_text is None else self.token_text
 
 
 class Refusal(enum.Enum):
@@ -129,7 +141,8 @@ class HeldAnswer:
 
     def append(self, event: TokenEvent) -> None:
         """Hold ``event`` after the others."""
-        if event.top_tokens or event.prompt_logprobs or event.finish is not None:
+        if (event.top_tokens or event.prompt_logprobs or event.finish is not None
+                or event.token_text is not None):
             self.rich[len(self.ids)] = event
         if event.text:
             self.texts[len(self.ids)] = event.text

@@ -256,7 +256,7 @@ class _CompletionAnswer:
         if first and echo is not None:
             text = echo.text + text
         start = self.offsets[index]
-        self.offsets[index] += len(event.text)
+        self.offsets[index] += len(event.own_text)
         return [CompletionChunk(
             id=self.ident, created=self.created, model=self.state.model_id,
             choices=[self.choice(index, completion, [event], start, text)],

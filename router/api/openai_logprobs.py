@@ -82,7 +82,7 @@ def completion_logprobs(
         tops.setdefault(text, event.logprob)
         result.top_logprobs.append(tops)
         result.text_offset.append(offset)
-        offset += len(event.text)
+        offset += len(event.own_text)
     return result
 
 

@@ -96,7 +96,7 @@ def _sequence_fields(
         "seed": completion.seed,
         "prefill": prefill_tokens(tokenizer, completion) if with_prefill else [],
         "tokens": [
-            Token(id=e.id, text=e.text, logprob=e.logprob, special=e.special)
+            Token(id=e.id, text=e.own_text, logprob=e.logprob, special=e.special)
             for e in completion.tokens
         ],
         "top_tokens": (

@@ -77,8 +77,11 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         validated = self.state.validator.validate(request.inputs, params)
         return validated, params.best_of or 1
 
-    def _token(self, event: TokenEvent) -> pb.Token:
-        return pb.Token(id=event.id, text=event.text, logprob=event.logprob,
+    def _token(self, event: TokenEvent, streamed: bool = False) -> pb.Token:
+        """``event`` as a token: with the text it released when ``streamed`` (no piece of
+        a possible stop string is sent before it is ruled out), else its own text."""
+        text = event.text if streamed else event.own_text
+        return pb.Token(id=event.id, text=text, logprob=event.logprob,
                         special=event.special)
 
     def _tops(self, event: TokenEvent) -> list[pb.Token]:
@@ -163,7 +166,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 completion.tokens.append(event)
                 completion.finish = event.finish
                 yield pb.GenerateStreamResponse(
-                    token=self._token(event),
+                    token=self._token(event, streamed=True),
                     top_tokens=self._tops(event),
                     prefill=self._prefill(completion) if len(completion.tokens) == 1 else [],
                     **(self._ending(completion, prefix) if event.finish is not None else {}),

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import grpc
+
+from router.grpc_api.server import start_grpc_server
+from router.pb import generate_pb2, generate_pb2_grpc
 from router.tokenizer import Tokenizer
-from tests.unit.api.conftest import AppFactory, ids_script, sse_data, text_script
+from tests.unit.api.conftest import AppFactory, ids_script, scripted_state, sse_data, text_script
 
 PA, RIS = 13947, 4593  # " Pa", "ris"
 
@@ -102,3 +106,60 @@ async def test_leading_spaces_kept_token_by_token_s6(
     response = await client.post("/v1/chat/completions", json=chat)
     chunks = [json.loads(d) for d in sse_data(response.text)[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+
+
+async def test_held_back_text_stays_with_its_token(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    """A stop string that could begin inside " Pa" holds text back until "." rules it out:
+    the stream releases it late (S2), but a whole answer's tokens keep their own text and
+    OpenAI's text_offset counts each token's own text, streamed or not."""
+    ids = [*tokenizer.encode(" It is", add_special_tokens=False), PA, RIS, 30]
+    own = [tokenizer.decode([i]) for i in ids]
+    client, _, _ = await make_app(ids_script(ids))
+    body = await generate(client, stop=["Paris!"], max_new_tokens=len(ids))
+    assert [t["text"] for t in body["details"]["tokens"]] == own
+    assert body["generated_text"] == "".join(own) == " It is Paris."
+    pieces = [e["token"]["text"] for e in await stream(client, stop=["Paris!"],
+                                                       max_new_tokens=len(ids))]
+    assert pieces[-3:] == [" ", "", "Paris."]  # held back, then released at once
+    assert "".join(pieces) == body["generated_text"]
+
+    expected = [sum(len(t) for t in own[:i]) for i in range(len(own))]
+    request = {"prompt": "Where?", "max_tokens": len(ids), "logprobs": 1, "stop": ["Paris!"]}
+    whole = await client.post("/v1/completions", json=request)
+    logprobs = whole.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == own
+    assert logprobs["text_offset"] == expected
+    streamed = await client.post("/v1/completions", json={**request, "stream": True})
+    chunks = [json.loads(d) for d in sse_data(streamed.text)[:-1]]
+    offsets = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get(
+        "text_offset", [])]
+    assert offsets == expected
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " It is Paris."
+
+
+async def test_grpc_tokens_keep_their_own_text_and_streams_hold_back(
+    tokenizer: Tokenizer,
+) -> None:
+    """The public gRPC API as the HTTP one: a whole answer's tokens carry their own text,
+    a stream's pieces hold back what may begin the stop string (S2)."""
+    ids = [*tokenizer.encode(" It is", add_special_tokens=False), PA, RIS, 30]
+    own = [tokenizer.decode([i]) for i in ids]
+    state, _ = scripted_state(tokenizer, ids_script(ids))
+    state.engine.start()
+    server, port = await start_grpc_server(state, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            params = generate_pb2.Parameters(max_new_tokens=len(ids), stop=["Paris!"])
+            request = generate_pb2.GenerateRequest(inputs="Where?", parameters=params)
+            whole = await stub.Generate(request, timeout=30)
+            assert [t.text for t in whole.sequence.tokens] == own
+            assert whole.sequence.generated_text == "".join(own)
+            pieces = [m.token.text async for m in stub.GenerateStream(request, timeout=30)]
+            assert pieces[-3:] == [" ", "", "Paris."]
+            assert "".join(pieces) == "".join(own)
+    finally:
+        await server.stop(grace=None)
+        await state.engine.stop()
