@@ -60,15 +60,21 @@ def _error(
     return JSONResponse(status_code=status, content=content, headers=headers)
 
 
+# pydantic's tags of a union's plain-type branches (``prompt.str`` for ``str | list[int]``)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes"})
+
+
 def _field_path(loc: Sequence[Any]) -> str:
     """A pydantic error location as a field path: ``tools[0].function.name``. The body
     prefix and union-branch tags (``literal['none','auto']``, ``NamedToolChoice``,
-    ``function-after[...]``) are dropped: they name schema internals, not fields."""
+    ``function-after[...]``, ``str``) are dropped: they name schema internals, not
+    fields."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part != "body" and part.isidentifier() and not part[:1].isupper():
+        elif (part != "body" and part.isidentifier() and not part[:1].isupper()
+              and part not in _TYPE_TAGS):
             path += f".{part}" if path else part
     return path or "body"
 

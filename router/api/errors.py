@@ -19,7 +19,8 @@ from router.api.schemas import ErrorResponse
 
 # OpenAI's error ``type`` per HTTP status; any other status is a ``server_error``.
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                 404: "invalid_request_error", 413: "invalid_request_error",
+                 404: "invalid_request_error", 405: "invalid_request_error",
+                 413: "invalid_request_error",
                  422: "invalid_request_error", 429: "rate_limit_error"}
 
 

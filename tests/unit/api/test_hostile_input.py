@@ -118,3 +118,29 @@ async def test_a_call_cancelled_under_a_route_is_a_json_500(
     assert response.json() == {"error": "internal error: a call was cancelled",
                                "error_type": "internal"}
     assert (await client.get("/health")).status_code == 200  # still serving
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": None, "max_tokens": 2}, "prompt"),
+    ({"prompt": "Hi", "max_tokens": "two"}, "max_tokens"),
+])
+async def test_openai_param_names_the_field_not_a_union_branch(
+    make_app: AppFactory, tokenizer: Tokenizer, body: dict[str, object], param: str
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    chat = {"messages": [{"role": "user", "content": 5}], "max_tokens": 2}
+    response = await client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages[0].content"
+
+
+async def test_wrong_method_on_an_openai_route_is_a_request_error(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.get("/v1/completions")
+    assert response.status_code == 405
+    assert response.json()["error"]["type"] == "invalid_request_error"
