@@ -255,13 +255,29 @@ class Validator:
         return [with_seed(request, (seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
     def check_n(self, n: int, field: str) -> None:
-        """Reject more than ``--max-best-of`` sequences per request."""
+        """Reject more than ``--max-best-of`` sequences per request (see also
+        :meth:`check_sequences`)."""
         if n < 1:
             raise RequestValidationError(field, "must be >= 1")
         if n > self.limits.max_best_of:
             raise RequestValidationError(
                 field, f"must be <= {self.limits.max_best_of} (--max-best-of)"
             )
+        self.check_sequences(n, field)
+
+    def check_sequences(self, count: int, field: str) -> None:
+        """Reject a request of more sequences than ``--max-concurrent-requests``: they
+        are admitted together, so it could never run (a 429 would invite a retry that
+        always fails).
+
+        Raises:
+            RequestValidationError: naming ``field``.
+        """
+        most = self.scheduler.config.max_concurrent_requests
+        if count > most:
+            raise RequestValidationError(
+                field, f"{count} sequences in one request, more than the server ever runs "
+                f"at once ({most}, --max-concurrent-requests)")
 
     def check_limits(self, params: GenerateParameters) -> None:
         """Limits of ``--max-stop-sequences``, ``--max-top-n-tokens``, ``--max-best-of``

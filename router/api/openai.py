@@ -315,6 +315,7 @@ def _completion_requests(
         raise RequestValidationError("prompt", "must not be empty")
     if len(prompts) * width > validator.limits.max_best_of * 4:
         raise RequestValidationError("prompt", "too many prompts x choices in one request")
+    validator.check_sequences(len(prompts) * width, "prompt")
     requests: list[GenerationRequest] = []
     for prompt in prompts:
         request = validator.validate(prompt, params, field="prompt")

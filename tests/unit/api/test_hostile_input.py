@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from router.tokenizer import Tokenizer
+from router.validation import ValidationLimits
 from tests.unit.api.conftest import AppFactory, text_script
 
 SURROGATE_BODIES = [
@@ -144,3 +145,31 @@ async def test_wrong_method_on_an_openai_route_is_a_request_error(
     response = await client.get("/v1/completions")
     assert response.status_code == 405
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_more_sequences_than_ever_run_at_once_is_a_4xx_not_a_429(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    """A request whose sequences (prompts x n, or best_of) exceed
+    --max-concurrent-requests could never be admitted: a 4xx naming the field, not a 429
+    inviting retries; one that fits is served."""
+    client, _, _ = await make_app(text_script(tokenizer, " fine"),
+                                  ValidationLimits(max_best_of=8), max_concurrent_requests=2)
+    response = await client.post("/v1/completions",
+                                 json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "--max-concurrent-requests" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 3,
+            "temperature": 1.0}
+    response = await client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    assert "--max-concurrent-requests" in response.json()["error"]["message"]
+    tgi = {"inputs": "Hi", "parameters": {"best_of": 3, "do_sample": True, "max_new_tokens": 2}}
+    response = await client.post("/generate", json=tgi)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"].startswith("best_of")
+    assert "--max-concurrent-requests" in response.json()["error"]
+    ok = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"]) == 2
