@@ -269,7 +269,9 @@ class Engine(EventSource):
         if self._draining:
             self.metrics.requests.labels("rejected").inc()
             raise ShuttingDownError("the server is shutting down")
-        if self.scheduler.num_requests >= self.config.max_concurrent_requests:
+        if self.scheduler.num_requests >= self.config.max_concurrent_requests and (
+                self.scheduler.num_requests - self._cancelled_in_batch()
+                >= self.config.max_concurrent_requests):
             self.metrics.requests.labels("rejected").inc()
             raise QueueFullError(
                 f"too many concurrent requests (max_concurrent_requests="
@@ -606,6 +608,12 @@ class Engine(EventSource):
             if finish is not None:
                 self._finish(seq, "success", finish)
         self.metrics.generation_tokens.inc(applied)
+
+    def _cancelled_in_batch(self) -> int:
+        """Cancelled requests still in the batch: they leave at the next step, so they
+        no longer count against ``max_concurrent_requests``."""
+        return sum(seq.cancelled for seq in (*self.scheduler.running,
+                                             *self.scheduler.prefilling))
 
     def _reap_cancelled(self) -> None:
         admitted = [*self.scheduler.running, *self.scheduler.prefilling]

@@ -190,3 +190,28 @@ async def test_when_the_engine_process_goes_its_streams_fail(
     with pytest.raises(GenerationFailed, match=ENGINE_GONE):  # and so do later ones
         async with MergedStream(client, [request]) as later:
             await anext(aiter(later))
+
+
+async def test_a_cancelled_request_no_longer_holds_its_place(
+    pair: tuple[Engine, EngineClient, list[Any]],
+) -> None:
+    """A running request cancelled (its client left, or a sibling was refused) leaves the
+    batch at the next step; until then it no longer counts against
+    max_concurrent_requests, so a request arriving meanwhile is not refused."""
+    engine, _, _ = pair
+    engine.scheduler.config = dataclasses.replace(BUDGETS, max_concurrent_requests=1)
+    long = GenerationRequest((5,), SamplingParams(),
+                             StoppingParams(max_new_tokens=200, ignore_eos=True))
+    running = engine.generate(long)
+    await anext(running)
+    (seq,) = [*engine.scheduler.running, *engine.scheduler.prefilling]
+    engine.cancel(seq)  # no step runs before the submissions below
+    assert engine.scheduler.num_requests == 1
+    newcomer = engine.submit(long)
+    with pytest.raises(QueueFullError, match="max_concurrent_requests=1"):
+        engine.submit(long)
+    async with asyncio.timeout(10.0):
+        while seq in engine.scheduler.running or seq in engine.scheduler.prefilling:
+            await asyncio.sleep(0.01)
+    engine.cancel(newcomer)
+    await running.aclose()
