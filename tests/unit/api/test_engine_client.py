@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from router.engine import Engine, EngineApi, QueueFullError, ShuttingDownError
 from router.engine_client import ENGINE_GONE, EngineClient
 from router.engine_server import ApiConnection
 from router.request import (
+    Event,
     GenerationRequest,
     HeldAnswer,
     SamplingParams,
@@ -136,15 +137,24 @@ async def test_a_client_that_leaves_frees_its_blocks(
     assert registry.get_sample_value("shardserve_requests_total", {"outcome": "cancelled"}) == 1
 
 
+async def _one_place_taken(
+    engine: Engine, api: EngineApi
+) -> tuple[AsyncGenerator[Event, None], GenerationRequest]:
+    """Allow one request at a time and start a long one through ``api``: (its events,
+    once the first has come; the request)."""
+    engine.scheduler.config = dataclasses.replace(BUDGETS, max_concurrent_requests=1)
+    long = GenerationRequest((5,), SamplingParams(),
+                             StoppingParams(max_new_tokens=200, ignore_eos=True))
+    running = api.generate(long)
+    await anext(running)
+    return running, long
+
+
 async def test_refusals_raise_as_they_do_in_the_engine_process(
     pair: tuple[Engine, EngineClient, list[Any]],
 ) -> None:
     engine, client, _ = pair
-    engine.scheduler.config = dataclasses.replace(BUDGETS, max_concurrent_requests=1)
-    long = GenerationRequest((5,), SamplingParams(),
-                             StoppingParams(max_new_tokens=200, ignore_eos=True))
-    running = client.generate(long)
-    await anext(running)
+    running, long = await _one_place_taken(engine, client)
     with pytest.raises(QueueFullError, match="max_concurrent_requests=1"):
         async with MergedStream(client, [long]) as stream:
             await anext(aiter(stream))
@@ -199,11 +209,7 @@ async def test_a_cancelled_request_no_longer_holds_its_place(
     batch at the next step; until then it no longer counts against
     max_concurrent_requests, so a request arriving meanwhile is not refused."""
     engine, _, _ = pair
-    engine.scheduler.config = dataclasses.replace(BUDGETS, max_concurrent_requests=1)
-    long = GenerationRequest((5,), SamplingParams(),
-                             StoppingParams(max_new_tokens=200, ignore_eos=True))
-    running = engine.generate(long)
-    await anext(running)
+    running, long = await _one_place_taken(engine, engine)
     (seq,) = [*engine.scheduler.running, *engine.scheduler.prefilling]
     engine.cancel(seq)  # no step runs before the submissions below
     assert engine.scheduler.num_requests == 1
