@@ -62,6 +62,8 @@ class WarmupBudgets:
     max_batch_prefill_tokens: int
     max_total_tokens: int
     max_batch_size: int
+    # no --max-total-tokens: the default is lowered to the KV cache's capacity afterwards
+    max_total_tokens_derived: bool = False
 
 
 async def start_group(
@@ -138,6 +140,7 @@ async def build_engine(
     warmup = WarmupBudgets(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
         config.scheduler.max_batch_size,
+        max_total_tokens_derived=config.budget_flags.get("max_total_tokens") is None,
     )
     logger.info("warming up {} shard(s) on {}: sizing the KV cache and a worst-case prefill of "
                 "{} tokens (each phase is logged)", len(infos), first.device,
@@ -147,7 +150,8 @@ async def build_engine(
     quiet = config.executor == "local" and sys.stderr.isatty()
     num_blocks = await announce_wait(
         client.warmup(
-            warmup.max_batch_prefill_tokens, warmup.max_total_tokens, warmup.max_batch_size
+            warmup.max_batch_prefill_tokens, warmup.max_total_tokens, warmup.max_batch_size,
+            warmup.max_total_tokens_derived,
         ),
         "the warm-up", quiet=quiet)
     logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
@@ -325,7 +329,7 @@ class Supervisor:
                 infos = await client.info()
                 num_blocks = await client.warmup(
                     self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens,
-                    self.warmup.max_batch_size,
+                    self.warmup.max_batch_size, self.warmup.max_total_tokens_derived,
                 )
                 budgets = warmed_up_budgets(self.config, infos[0], num_blocks)
             except Exception as error:

@@ -155,10 +155,13 @@ class ShardClient:
         await self._all("Health", lambda s: s.Health(pb.HealthRequest(), timeout=5.0))
 
     async def warmup(
-        self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0
+        self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0,
+        max_total_tokens_derived: bool = False,
     ) -> int:
         """Warm every rank up (``max_batch_size`` > 0 sizes the decode CUDA graphs);
-        return the KV block count usable by all (the minimum).
+        return the KV block count usable by all (the minimum). With
+        ``max_total_tokens_derived`` (no ``--max-total-tokens`` given) the cache need not
+        hold one request of ``max_total_tokens``: the default is lowered to what it holds.
 
         Its duration counts as a step of the adaptive deadline (Warmup runs the
         worst-case prefill).
@@ -167,6 +170,7 @@ class ShardClient:
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_total_tokens=max_total_tokens,
             max_batch_size=max_batch_size,
+            max_total_tokens_derived=max_total_tokens_derived,
         )
         self._steps = itertools.count(1)
         started = time.perf_counter()

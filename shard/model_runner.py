@@ -177,7 +177,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(
-        self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0
+        self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int = 0,
+        hold_total: bool = True,
     ) -> int:
         """Size and allocate the KV cache (see :mod:`shard.warmup`), run a worst-case
         prefill through it, capture the decode CUDA graphs (see :meth:`graph_buckets`)
@@ -188,6 +189,9 @@ class ModelRunner:
             max_batch_prefill_tokens: prefill token budget, tokens (> 0).
             max_total_tokens: longest request (prompt + generated), tokens (> 0).
             max_batch_size: most requests in a decode step (0 = unknown: no graphs).
+            hold_total: the cache must hold one request of ``max_total_tokens`` (False:
+                only the worst-case prefill; the router then lowers its default
+                ``max_total_tokens`` to the capacity).
 
         Returns:
             the number of KV blocks allocated.
@@ -230,7 +234,8 @@ class ModelRunner:
                 num_blocks = self.config.kv_cache_bytes // per_block
                 memory_flag = "--kv-cache-bytes"
             check_kv_fits(num_blocks, chunks, self.block_size, per_block,
-                          max_batch_prefill_tokens, max_total_tokens, memory_flag)
+                          max_batch_prefill_tokens, max_total_tokens, memory_flag,
+                          hold_total=hold_total)
             progress.phase(
                 f"allocating the KV cache: {num_blocks} blocks of {self.block_size} tokens"
             )

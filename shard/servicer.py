@@ -172,7 +172,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             context,
             "Warmup",
             lambda: self.runner.warmup(
-                request.max_batch_prefill_tokens, request.max_total_tokens, request.max_batch_size
+                request.max_batch_prefill_tokens, request.max_total_tokens, request.max_batch_size,
+                hold_total=not request.max_total_tokens_derived,
             ),
         )
         await self._restart_steps()

@@ -101,19 +101,24 @@ def check_kv_fits(
     max_batch_prefill_tokens: int,
     max_total_tokens: int,
     memory_flag: str,
+    hold_total: bool = True,
 ) -> None:
-    """Raise unless ``num_blocks`` hold the worst-case prefill and one request of
-    ``max_total_tokens``.
+    """Raise unless ``num_blocks`` hold the worst-case prefill and, with ``hold_total``,
+    one request of ``max_total_tokens``.
 
     Raises:
         KVCacheTooSmallError: naming ``memory_flag`` and the budget flags to change.
     """
-    need = max(blocks_needed(chunks), -(-max_total_tokens // block_size))
+    total_blocks = -(-max_total_tokens // block_size) if hold_total else 0
+    need = max(blocks_needed(chunks), total_blocks)
     if num_blocks < need:
+        budgets = f"max_batch_prefill_tokens={max_batch_prefill_tokens}"
+        flags = "--max-batch-prefill-tokens"
+        if hold_total:
+            budgets += f" and max_total_tokens={max_total_tokens}"
+            flags += " / --max-total-tokens"
         raise KVCacheTooSmallError(
             f"KV cache fits {num_blocks} blocks ({num_blocks * block_size} tokens, "
             f"{per_block} bytes per block) but warmup needs {need} blocks for "
-            f"max_batch_prefill_tokens={max_batch_prefill_tokens} and "
-            f"max_total_tokens={max_total_tokens}: raise {memory_flag} or lower "
-            "--max-batch-prefill-tokens / --max-total-tokens"
+            f"{budgets}: raise {memory_flag} or lower {flags}"
         )

@@ -45,14 +45,16 @@ class HealthResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("max_batch_prefill_tokens", "max_total_tokens", "max_batch_size")
+    __slots__ = ("max_batch_prefill_tokens", "max_total_tokens", "max_batch_size", "max_total_tokens_derived")
     MAX_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_DERIVED_FIELD_NUMBER: _ClassVar[int]
     max_batch_prefill_tokens: int
     max_total_tokens: int
     max_batch_size: int
-    def __init__(self, max_batch_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    max_total_tokens_derived: bool
+    def __init__(self, max_batch_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_tokens_derived: _Optional[bool] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("num_blocks", "block_size")

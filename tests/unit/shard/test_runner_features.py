@@ -125,6 +125,12 @@ def test_warmup_sizes_cache_and_names_flags(llama) -> None:
     assert runner.num_blocks == 0
     with pytest.raises(KVCacheTooSmallError, match="max_total_tokens=200"):
         runner.warmup(max_batch_prefill_tokens=16, max_total_tokens=200)
+    # a derived max_total_tokens (the router lowers it to the capacity) need not fit
+    assert runner.warmup(max_batch_prefill_tokens=16, max_total_tokens=200,
+                         hold_total=False) == 32
+    with pytest.raises(KVCacheTooSmallError) as error:
+        runner.warmup(max_batch_prefill_tokens=129, max_total_tokens=200, hold_total=False)
+    assert "max_total_tokens" not in str(error.value)
 
 
 def test_warmup_runs_both_prefill_attention_paths(llama) -> None:  # type: ignore[no-untyped-def]
