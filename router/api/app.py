@@ -174,7 +174,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     if exc.status_code in (400, 413):
         _count_rejected(server_state(request))
     message = f"body: {exc.detail}" if exc.status_code in (400, 413) else exc.detail
-    return _error(request, exc.status_code, str(message), "validation", "body")
+    # a body that does not parse is invalid input like any other: 422 (400 on OpenAI's
+    # routes, as every invalid request there)
+    status = 422 if exc.status_code == 400 else exc.status_code
+    return _error(request, status, str(message), "validation", "body")
 
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:

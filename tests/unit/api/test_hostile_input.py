@@ -39,8 +39,15 @@ async def test_unparsable_body_uses_our_error_shape(
     client, _, _ = await make_app(text_script(tokenizer, " fine"))
     response = await client.post("/generate", content=b'{"inputs": "\xff\xfe"}',
                                  headers={"content-type": "application/json"})
-    assert 400 <= response.status_code < 500
+    assert response.status_code == 422  # invalid input, as a truncated body is
     assert response.json()["error"].startswith("body")
+    truncated = await client.post("/generate", content=b'{"inputs": "Hi"',
+                                  headers={"content-type": "application/json"})
+    assert truncated.status_code == 422
+    response = await client.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                                 headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 async def test_oversized_body_is_413(make_app: AppFactory, tokenizer: Tokenizer) -> None:
