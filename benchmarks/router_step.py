@@ -154,25 +154,28 @@ async def open_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
                              max_batch_size=requests, max_concurrent_requests=requests,
                              steps_in_flight=setup.steps_in_flight)
     process = None
-    if setup.grpc:
-        port = free_port()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.virtual_shard", "--port", str(port),
-             "--step-ms", str(setup.device_s * 1e3)], cwd=Path(__file__).resolve().parents[1])
-        client = ShardClient([f"127.0.0.1:{port}"])
-        await client.wait_ready(60.0)
-        await client.warmup(config.max_batch_prefill_tokens, config.max_total_tokens)
-        shards: Any = client
-    else:
-        ids = tokenizer.encode(TEXT, add_special_tokens=False)
-        shards = (TimedShards(ids, num_blocks, step_s=setup.device_s) if setup.device_s
-                  else InstantShards(ids, num_blocks))
-    engine = Engine(shards, tokenizer, config, num_blocks, 16)
-    engine.start()
     try:
-        yield engine
-    finally:
-        await engine.stop()
+        if setup.grpc:
+            port = free_port()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.virtual_shard", "--port", str(port),
+                 "--step-ms", str(setup.device_s * 1e3)],
+                cwd=Path(__file__).resolve().parents[1])
+            client = ShardClient([f"127.0.0.1:{port}"])
+            await client.wait_ready(60.0)
+            await client.warmup(config.max_batch_prefill_tokens, config.max_total_tokens)
+            shards: Any = client
+        else:
+            ids = tokenizer.encode(TEXT, add_special_tokens=False)
+            shards = (TimedShards(ids, num_blocks, step_s=setup.device_s) if setup.device_s
+                      else InstantShards(ids, num_blocks))
+        engine = Engine(shards, tokenizer, config, num_blocks, 16)
+        engine.start()
+        try:
+            yield engine
+        finally:
+            await engine.stop()
+    finally:  # also when the shard failed to start or warm up: never left running
         if process is not None:
             process.terminate()
             process.wait()

@@ -78,7 +78,7 @@ class VirtualRunner:
                          max_position_embeddings=1 << 20, vocab_size=49152)
 
     def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int,
-               max_batch_size: int) -> int:
+               max_batch_size: int, hold_total: bool = True) -> int:
         return self.num_blocks
 
     def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
