@@ -270,7 +270,7 @@ class Engine(EventSource):
             self.metrics.requests.labels("rejected").inc()
             raise ShuttingDownError("the server is shutting down")
         if self.scheduler.num_requests >= self.config.max_concurrent_requests and (
-                self.scheduler.num_requests - self._cancelled_in_batch()
+                self.scheduler.num_requests - len(self._cancelled_in_batch())
                 >= self.config.max_concurrent_requests):
             self.metrics.requests.labels("rejected").inc()
             raise QueueFullError(
@@ -609,15 +609,15 @@ class Engine(EventSource):
                 self._finish(seq, "success", finish)
         self.metrics.generation_tokens.inc(applied)
 
-    def _cancelled_in_batch(self) -> int:
-        """Cancelled requests still in the batch: they leave at the next step, so they
-        no longer count against ``max_concurrent_requests``."""
-        return sum(seq.cancelled for seq in (*self.scheduler.running,
-                                             *self.scheduler.prefilling))
+    def _cancelled_in_batch(self) -> list[Sequence]:
+        """Cancelled requests still in the batch: they leave at the next step
+        (:meth:`_reap_cancelled`), so they no longer count against
+        ``max_concurrent_requests``."""
+        return [seq for seq in (*self.scheduler.running, *self.scheduler.prefilling)
+                if seq.cancelled]
 
     def _reap_cancelled(self) -> None:
-        admitted = [*self.scheduler.running, *self.scheduler.prefilling]
-        for seq in [s for s in admitted if s.cancelled]:
+        for seq in self._cancelled_in_batch():
             self._finish(seq, "cancelled")
 
     def _on_admitted(self, sequences: list[Sequence]) -> None:
