@@ -92,7 +92,8 @@ def test_decode_split_counts(config: DecodeConfig) -> None:
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefill_small_tiles(block_size: int) -> None:
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_prefill_small_tiles(block_size: int, longest_first: bool) -> None:
     """16x16 tiles: many query and key tiles per sequence, diagonal and full tiles."""
     case = make_case([70, 37, 3], [50, 37, 2], 4, 1, 64, block_size=block_size, device=DEVICE,
                      seed=block_size)
@@ -103,7 +104,8 @@ def test_prefill_small_tiles(block_size: int) -> None:
     out = torch.full_like(case.q, float("nan"))
     prefill_attention(case.q, cache.key, cache.value, md.block_tables, md.cu_seqlens_q,
                       md.seq_lens, md.max_seqlen_q, case.scale, out=out,
-                      config=PrefillConfig(block_m=16, block_n=16))
+                      config=PrefillConfig(block_m=16, block_n=16,
+                                           longest_first=longest_first))
     _check(out, ref)
 
 
@@ -122,19 +124,23 @@ def test_prefill_reads_new_kv_without_a_prefix(group: int) -> None:
     k = qkv[:, heads * 64:(heads + KV_HEADS) * 64].view(-1, KV_HEADS, 64)
     v = qkv[:, (heads + KV_HEADS) * 64:].view(-1, KV_HEADS, 64)
     assert not k.is_contiguous()
+    q = qkv[:, :heads * 64].view(-1, heads, 64)  # strided, as the server's
     outs = []
-    for new_kv in (None, (k, v)):
+    for new_kv, config in ((None, PrefillConfig()), ((k, v), PrefillConfig()),
+                           ((k, v), PrefillConfig(tma=True)),
+                           ((k, v), PrefillConfig(tma=True, longest_first=True))):
         cache = case.fresh_cache()
         write_kv_cache(case.k, case.v, cache.key, cache.value, md.slot_mapping)
         if new_kv is not None:
             cache.key.fill_(float("nan"))
             cache.value.fill_(float("nan"))
         outs.append(torch.full_like(case.q, float("nan")))
-        prefill_attention(case.q, cache.key, cache.value, md.block_tables, md.cu_seqlens_q,
+        prefill_attention(q, cache.key, cache.value, md.block_tables, md.cu_seqlens_q,
                           md.seq_lens, md.max_seqlen_q, case.scale, out=outs[-1],
-                          new_kv=new_kv)
+                          new_kv=new_kv, config=config)
     _check(outs[1], ref)
-    assert torch.equal(outs[0], outs[1])
+    for out in outs[2:]:  # tensor-descriptor loads, either launch order: the same bits
+        assert torch.equal(outs[0], out)
 
 
 def test_cache_write_skips_negative_slots() -> None:
