@@ -373,9 +373,8 @@ def prefill_sweep(points: list[tuple[int, int]], block_size: int, new_kv: bool) 
     return rows
 
 
-PREFILL_TMA_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2),
-                     (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                     (128, 128, 8, 3), (128, 64, 4, 3)]
+PREFILL_TMA_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3),
+                     (128, 64, 8, 2), (128, 128, 8, 2)]
 
 
 def prefill_tma_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
