@@ -9,7 +9,9 @@ first), so every key is read from the cache. A step whose sequences have no cach
 prefix can instead pass the new tokens' K/V as they are (``new_kv``): keys are then
 read in token order, without the block-table indirection. Both read the same values in
 the same tile order, so a sequence's result is the same bits either way (whatever else
-is in its batch decides the source).
+is in its batch decides the source). With ``PrefillConfig.tma`` on sm_90+, the new-K/V
+case loads its Q/K/V tiles through tensor descriptors (the Hopper tensor memory
+accelerator; Triton's ``TensorDescriptor``) in the same tile order.
 
 The causal mask is bottom-right aligned: query ``j`` sits at position
 ``seq_lens[i] - q_len_i + j`` and sees keys ``0..`` that position. Key tiles entirely
@@ -26,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shard.attention.triton_kernels.decode import LOG2E
-from shard.pdl import _interpreted, launch_options, pdl_start
+from shard.pdl import interpreted, launch_options, pdl_start
 
 
 @dataclass(frozen=True)
@@ -366,10 +368,10 @@ def _descriptors_fit(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> boo
     tensor memory accelerator (sm_90+) or Triton's interpreter, a power-of-two head dim,
     heads contiguous within a token, 16-byte aligned bases and token strides."""
     head_dim = q.shape[-1]
-    if q.device.type == "cuda" and not _interpreted():
+    if q.device.type == "cuda" and not interpreted():
         if torch.cuda.get_device_capability(q.device)[0] < 9:
             return False
-    elif not _interpreted():
+    elif not interpreted():
         return False
     item = q.element_size()
     return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and out.stride(-1) == 1
