@@ -381,7 +381,8 @@ def prefill_tma_sweep(points: list[tuple[int, int]], block_size: int) -> list[st
     """Keys from the new K/V: each of :data:`PREFILL_TMA_TILES` with pointer loads and
     with tensor-descriptor loads (``PrefillConfig.tma``), each launched in tile order and
     longest first; every output compared with the default configuration's (MISMATCH
-    when not the same bits, with the largest difference)."""
+    when not the same bits, with the largest difference). Only outputs of the default's
+    ``block_n`` can be the same bits: another key tile sums the keys in another order."""
     rows = ["| batch × tokens | block_m | block_n | warps | stages | loads | order | µs "
             "| TFLOP/s | bits vs default |",
             "|---|---:|---:|---:|---:|---|---|---:|---:|---|"]

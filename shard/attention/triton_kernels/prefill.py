@@ -179,22 +179,26 @@ def _prefill_kernel(
 
 @triton.jit
 def _desc_tile(
-    q, acc, m_i, l_i, start, k_desc, v_desc, kv_row0, kv_col, qpos, scale_log2,
+    q, acc, m_i, l_i, start, k_desc, v_desc, kv_row0, kv_col, qpos, seq_len, scale_log2,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """:func:`_attend_tile` over keys ``[start, start + BLOCK_N)`` of a sequence whose
-    first key is row ``kv_row0`` of the descriptors' view; rows past the view are zeros,
-    rows of the next sequence are masked by the causal mask (they lie past every query)."""
+    """:func:`_attend_tile` over keys ``[start, start + BLOCK_N)`` of a sequence of
+    ``seq_len`` tokens whose first key is row ``kv_row0`` of the descriptors' view. A
+    diagonal (``MASKED``) tile also loads rows past the sequence (the next sequence's, or
+    the view's zero fill): their scores are masked, and their values zeroed as the pointer
+    kernel's masked loads zero them (an inf there times a zero weight would be NaN)."""
     k = k_desc.load([kv_row0 + start, kv_col])
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    n = start + tl.arange(0, BLOCK_N)
     if MASKED:
-        n = start + tl.arange(0, BLOCK_N)
         s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = v_desc.load([kv_row0 + start, kv_col])
+    if MASKED:
+        v = tl.where((n < seq_len)[:, None], v, tl.zeros_like(v))
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -240,11 +244,11 @@ def _prefill_desc_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _desc_tile(q, acc, m_i, l_i, start, k_desc, v_desc, q_start,
-                                       kv_col, rows, scale_log2, BLOCK_N, False,
+                                       kv_col, rows, q_len, scale_log2, BLOCK_N, False,
                                        DOT_PRECISION)
         for start in range(full_end, hi, BLOCK_N):
             acc, m_i, l_i = _desc_tile(q, acc, m_i, l_i, start, k_desc, v_desc, q_start,
-                                       kv_col, rows, scale_log2, BLOCK_N, True,
+                                       kv_col, rows, q_len, scale_log2, BLOCK_N, True,
                                        DOT_PRECISION)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         d = tl.arange(0, HEAD_DIM)
@@ -311,7 +315,7 @@ def prefill_attention(
         kv_strides = (0, *keys.stride()[:2])
     grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if new_kv is not None and config.tma and _descriptors_fit(q, new_kv[0], out):
+    if new_kv is not None and config.tma and _descriptors_fit(q, *new_kv, out):
         _prefill_desc_kernel[grid](
             _desc(q, config.block_m, head_dim),
             _desc(new_kv[0], config.block_n, head_dim),
@@ -363,10 +367,12 @@ def prefill_attention(
     return out
 
 
-def _descriptors_fit(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> bool:
+def _descriptors_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor) -> bool:
     """Whether Q and the new K/V can be read through tensor descriptors: a GPU with a
     tensor memory accelerator (sm_90+) or Triton's interpreter, a power-of-two head dim,
-    heads contiguous within a token, 16-byte aligned bases and token strides."""
+    heads contiguous within a token, 16-byte aligned bases and positive token strides
+    (otherwise the pointer kernel runs)."""
     head_dim = q.shape[-1]
     if q.device.type == "cuda" and not interpreted():
         if torch.cuda.get_device_capability(q.device)[0] < 9:
@@ -376,7 +382,8 @@ def _descriptors_fit(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> boo
     item = q.element_size()
     return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and out.stride(-1) == 1
             and all(t.stride(1) == head_dim and t.stride(2) == 1 and t.data_ptr() % 16 == 0
-                    and (t.stride(0) * item) % 16 == 0 for t in (q, k)))
+                    and t.stride(0) > 0 and (t.stride(0) * item) % 16 == 0
+                    for t in (q, k, v)))
 
 
 def _desc(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
