@@ -58,6 +58,31 @@ class PrefillConfig:
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one tile of base-2 scores ``s`` [BLOCK_M, BLOCK_N]: the tile's
+    weights ``p``, the factor ``alpha`` that rescales what was accumulated before, and the
+    new running max and sum (FlashAttention-2, Dao 2023)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _query_tile(cu_seqlens_q_ptr, LONGEST_FIRST: tl.constexpr):
+    """This program's query tile, sequence and head, and the sequence's first new token
+    and new-token count. The grid is (query tiles, sequences, heads); ``LONGEST_FIRST``
+    numbers each sequence's tiles from its last (the most keys) to its first."""
+    m_tile = tl.program_id(0)
+    if LONGEST_FIRST:
+        m_tile = tl.num_programs(0) - 1 - m_tile
+    b = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    return m_tile, b, tl.program_id(2), q_start, q_len
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row, kvh, qpos, seq_len, d, dmask,
     scale_log2, stride_kb, stride_kt, stride_kh,
@@ -79,10 +104,7 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -121,14 +143,8 @@ def _prefill_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
-    m_tile = tl.program_id(0)
-    if LONGEST_FIRST:
-        m_tile = tl.num_programs(0) - 1 - m_tile
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    m_tile, b, h, q_start, q_len = _query_tile(cu_seqlens_q_ptr, LONGEST_FIRST)
     kvh = h // GROUP
-    q_start = tl.load(cu_seqlens_q_ptr + b)
-    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -192,10 +208,7 @@ def _desc_tile(
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     v = v_desc.load([kv_row0 + start, kv_col])
     if MASKED:
         v = tl.where((n < seq_len)[:, None], v, tl.zeros_like(v))
@@ -224,13 +237,7 @@ def _prefill_desc_kernel(
     """The no-prefix case of :func:`_prefill_kernel` (keys are the new tokens), with its
     tiles loaded through tensor descriptors over ``[tokens, heads × head_dim]`` views."""
     pdl_start(USE_PDL)
-    m_tile = tl.program_id(0)
-    if LONGEST_FIRST:
-        m_tile = tl.num_programs(0) - 1 - m_tile
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q_ptr + b)
-    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    m_tile, _, h, q_start, q_len = _query_tile(cu_seqlens_q_ptr, LONGEST_FIRST)
     first = m_tile * BLOCK_M
     if first < q_len:
         q = q_desc.load([q_start + first, h * HEAD_DIM])
@@ -374,10 +381,8 @@ def _descriptors_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads contiguous within a token, 16-byte aligned bases and positive token strides
     (otherwise the pointer kernel runs)."""
     head_dim = q.shape[-1]
-    if q.device.type == "cuda" and not interpreted():
-        if torch.cuda.get_device_capability(q.device)[0] < 9:
-            return False
-    elif not interpreted():
+    if not interpreted() and (q.device.type != "cuda"
+                              or torch.cuda.get_device_capability(q.device)[0] < 9):
         return False
     item = q.element_size()
     return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and out.stride(-1) == 1
