@@ -373,53 +373,6 @@ def prefill_sweep(points: list[tuple[int, int]], block_size: int, new_kv: bool) 
     return rows
 
 
-PREFILL_TMA_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3),
-                     (128, 64, 8, 2), (128, 128, 8, 2)]
-
-
-def prefill_tma_sweep(points: list[tuple[int, int]], block_size: int) -> list[str]:
-    """Keys from the new K/V: each of :data:`PREFILL_TMA_TILES` with pointer loads and
-    with tensor-descriptor loads (``PrefillConfig.tma``), each launched in tile order and
-    longest first; every output compared with the default configuration's (MISMATCH
-    when not the same bits, with the largest difference). Only outputs of the default's
-    ``block_n`` can be the same bits: another key tile sums the keys in another order."""
-    rows = ["| batch × tokens | block_m | block_n | warps | stages | loads | order | µs "
-            "| TFLOP/s | bits vs default |",
-            "|---|---:|---:|---:|---:|---|---|---:|---:|---|"]
-    for batch, seq_len in points:
-        case, args, kv = _prefill_inputs(batch, seq_len, block_size)
-        out = torch.empty_like(case.q)
-        prefill_attention(*args, out=out, new_kv=kv)
-        ref = out.clone()
-        flops = _prefill_flops(batch, seq_len)
-        results = []
-        for (block_m, block_n, warps, stages), tma, longest in itertools.product(
-                PREFILL_TMA_TILES, (False, True), (False, True)):
-            config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps,
-                                   num_stages=stages, tma=tma, longest_first=longest)
-            fn = functools.partial(prefill_attention, *args, out=out, config=config, new_kv=kv)
-            try:
-                us = graph_time_us(fn, reps=5)
-            except Exception as exc:  # a config that does not compile is skipped, named
-                print(f"skipped {batch}x{seq_len} {config}: {str(exc).splitlines()[0][:100]}")
-                continue
-            out.fill_(float("nan"))
-            fn()
-            diff = (out.float() - ref.float()).abs().max().item()
-            bits = "same" if torch.equal(out, ref) else f"MISMATCH {diff:.3g}"
-            results.append((us, block_m, block_n, warps, stages,
-                            "TMA" if tma else "pointers",
-                            "longest first" if longest else "tile order", bits))
-        results.sort()
-        default = [r for r in results if r[1:7] == (64, 32, 4, 3, "pointers", "tile order")]
-        for us, *cfg, bits in results[:12] + [r for r in default if r not in results[:12]]:
-            rows.append(f"| {batch} × {seq_len} | " + " | ".join(str(c) for c in cfg)
-                        + f" | {us:.1f} | {flops / us / 1e6:.0f} | {bits} |")
-        del case, args, out, kv, ref
-        torch.cuda.empty_cache()
-    return rows
-
-
 def prefill_peers(points: list[tuple[int, int]], block_size: int) -> list[str]:
     """Our prefill kernel (default configuration) with keys from the paged cache and from
     the new K/V, against flash-attn's varlen kernel on the same new K/V (when
@@ -676,9 +629,6 @@ def main() -> None:
                    "(e.g. 16x1024 4x4096)")
     p.add_argument("--no-prefill-grid", action="store_true",
                    help="at --prefill-points, only our default configuration and the peers")
-    p.add_argument("--prefill-tma", action="store_true",
-                   help="at --prefill-points, sweep pointer against tensor-descriptor loads "
-                   "and the launch order over the new K/V")
     p.add_argument("--skinny", type=int, nargs="*", default=None, metavar="TOKENS",
                    help="also time the skinny GEMM kernel's configurations against cuBLAS "
                    f"at these token counts (<= {MAX_ROWS}, e.g. 1 4 16)")
@@ -723,10 +673,6 @@ def main() -> None:
         print("\n## Prefill attention: keys from the cache or the new K/V, and peers\n")
         print("µs (TFLOP/s); our kernel in its default configuration\n")
         print("\n".join(prefill_peers(points, args.block_sizes[0])), flush=True)  # type: ignore[arg-type]
-        if args.prefill_tma:
-            print("\n## Prefill attention over the new K/V: loads and launch order\n")
-            print("\n".join(prefill_tma_sweep(points, args.block_sizes[0])),  # type: ignore[arg-type]
-                  flush=True)
         if not args.no_prefill_grid:
             print("\n## Prefill attention configurations (fastest six, then the default)\n")
             for new_kv in (False, True):

@@ -47,7 +47,7 @@ def pdl_start(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def interpreted() -> bool:
+def _interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``), which has
     no grid dependency control."""
     knobs = getattr(triton, "knobs", None)
@@ -84,7 +84,7 @@ def configure(mode: str, device: torch.device, log: Any = None) -> None:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` now use PDL."""
-    if device.type != "cuda" or _off or _configured_off or interpreted():
+    if device.type != "cuda" or _off or _configured_off or _interpreted():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index)

@@ -32,7 +32,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
@@ -46,9 +45,6 @@ GLOBAL_MEMORY = re.compile(r"\b(ld|st|cp\.async|atom|red)(\.\w+)*\.global\b|\bcp
 
 
 def _arg_type(value: Any) -> str:
-    if isinstance(value, TensorDescriptor):
-        element = POINTER_TYPES[value.base.dtype][1:]
-        return f"tensordesc<{element}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return POINTER_TYPES[value.dtype]
     if isinstance(value, bool):
@@ -110,12 +106,10 @@ def _run_wrappers() -> None:
     from shard.attention.triton_backend import TritonAttentionBackend
     from shard.attention.triton_kernels import (
         DecodeConfig,
-        PrefillConfig,
         decode_attention,
         prefill_attention,
         rope_write,
     )
-    from shard.attention.triton_kernels import prefill as prefill_module
     from shard.greedy_kernel import greedy
     from shard.layers.gate_up_silu_kernel import gate_up_silu
     from shard.layers.rms_norm_kernel import add_rms_norm
@@ -133,17 +127,6 @@ def _run_wrappers() -> None:
     prefill_attention(case.q, case.cache.key, case.cache.value, md.block_tables,
                       md.cu_seqlens_q, md.seq_lens, md.max_seqlen_q, case.scale,
                       new_kv=(new_kv[0], new_kv[1]))
-    # the same through tensor descriptors, as on an sm_90 GPU (this CPU has no TMA)
-    fits = prefill_module._descriptors_fit
-    prefill_module._descriptors_fit = lambda *args: True  # type: ignore[assignment]
-    try:
-        qkv = torch.randn(md.num_tokens, 48, 128, dtype=bf16)
-        prefill_attention(qkv[:, :32], case.cache.key, case.cache.value, md.block_tables,
-                          md.cu_seqlens_q, md.seq_lens, md.max_seqlen_q, case.scale,
-                          new_kv=(qkv[:, 32:40], qkv[:, 40:]),
-                          config=PrefillConfig(tma=True, longest_first=True))
-    finally:
-        prefill_module._descriptors_fit = fits  # type: ignore[assignment]
     case = make_case([300], [1], 32, 8, 128, dtype=bf16)  # split KV and the combine
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,

@@ -24,7 +24,7 @@ def sm90(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     monkeypatch.setattr(pdl, "_supported", lambda index: index == 0)
     monkeypatch.setattr(pdl, "_off", 0)
     monkeypatch.setattr(pdl, "_configured_off", False)
-    monkeypatch.setattr(pdl, "interpreted", lambda: False)
+    monkeypatch.setattr(pdl, "_interpreted", lambda: False)
     return torch.device("cuda", 0)
 
 
@@ -44,7 +44,7 @@ def test_launch_options_follow_the_switches(sm90: torch.device) -> None:
 
 
 def test_no_pdl_in_the_interpreter(sm90: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pdl, "interpreted", lambda: True)
+    monkeypatch.setattr(pdl, "_interpreted", lambda: True)
     assert pdl.launch_options(sm90) == OFF
 
 

@@ -14,8 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_prefill_desc_kernel",
-           "_combine_kernel",
+KERNELS = ["_cache_write_kernel", "_decode_kernel", "_prefill_kernel", "_combine_kernel",
            "_rope_write_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel", "_greedy_kernel",
            "_skinny_gemm_kernel", "_gate_up_silu_kernel"]
 

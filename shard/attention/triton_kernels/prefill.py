@@ -9,9 +9,7 @@ first), so every key is read from the cache. A step whose sequences have no cach
 prefix can instead pass the new tokens' K/V as they are (``new_kv``): keys are then
 read in token order, without the block-table indirection. Both read the same values in
 the same tile order, so a sequence's result is the same bits either way (whatever else
-is in its batch decides the source). With ``PrefillConfig.tma`` on sm_90+, the new-K/V
-case loads its Q/K/V tiles through tensor descriptors (the Hopper tensor memory
-accelerator; Triton's ``TensorDescriptor``) in the same tile order.
+is in its batch decides the source).
 
 The causal mask is bottom-right aligned: query ``j`` sits at position
 ``seq_lens[i] - q_len_i + j`` and sees keys ``0..`` that position. Key tiles entirely
@@ -25,10 +23,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shard.attention.triton_kernels.decode import LOG2E
-from shard.pdl import interpreted, launch_options, pdl_start
+from shard.pdl import launch_options, pdl_start
 
 
 @dataclass(frozen=True)
@@ -40,48 +37,15 @@ class PrefillConfig:
         block_n: key tokens per tile (power of two >= 16).
         num_warps: warps per program.
         num_stages: software-pipelining depth of the key loop.
-        tma: with ``new_kv`` on sm_90+, load Q/K/V tiles through tensor-memory-accelerator
-            descriptors instead of per-element pointers (no block table to follow).
-        longest_first: launch each sequence's query tiles last-to-first, so the tiles
-            with the most keys (the causal diagonal's far end) start first.
     """
 
     # Defaults: with keys from the new K/V, the fastest of 36 configurations at every
     # point measured on the H200 (16 × 1024 to 4 × 4096 and 128 × 128 tokens), and
     # within 3% of the best through the cache (benchmarks/results/kernels-h200.md).
-    # ``tma`` and ``longest_first`` stay off: on sm_90 (H100, 2026-12-07) TMA took 5.5%
-    # off 16 × 1024 but added 3.9% at 128 × 128, and longest first changed nothing.
     block_m: int = 64
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    tma: bool = False
-    longest_first: bool = False
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Online softmax over one tile of base-2 scores ``s`` [BLOCK_M, BLOCK_N]: the tile's
-    weights ``p``, the factor ``alpha`` that rescales what was accumulated before, and the
-    new running max and sum (FlashAttention-2, Dao 2023)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _query_tile(cu_seqlens_q_ptr, LONGEST_FIRST: tl.constexpr):
-    """This program's query tile, sequence and head, and the sequence's first new token
-    and new-token count. The grid is (query tiles, sequences, heads); ``LONGEST_FIRST``
-    numbers each sequence's tiles from its last (the most keys) to its first."""
-    m_tile = tl.program_id(0)
-    if LONGEST_FIRST:
-        m_tile = tl.num_programs(0) - 1 - m_tile
-    b = tl.program_id(1)
-    q_start = tl.load(cu_seqlens_q_ptr + b)
-    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-    return m_tile, b, tl.program_id(2), q_start, q_len
 
 
 @triton.jit
@@ -106,7 +70,10 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], s, float("-inf"))
-    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -140,13 +107,16 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
-    m_tile, b, h, q_start, q_len = _query_tile(cu_seqlens_q_ptr, LONGEST_FIRST)
+    m_tile = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
     kvh = h // GROUP
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -193,77 +163,6 @@ def _prefill_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=rmask[:, None] & dmask[None, :],
     )
-
-
-@triton.jit
-def _desc_tile(
-    q, acc, m_i, l_i, start, k_desc, v_desc, kv_row0, kv_col, qpos, seq_len, scale_log2,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """:func:`_attend_tile` over keys ``[start, start + BLOCK_N)`` of a sequence of
-    ``seq_len`` tokens whose first key is row ``kv_row0`` of the descriptors' view. A
-    diagonal (``MASKED``) tile also loads rows past the sequence (the next sequence's, or
-    the view's zero fill): their scores are masked, and their values zeroed as the pointer
-    kernel's masked loads zero them (an inf there times a zero weight would be NaN)."""
-    k = k_desc.load([kv_row0 + start, kv_col])
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    n = start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
-    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-    v = v_desc.load([kv_row0 + start, kv_col])
-    if MASKED:
-        v = tl.where((n < seq_len)[:, None], v, tl.zeros_like(v))
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _prefill_desc_kernel(
-    q_desc,
-    k_desc,
-    v_desc,
-    cu_seqlens_q_ptr,
-    out_ptr,
-    scale_log2,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """The no-prefix case of :func:`_prefill_kernel` (keys are the new tokens), with its
-    tiles loaded through tensor descriptors over ``[tokens, heads × head_dim]`` views."""
-    pdl_start(USE_PDL)
-    m_tile, _, h, q_start, q_len = _query_tile(cu_seqlens_q_ptr, LONGEST_FIRST)
-    first = m_tile * BLOCK_M
-    if first < q_len:
-        q = q_desc.load([q_start + first, h * HEAD_DIM])
-        rows = first + tl.arange(0, BLOCK_M)
-        # [0, full_end): keys every row of the tile sees; [full_end, hi): the diagonal
-        full_end = ((first + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(q_len, first + BLOCK_M)
-        kv_col = (h // GROUP) * HEAD_DIM
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _desc_tile(q, acc, m_i, l_i, start, k_desc, v_desc, q_start,
-                                       kv_col, rows, q_len, scale_log2, BLOCK_N, False,
-                                       DOT_PRECISION)
-        for start in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _desc_tile(q, acc, m_i, l_i, start, k_desc, v_desc, q_start,
-                                       kv_col, rows, q_len, scale_log2, BLOCK_N, True,
-                                       DOT_PRECISION)
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        d = tl.arange(0, HEAD_DIM)
-        tok = (q_start + rows).to(tl.int64)
-        tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
 
 
 def prefill_attention(
@@ -323,28 +222,6 @@ def prefill_attention(
         assert keys.shape == (num_tokens, num_kv_heads, head_dim), "new_kv shape"
         kv_strides = (0, *keys.stride()[:2])
     grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if new_kv is not None and config.tma and _descriptors_fit(q, *new_kv, out):
-        _prefill_desc_kernel[grid](
-            _desc(q, config.block_m, head_dim),
-            _desc(new_kv[0], config.block_n, head_dim),
-            _desc(new_kv[1], config.block_n, head_dim),
-            cu_seqlens_q,
-            out,
-            scale * LOG2E,
-            out.stride(0),
-            out.stride(1),
-            GROUP=num_heads // num_kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            LONGEST_FIRST=config.longest_first,
-            DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **launch_options(q.device),
-        )
-        return out
     _prefill_kernel[grid](
         q,
         keys,
@@ -367,34 +244,9 @@ def prefill_attention(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         PAGED=new_kv is None,
-        LONGEST_FIRST=config.longest_first,
-        DOT_PRECISION=dot_precision,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(q.device),
     )
     return out
-
-
-def _descriptors_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor) -> bool:
-    """Whether Q and the new K/V can be read through tensor descriptors: a GPU with a
-    tensor memory accelerator (sm_90+) or Triton's interpreter, a power-of-two head dim,
-    heads contiguous within a token, 16-byte aligned bases and positive token strides
-    (otherwise the pointer kernel runs)."""
-    head_dim = q.shape[-1]
-    if not interpreted() and (q.device.type != "cuda"
-                              or torch.cuda.get_device_capability(q.device)[0] < 9):
-        return False
-    item = q.element_size()
-    return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and out.stride(-1) == 1
-            and all(t.stride(1) == head_dim and t.stride(2) == 1 and t.data_ptr() % 16 == 0
-                    and t.stride(0) > 0 and (t.stride(0) * item) % 16 == 0
-                    for t in (q, k, v)))
-
-
-def _desc(x: torch.Tensor, rows: int, head_dim: int) -> TensorDescriptor:
-    """A descriptor over ``x`` [tokens, heads, head_dim] viewed as [tokens, heads ×
-    head_dim], loading [rows, head_dim] tiles (one head's slice of ``rows`` tokens)."""
-    return TensorDescriptor(x, [x.shape[0], x.shape[1] * head_dim], [x.stride(0), 1],
-                            [rows, head_dim])
