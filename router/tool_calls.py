@@ -72,11 +72,45 @@ def tool_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+# Keywords whose values are schemas keyed by name (the names are not keywords).
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+# Keywords whose values are data, not schemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def rebase_refs(schema: Any, pointer: str) -> Any:
+    """``schema`` with its local references (``"$ref": "#..."``) made to resolve from
+    ``pointer``, the JSON Pointer (RFC 6901) at which it is embedded in another
+    schema: ``#/$defs/Loc`` becomes ``#<pointer>/$defs/Loc``. Other references
+    (URIs, anchors of other documents) and data (``const``, ``enum``, ``default``,
+    ``examples``) are left as they are."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: rebase_refs(sub, pointer) for name, sub in value.items()}
+        else:
+            rebased[key] = rebase_refs(value, pointer)
+    return rebased
+
+
+def _call_schema(function: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """The schema of one call object of ``function``, embedded at ``pointer``: its
+    parameter schema's local references (``#/$defs/...``, ``#``) are rebased onto
+    ``pointer/properties/arguments``, where that schema now lies."""
     parameters = function.get("parameters") or {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "properties": {"name": {"const": function["name"]},
+                       "arguments": rebase_refs(parameters, pointer + "/properties/arguments")},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -94,8 +128,11 @@ def forced_call_schema(
         parallel: ``parallel_tool_calls``: more than one call allowed (``required``).
     """
     if named is not None:
-        return _call_schema(next(f for f in functions if f["name"] == named))
-    items = [_call_schema(f) for f in functions]
+        return _call_schema(next(f for f in functions if f["name"] == named), "")
+    if len(functions) == 1:
+        items = [_call_schema(functions[0], "/items")]
+    else:
+        items = [_call_schema(f, f"/items/anyOf/{i}") for i, f in enumerate(functions)]
     schema: dict[str, Any] = {
         "type": "array",
         "items": items[0] if len(items) == 1 else {"anyOf": items},

@@ -121,6 +121,47 @@ def checker(default_model_dir: Path) -> GrammarChecker:
     return GrammarChecker(Tokenizer.from_folder(default_model_dir))
 
 
+# Parameter schemas as pydantic writes them for nested models: local references into
+# their own $defs / definitions, and a recursive one to the root ("#").
+NESTED_FUNCTIONS = [
+    {"name": "where", "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "$defs": {"Loc": {"type": "object", "properties": {
+            "city": {"type": "string"}, "near": {"$ref": "#/$defs/Loc"},
+            "tag": {"const": {"$ref": "#/not/a/schema"}}}, "required": ["city"]}}}},
+    {"name": "tree", "parameters": {
+        "type": "object", "properties": {"size": {"$ref": "#/definitions/Size"},
+                                         "child": {"$ref": "#"}},
+        "definitions": {"Size": {"type": "integer", "minimum": 0}}}},
+]
+
+
+@pytest.mark.parametrize("named,parallel", [("where", True), ("tree", True), (None, True),
+                                            (None, False)])
+def test_forced_call_schema_keeps_local_references(
+    named: str | None, parallel: bool, checker: GrammarChecker
+) -> None:
+    functions = [f for f in NESTED_FUNCTIONS if named in (None, f["name"])]
+    if named is None and not parallel:
+        functions = functions[:1]  # one function: its call schema is the array's items
+    schema = forced_call_schema(functions, named, parallel)
+    where = {"name": "where", "arguments": {"loc": {"city": "a", "near": {"city": "b"}}}}
+    tree = {"name": "tree", "arguments": {"size": 1, "child": {"size": 2, "child": {}}}}
+    good = {"where": where, "tree": tree}
+    bad = {"where": {"name": "where", "arguments": {"loc": {"near": {"city": "b"}}}},
+           "tree": {"name": "tree", "arguments": {"child": {"size": -1}}}}
+    for function in functions:
+        name = function["name"]
+        document = good[name] if named else [good[name]]
+        jsonschema.validate(document, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad[name] if named else [bad[name]], schema)
+    # A "$ref" inside data (the const) is kept; the grammar compiles against the tokenizer.
+    if functions[0]["name"] == "where":
+        assert json.dumps({"$ref": "#/not/a/schema"}) in json.dumps(schema)
+    checker.check(json_schema_grammar(schema, strict=False))
+
+
 def test_checker_errors_name_the_problem(checker: GrammarChecker) -> None:
     with pytest.raises(GrammarError, match="unclosed group"):
         checker.check(regex_grammar("(ab"))
