@@ -418,7 +418,9 @@ class Engine(EventSource):
         queued requests stay."""
         assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
         self.shards.reset(client, block_size)
+        hits = self.block_manager.hit_tokens  # a counter: it goes on across restarts
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
+        self.block_manager.hit_tokens = hits
         self.scheduler.config = config
         self.scheduler.block_manager = self.block_manager
         self._drop_inflight()
@@ -587,6 +589,7 @@ class Engine(EventSource):
         logprobs = results.logprobs
         running = Status.RUNNING
         applied = 0
+        failures = results.grammar_failures
         for index, ((seq, epoch), token_id) in enumerate(
             zip(sampled, results.token_ids, strict=True)
         ):
@@ -594,6 +597,9 @@ class Engine(EventSource):
                 continue
             seq.pending_tokens -= 1
             if seq.cancelled:
+                continue
+            if failures and seq.id in failures:
+                self._fail_grammar(seq, failures[seq.id])
                 continue
             seq.output_ids.append(token_id)
             if seq.first_token_time is None:
@@ -608,6 +614,18 @@ class Engine(EventSource):
             if finish is not None:
                 self._finish(seq, "success", finish)
         self.metrics.generation_tokens.inc(applied)
+
+    def _fail_grammar(self, seq: Sequence, why: str) -> None:
+        """End ``seq``, whose grammar failed on the shards (``why``), with an
+        :class:`ErrorEvent` after the tokens it already has."""
+        logger.warning("request {}: its grammar failed on the shards: {}", seq.id, why)
+        self.output.deliver()
+        seq.events.put_nowait(ErrorEvent(
+            message=f"grammar: failed after {len(seq.output_ids)} generated tokens ({why}); "
+                    "no output can follow it: simplify the grammar",
+            grammar=True,
+        ))
+        self._finish(seq, "error")
 
     def _cancelled_in_batch(self) -> list[Sequence]:
         """Cancelled requests still in the batch: they leave at the next step

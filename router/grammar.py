@@ -132,11 +132,7 @@ class GrammarChecker:
             if grammar in self._checked:
                 self._checked.move_to_end(grammar)
                 return
-        tokenizer = self.lltokenizer
-        future = self._pool.submit(
-            LLMatcher.validate_grammar, grammar, tokenizer,
-            limits=LLParserLimits(verbose_errors=False),
-        )
+        future = self._pool.submit(_compile, grammar, self.lltokenizer)
         try:
             error = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -149,6 +145,21 @@ class GrammarChecker:
             self._checked[grammar] = None
             if len(self._checked) > CHECKED_CACHE_SIZE:
                 self._checked.popitem(last=False)
+
+
+def _compile(grammar: str, tokenizer: LLTokenizer) -> str:
+    """Why ``grammar`` cannot constrain generation ("" when it can): it does not
+    compile, or it allows no first token (nothing can satisfy it, as a regex of an
+    empty character class or a schema that only refers to itself)."""
+    limits = LLParserLimits(verbose_errors=False)
+    error = LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+    if error:
+        return error
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        return f"no output can satisfy it ({_first_line(matcher.get_error())})"
+    return ""
 
 
 def _first_line(message: str) -> str:

@@ -114,10 +114,12 @@ class Refusal(enum.Enum):
 class ErrorEvent:
     """The request failed after it was accepted (for example a shard died), or, with
     ``refusal`` set, was refused at submission by an engine in another process (whose
-    refusal reaches the API process as the stream's only event)."""
+    refusal reaches the API process as the stream's only event). ``grammar`` marks a
+    failure of the request's own grammar (its input), not of the server."""
 
     message: str
     refusal: Refusal | None = None
+    grammar: bool = False
 
 
 @dataclass(eq=False)

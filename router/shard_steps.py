@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.request import TopToken
 from router.scheduler import PrefillChunk
@@ -45,12 +45,15 @@ class StepResults:
         logprobs: Their log-probabilities (natural log).
         extras: Per token, its extras or None; None as a whole when no request asked.
         forward_s: The shard's forward time of the step, seconds.
+        grammar_failures: Request id -> why, for the requests whose grammar failed on
+            the shards in this step (their tokens of the step are void).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     extras: list[TokenExtras | None] | None
     forward_s: float
+    grammar_failures: dict[int, str] = field(default_factory=dict)
 
 
 def _extras(generation: pb.Generation) -> TokenExtras | None:
@@ -126,6 +129,7 @@ class ShardSteps:
             logprobs=[g.logprob for g in generations],
             extras=extras if any(e is not None for e in extras) else None,
             forward_s=response.timings.forward_ns / 1e9,
+            grammar_failures={f.request_id: f.message for f in response.grammar_failures},
         )
 
     @staticmethod
@@ -141,6 +145,7 @@ class ShardSteps:
             logprobs=list(response.logprobs),
             extras=extras,
             forward_s=response.timings.forward_ns / 1e9,
+            grammar_failures={f.request_id: f.message for f in response.grammar_failures},
         )
 
     async def sync(self, running: Collection[int]) -> None:

@@ -80,6 +80,15 @@ class GrammarMatcher:
             self.accept(token_id)
 
     @property
+    def failure(self) -> str | None:
+        """Why the grammar failed (a limit of llguidance reached, or a grammar that
+        does not compile here), or None while it holds."""
+        if not self.matcher.is_error():
+            return None
+        lines = self.matcher.get_error().strip().splitlines()
+        return lines[0] if lines else "the grammar failed"
+
+    @property
     def is_complete(self) -> bool:
         """The grammar is satisfied and allows nothing more."""
         return self.matcher.is_stopped() and not self.matcher.is_error()

@@ -627,12 +627,16 @@ class ModelRunner:
                 out,
                 pending.prompt_logprobs or [()] * len(requests),
             )
+            failures: list[tuple[int, str]] = []
             for r, g in zip(requests, generations, strict=True):
                 r.record_token(g.token_id)
+                if r.grammar is not None and (failure := r.grammar.failure) is not None:
+                    failures.append((r.request_id, failure))
         finally:
             pending.finished.set()
         info = CachedBatchInfo(pending.batch_id, tuple(r.request_id for r in requests))
-        return StepOutput(tuple(generations), info, pending.timer.elapsed_ns())
+        return StepOutput(tuple(generations), info, pending.timer.elapsed_ns(),
+                          tuple(failures))
 
     def _wait_previous_finish(self, timeout_s: float = 120.0) -> None:
         """Block until the last launched step is finished (its tokens recorded)."""

@@ -88,6 +88,11 @@ def step_generations_to_pb(out: StepOutput) -> list[pb.Generation]:
     return [generation_to_pb(g) for g in out.generations]
 
 
+def grammar_failures_to_pb(out: StepOutput) -> list[pb.GrammarFailure]:
+    return [pb.GrammarFailure(request_id=rid, message=message)
+            for rid, message in out.grammar_failures]
+
+
 def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
     """Tokens and logprobs as packed arrays in batch order; a ``Generation`` message
     only for the requests with top tokens (a step of hundreds of requests stays a few
@@ -99,6 +104,7 @@ def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
         timings=timings_to_pb(out.forward_ns, total_ns),
         token_ids=[g.token_id for g in gens],
         logprobs=[g.logprob for g in gens],
+        grammar_failures=grammar_failures_to_pb(out),
     )
 
 

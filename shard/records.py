@@ -90,11 +90,15 @@ class StepOutput:
         generations: one per sampled request, in batch order.
         batch: the batch now cached (empty request_ids when nothing was kept).
         forward_ns: model forward + sampling time on this rank, in nanoseconds.
+        grammar_failures: (request id, why) of each request of the step whose grammar
+            is in its failed state (see :class:`shard.grammar.GrammarMatcher`): its
+            token of this step is void.
     """
 
     generations: tuple[Generation, ...]
     batch: CachedBatchInfo
     forward_ns: int
+    grammar_failures: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

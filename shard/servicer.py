@@ -202,6 +202,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             generations=pb_convert.step_generations_to_pb(out),
             batch=pb_convert.cached_batch_to_pb(out.batch),
             timings=pb_convert.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
+            grammar_failures=pb_convert.grammar_failures_to_pb(out),
         )
 
     async def Decode(

@@ -32,7 +32,7 @@ from router.api import openai as openai_api
 from router.api import tgi
 from router.api.auth import ApiKeyAuth
 from router.api.errors import error_body
-from router.api.generation import ClientDisconnected, GenerationFailed
+from router.api.generation import ClientDisconnected, GenerationFailed, GrammarFailed
 from router.api.limits import BodySizeLimit
 from router.api.openai import ModelNotFoundError
 from router.api.schemas import Info
@@ -164,6 +164,11 @@ async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
     return _error(request, 500, str(exc), "generation")
 
 
+async def _grammar_failed(request: Request, exc: GrammarFailed) -> JSONResponse:
+    # the request's own grammar is at fault: invalid input, found during generation
+    return _error(request, 422, str(exc), "validation")
+
+
 async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
     # Nobody reads this; 499 is the conventional "client closed request" status.
     return _error(request, 499, str(exc), "cancelled")
@@ -193,6 +198,7 @@ _ERROR_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONRe
     ModelNotFoundError: _no_model,
     ShuttingDownError: _shutting_down,
     QueueFullError: _overloaded,
+    GrammarFailed: _grammar_failed,
     GenerationFailed: _failed,
     ClientDisconnected: _gone,
     StarletteHTTPException: _http_error,

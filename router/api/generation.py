@@ -35,6 +35,11 @@ class GenerationFailed(RuntimeError):
     """A request failed after it was accepted (a shard failed)."""
 
 
+class GrammarFailed(GenerationFailed):
+    """A request's grammar failed during generation (a limit of the grammar engine):
+    its input is at fault, not the server."""
+
+
 @dataclass
 class Completion:
     """One finished sequence.
@@ -116,6 +121,8 @@ def text_without_stop(text: str, finish: Finish | None) -> str:
 def failure(event: ErrorEvent) -> Exception:
     """What a stream reader raises for ``event``: the refusal it carries
     (``QueueFullError``, ``ShuttingDownError``) or :class:`GenerationFailed`."""
+    if event.grammar:
+        return GrammarFailed(event.message)
     return refusal_error(event) or GenerationFailed(event.message)
 
 

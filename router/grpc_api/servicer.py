@@ -14,7 +14,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from router.api.generation import Completion, GenerationFailed, MergedStream, run_all
+from router.api.generation import (
+    Completion,
+    GenerationFailed,
+    GrammarFailed,
+    MergedStream,
+    run_all,
+)
 from router.api.state import ServerState
 from router.api.tgi import token_text
 from router.engine import QueueFullError, ShuttingDownError
@@ -60,6 +66,8 @@ async def _call(
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     except QueueFullError as error:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    except GrammarFailed as error:  # the request's own grammar: its input
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     except GenerationFailed as error:
         await context.abort(grpc.StatusCode.INTERNAL, str(error))
     raise AssertionError("context.abort returns only by raising")

@@ -217,6 +217,9 @@ def test_bad_structured_requests_are_400_naming_the_field(
     ({"type": "json", "value": {"type": "objekt"}}, "grammar.value"),
     ({"type": "json", "value": "{not json"}, "grammar.value"),
     ({"type": "ebnf", "value": "x"}, "grammar.type"),
+    # compile, but nothing satisfies them
+    ({"type": "regex", "value": "[^\\x00-\\x{10FFFF}]"}, "grammar.value"),
+    ({"type": "json", "value": {"$ref": "#"}}, "grammar.value"),
 ])
 def test_tgi_bad_grammar_is_422_naming_the_field(
     server: LiveServer, grammar: dict[str, object], field: str
@@ -225,6 +228,44 @@ def test_tgi_bad_grammar_is_422_naming_the_field(
         "inputs": "Hi", "parameters": {"grammar": grammar}}, timeout=30)
     assert response.status_code == 422, response.text
     assert field in response.json()["error"], response.text
+
+
+# Compiles at the router, but llguidance's lexer gives up on the first token it consumes
+# (too many expressions constructed): found only while generating.
+FAILING_REGEX = "a{1000000}"
+
+
+def test_grammar_failing_while_generating_is_an_error_not_an_answer(
+    server: LiveServer, client: openai.OpenAI
+) -> None:
+    import concurrent.futures
+
+    body = {"inputs": "Hi", "parameters": {
+        "max_new_tokens": 8, "grammar": {"type": "regex", "value": FAILING_REGEX}}}
+    free = {"inputs": "Hi", "parameters": {"max_new_tokens": 16, "ignore_eos": True,
+                                           "details": True}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(httpx.post, f"{server.url}/generate", json=free, timeout=60)
+        whole = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        assert beside.result().json()["details"]["generated_tokens"] == 16  # unaffected
+    assert whole.status_code == 422, whole.text
+    assert whole.json()["error"].startswith("grammar: failed"), whole.text
+    with httpx.stream("POST", f"{server.url}/generate_stream", json=body, timeout=60) as r:
+        text = r.read().decode()
+        assert "grammar: failed" in text and '"generated_text"' not in text, text
+    error = bad(lambda: client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=8, extra_body={"response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {
+                "type": "string", "pattern": f"^{FAILING_REGEX}$"}}}}))
+    assert "grammar: failed" in str(error.body), error.body
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = gpb_grpc.TextGenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as failure:
+            stub.Generate(gpb.GenerateRequest(inputs="Hi", parameters=gpb.Parameters(
+                max_new_tokens=8, grammar=gpb.Grammar(type="regex", value=FAILING_REGEX))),
+                timeout=60)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_grpc_grammar(server: LiveServer) -> None:

@@ -171,6 +171,7 @@ async def test_budgets_follow_a_restarted_group(
 ) -> None:
     engine, client, _ = pair
     await engine.stop()
+    engine.block_manager.hit_tokens = 1234  # served from the prefix cache before the restart
     smaller = dataclasses.replace(BUDGETS, max_total_tokens=128, max_input_tokens=100)
     engine.replace_shards(ScriptedShardClient(lambda _p: [100]), smaller,  # type: ignore[arg-type]
                           num_blocks=32, block_size=16)
@@ -179,7 +180,9 @@ async def test_budgets_follow_a_restarted_group(
         while client.config != smaller:
             await asyncio.sleep(0.01)
     assert client.budgets.block_manager.num_blocks == 32
-    assert (await client.snapshot()).kv_blocks_total == 32
+    after = await client.snapshot()
+    assert after.kv_blocks_total == 32
+    assert after.prefix_cache_hit_tokens == 1234  # a counter never goes back
 
 
 async def test_when_the_engine_process_goes_its_streams_fail(

@@ -170,6 +170,23 @@ def test_broken_grammar_fails_only_its_request(runner) -> None:
     assert tokens[2] == alone[2]
 
 
+def test_grammar_that_fails_while_generating_is_reported(runner) -> None:
+    # Compiles, but its lexer gives up on the first token it consumes (llguidance's
+    # limit on constructed expressions): every step reports it until the router drops it.
+    pool = BlockPool(runner.num_blocks, seed=7)
+    failing = regex_grammar("a{1000000}")
+    out = runner.prefill(PrefillBatch(1, (new_request(1, pool, failing), new_request(2, pool))))
+    assert [rid for rid, _ in out.grammar_failures] == [1]
+    assert "too many expressions" in out.grammar_failures[0][1]
+    step = runner.decode([1])
+    assert [rid for rid, _ in step.grammar_failures] == [1]
+    runner.clear_cache()
+    pool = BlockPool(runner.num_blocks, seed=7)
+    ok = runner.prefill(PrefillBatch(1, (new_request(3, pool, regex_grammar(REGEX)),)))
+    assert ok.grammar_failures == ()
+    runner.clear_cache()
+
+
 def test_matcher_templates_are_cached(runner) -> None:
     grammar = regex_grammar("[ab]{3}")
     first = runner.grammars.matcher(grammar, 1)
