@@ -291,11 +291,12 @@ class Validator:
             raise RequestValidationError(
                 "stop", f"at most {limits.max_stop_sequences} stop sequences (--max-stop-sequences)"
             )
-        for stop in params.stop:
+        for i, stop in enumerate(params.stop):
             if len(stop) > limits.max_stop_sequence_chars:
                 raise RequestValidationError(
                     "stop", f"stop sequences are limited to {limits.max_stop_sequence_chars} chars"
                 )
+            check_text(f"stop[{i}]", stop)  # generated text never holds a lone surrogate
         if (params.top_n_tokens or 0) > limits.max_top_n_tokens:
             raise RequestValidationError(
                 "top_n_tokens", f"must be <= {limits.max_top_n_tokens} (--max-top-n-tokens)"

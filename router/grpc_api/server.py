@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router.api.state import ServerState
 from router.grpc_api.auth import ApiKeyInterceptor
+from router.grpc_api.malformed import MalformedRequestInterceptor
 from router.grpc_api.servicer import TextGenerationServicer
 from router.pb import generate_pb2, generate_pb2_grpc
 
@@ -80,7 +81,9 @@ async def start_grpc_server(
     Raises:
         RuntimeError: the port could not be bound.
     """
-    interceptors = [ApiKeyInterceptor(state.api_key)] if state.api_key else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+    if state.api_key:
+        interceptors.insert(0, ApiKeyInterceptor(state.api_key))
     # Requests are bounded like HTTP bodies (--max-request-bytes); answers are not.
     server = grpc.aio.server(
         interceptors=interceptors,

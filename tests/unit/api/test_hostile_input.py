@@ -18,6 +18,10 @@ SURROGATE_BODIES = [
     ("/v1/completions", '{"prompt": "a\\ud800", "max_tokens": 2}', "prompt"),
     ("/v1/chat/completions",
      '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/generate", '{"inputs": "a", "parameters": {"stop": ["ok", "\\ud800"]}}', "stop[1]"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 2, "stop": "x\\udfff"}', "stop[0]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], '
+     '"max_tokens": 2, "stop": ["\\ud800"]}', "stop[0]"),
 ]
 
 

@@ -65,18 +65,22 @@ async def test_truncate_is_bounded_by_the_request_byte_limit(
 
 
 @pytest.fixture
-async def grpc_stub(
-    tokenizer: Tokenizer,
-) -> AsyncIterator[generate_pb2_grpc.TextGenerationStub]:
-    """The public gRPC API over a scripted shard group, with a 64 KiB request limit."""
+async def grpc_channel(tokenizer: Tokenizer) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to the public gRPC API over a scripted shard group, with a 64 KiB
+    request limit."""
     state, _ = scripted_state(tokenizer, text_script(tokenizer, " fine"),
                               max_request_bytes=64 * 1024)
     state.engine.start()
     server, port = await start_grpc_server(state, "127.0.0.1", 0)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield generate_pb2_grpc.TextGenerationStub(channel)
+        yield channel
     await server.stop(grace=None)
     await state.engine.stop()
+
+
+@pytest.fixture
+def grpc_stub(grpc_channel: grpc.aio.Channel) -> generate_pb2_grpc.TextGenerationStub:
+    return generate_pb2_grpc.TextGenerationStub(grpc_channel)
 
 
 async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
@@ -116,6 +120,33 @@ async def test_grpc_applies_the_character_precheck(
         async for _ in stream:
             pass
     assert stream_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xff\xff\xff\xff",  # not protobuf
+    generate_pb2.GenerateRequest(inputs="hi").SerializeToString()[:-1],  # truncated
+    b"\x0a\x02\xc3\x28",  # field 1 (inputs) holding bytes that are not UTF-8
+])
+async def test_grpc_request_that_does_not_parse_is_invalid_argument(
+    grpc_channel: grpc.aio.Channel, grpc_stub: generate_pb2_grpc.TextGenerationStub,
+    payload: bytes,
+) -> None:
+    service = "/shardserve.generate.v1.TextGeneration/"
+    unary = grpc_channel.unary_unary(service + "Generate")
+    error = await rpc_error(unary(payload, timeout=30))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert (error.details() or "").startswith("request: not a valid protobuf message")
+    stream = grpc_channel.unary_stream(service + "GenerateStream")(payload, timeout=30)
+    with pytest.raises(grpc.aio.AioRpcError) as stream_error:
+        async for _ in stream:
+            pass
+    assert stream_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # valid requests go on as before, streamed or not
+    request = generate_pb2.GenerateRequest(
+        inputs="hi", parameters=generate_pb2.Parameters(max_new_tokens=2))
+    assert (await grpc_stub.Generate(request, timeout=30)).sequence.generated_tokens == 2
+    streamed = [m async for m in grpc_stub.GenerateStream(request, timeout=30)]
+    assert len(streamed) == 2
 
 
 LONG_TEXT = "hello world, this is some text. " * 30_000  # 960,000 characters
