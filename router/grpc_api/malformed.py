@@ -11,6 +11,7 @@ API's) are wrapped.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ def _message(request: MalformedRequest, method: str) -> str:
 def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """``handler`` with a deserializer that never raises and a behaviour that answers
     a :class:`MalformedRequest` with INVALID_ARGUMENT."""
-    if handler.response_streaming:
+    if handler.response_streaming and inspect.isasyncgenfunction(handler.unary_stream):
         inner_stream = handler.unary_stream
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -55,16 +56,18 @@ def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
         return grpc.unary_stream_rpc_method_handler(
             stream, request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer)
-    inner = handler.unary_unary
+    # A unary answer, or a stream written with context.write by a coroutine.
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    build = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
+             else grpc.unary_unary_rpc_method_handler)
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(request, method))
         return await inner(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(
-        unary, request_deserializer=_tolerant(handler.request_deserializer),
-        response_serializer=handler.response_serializer)
+    return build(unary, request_deserializer=_tolerant(handler.request_deserializer),
+                 response_serializer=handler.response_serializer)
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
