@@ -46,6 +46,8 @@ from shard import step_trace
 
 # Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
 HEALTH_RECOVERY_S = 10.0
+# After a failed step, how often the loop asks the shards whether they answer, seconds.
+SHARD_RECHECK_S = 0.1
 
 
 class QueueFullError(RuntimeError):
@@ -457,6 +459,7 @@ class Engine(EventSource):
                 logger.error("generation step failed: {}", error)  # clients get plain words
                 self.fail_all(error.public_message)
                 await self._clear_shards()
+                await self._until_shards_answer()
             except Exception:
                 logger.exception("engine step failed")
                 self.fail_all("internal error in the generation loop; see the server log")
@@ -670,6 +673,19 @@ class Engine(EventSource):
             await self.shards.client.clear_cache()
         except ShardError as error:
             logger.warning("clearing the shards' batches failed: {}", error)
+
+    async def _until_shards_answer(self) -> None:
+        """After a failed step, send nothing until every rank answers ``Health``: a dead
+        or hung rank is the launcher's to find, and it stops this loop to restart the
+        group (within ``LIVENESS_POLL_S`` or the step deadline), so requests that arrive
+        meanwhile wait in the queue for the new group instead of failing on the old one.
+        A rank that answers again (a transient failure) lets the loop go on."""
+        while True:
+            try:
+                await self.check_shards()
+                return
+            except ShardError:
+                await asyncio.sleep(SHARD_RECHECK_S)
 
     def _drop_inflight(self) -> None:
         """Forget the calls in flight (after a failure: their results no longer apply)."""

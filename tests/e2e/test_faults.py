@@ -152,3 +152,24 @@ def test_step_past_step_timeout_restarts_the_group(
     assert 503 in wait_until_healthy_again(base_url, process)
     assert shard_pid(log_path) != victim
     assert generate(base_url) == before
+
+
+def test_requests_arriving_after_a_killed_shard_wait_for_the_new_group(
+    started: Callable[..., tuple[str, subprocess.Popen[bytes], Path]],
+) -> None:
+    import concurrent.futures
+
+    base_url, process, log_path = started()
+    before = generate(base_url)
+    victim = shard_pid(log_path)
+    events, _ = stream_through(base_url, lambda: os.kill(victim, signal.SIGKILL))
+    assert "error" in events[-1], events[-1]  # the running stream fails with its rank
+    # Sent at once after the failure, before the launcher has seen the dead rank (it
+    # polls every 0.5 s): they wait in the queue for the restarted group.
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = []
+        for _ in range(6):
+            futures.append(pool.submit(generate, base_url))
+            time.sleep(0.05)
+        assert [f.result() for f in futures] == [before] * 6
+    assert shard_pid(log_path) != victim and process.poll() is None
