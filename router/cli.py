@@ -134,8 +134,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         "APIs run in the engine's process (default: 1 when the shards run on "
                         "a GPU, 0 on CPU)")
     server.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="seconds a client has to send a request's headers; slower or "
-                        "idle connections are closed")
+                        help="seconds a client has to send a request's headers, and again "
+                        "its body; slower or idle connections are closed")
 
 
 _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")

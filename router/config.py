@@ -184,7 +184,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()
     # Bearer key HTTP (but /health, /metrics) and public gRPC calls need; None = open.
     api_key: str | None = field(default=None, repr=False)
-    header_timeout_s: float = 10.0  # to receive a request's headers, seconds
+    header_timeout_s: float = 10.0  # to receive a request's headers (and its body), seconds
     status_interval_s: float = 5.0  # between status lines of a busy server; 0 = none
     # API processes beside the engine's (router/api_process.py); 0 = the APIs run in the
     # engine's process; None = 1 when the shards run on a GPU, else 0.

@@ -1,12 +1,15 @@
-"""The uvicorn server of the HTTP API, with a deadline for request headers.
+"""The uvicorn server of the HTTP API, with deadlines for request headers and bodies.
 
 uvicorn closes a keep-alive connection that stays idle after a response
 (``timeout_keep_alive``) but nothing bounds a connection that never finishes sending a
-request's headers: a fresh connection that sends nothing, or headers trickled in byte
-by byte, stays open for ever and holds a file descriptor. :class:`HeaderTimeoutProtocol`
-gives every request ``header_timeout_s`` seconds, from the moment the connection is
-ready for it, to deliver its complete headers; then the connection is closed. A request
-whose headers have arrived (and its body and a long stream) is never cut by it.
+request: a fresh connection that sends nothing, headers trickled in byte by byte, or a
+body that stops short of its ``Content-Length`` stays open for ever, holds a file
+descriptor and (a body) a handler waiting for it, which also holds up a graceful
+shutdown. :class:`HeaderTimeoutProtocol` gives every request ``header_timeout_s``
+seconds, from the moment the connection is ready for it, to deliver its complete
+headers, then as long again for its body; past either the connection is closed (the
+handler sees the client gone). A request that has arrived whole is never cut by it,
+however long its answer streams.
 
 Requests are parsed by httptools (llhttp, in C), uvicorn's fast parser: a burst of 256
 requests reached a minimal app's handlers in half the time h11's pure-Python parser took
@@ -43,11 +46,13 @@ class HttpConfig(uvicorn.Config):
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on receiving each request's headers.
+    """uvicorn's httptools protocol with deadlines on receiving each request's headers
+    and body.
 
-    The deadline is armed when the connection opens and again when a response ends
-    with no pipelined request waiting (the connection then waits for the next request),
-    and disarmed once a request's headers are complete.
+    The header deadline is armed when the connection opens and again when a response
+    ends with no pipelined request waiting (the connection then waits for the next
+    request); once a request's headers are complete the body deadline replaces it, and
+    it is disarmed when the whole request has arrived.
     """
 
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
@@ -63,6 +68,13 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_deadline()
         super().on_headers_complete()
+        # the body gets a deadline of its own (on_message_complete disarms it; for a
+        # request without a body that comes within the same parse)
+        self._arm_header_deadline()
+
+    def on_message_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         # A pipelined request waiting here has its headers already; uvicorn starts it
@@ -87,8 +99,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def _on_deadline(self) -> None:
         self._header_deadline = None
         if not self.transport.is_closing():
-            logger.debug("closing a connection that sent no complete request headers in {} s "
-                         "(--header-timeout)", self.header_timeout_s)
+            logger.debug("closing a connection that sent no complete request headers or "
+                         "body in {} s (--header-timeout)", self.header_timeout_s)
             self.transport.close()
 
 
@@ -107,7 +119,8 @@ def make_http_server(
     """The HTTP server of ``app`` on ``host:port``.
 
     Args:
-        header_timeout_s: Seconds a client has to send a request's complete headers.
+        header_timeout_s: Seconds a client has to send a request's complete headers,
+            and as long again for its body.
         graceful_timeout_s: Seconds open requests get to finish once asked to exit.
     """
     return HttpServer(

@@ -1,5 +1,5 @@
-"""Idle and half-open HTTP connections are closed after ``--header-timeout``; requests
-whose headers arrived in time (and long streams) are not cut."""
+"""Idle and half-open HTTP connections, and requests whose body stalls, are closed after
+``--header-timeout``; requests that arrived in time (and long streams) are not cut."""
 
 from __future__ import annotations
 
@@ -95,6 +95,30 @@ def test_trickled_headers_get_the_deadline_not_a_reset_per_byte(server: LiveServ
         assert closed and time.monotonic() - started < HEADER_TIMEOUT_S + 3.0
     finally:
         sock.close()
+
+
+def test_stalled_bodies_are_closed_and_other_requests_go_on(server: LiveServer) -> None:
+    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).encode()
+    head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    stalled = [connect(server) for _ in range(20)]
+    started = time.monotonic()
+    try:
+        for sock in stalled:  # complete headers, then half the body, then nothing
+            sock.sendall(head + body[: len(body) // 2])
+        # a request that sends its body in time is served meanwhile
+        assert httpx.post(f"{server.url}/generate", content=body, timeout=30,
+                          headers={"Content-Type": "application/json"}).status_code == 200
+        for sock in stalled:
+            remaining = HEADER_TIMEOUT_S + 5.0 - (time.monotonic() - started)
+            assert closed_by_server(sock, max(remaining, 0.1))
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    time.sleep(0.5)
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
 
 
 def test_requests_in_time_and_long_streams_are_served(server: LiveServer) -> None:
