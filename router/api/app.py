@@ -134,6 +134,11 @@ def _count_rejected(state: ServerState) -> None:
 async def _schema_error(request: Request, exc: SchemaValidationError) -> JSONResponse:
     _count_rejected(server_state(request))
     message, field = _describe_schema_errors(list(exc.errors()))
+    content_type = request.headers.get("content-type", "")
+    if field == "body" and "json" not in content_type:
+        # FastAPI reads a body of another media type as raw bytes, "not a dictionary"
+        message = (f"body: must be a JSON object sent with Content-Type: application/json "
+                   f"(got {content_type or 'no Content-Type'})")
     return _error(request, 422, message, "validation", field)
 
 

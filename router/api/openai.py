@@ -314,7 +314,10 @@ def _completion_requests(
     if not prompts:
         raise RequestValidationError("prompt", "must not be empty")
     if len(prompts) * width > validator.limits.max_best_of * 4:
-        raise RequestValidationError("prompt", "too many prompts x choices in one request")
+        raise RequestValidationError(
+            "prompt", f"{len(prompts)} prompts x {width} choices is over the "
+            f"{validator.limits.max_best_of * 4} sequences one request may ask for "
+            "(4 x --max-best-of)")
     validator.check_sequences(len(prompts) * width, "prompt")
     requests: list[GenerationRequest] = []
     for prompt in prompts:

@@ -184,3 +184,22 @@ async def test_more_sequences_than_ever_run_at_once_is_a_4xx_not_a_429(
     ok = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["choices"]) == 2
+
+
+@pytest.mark.parametrize(("path", "status"), [("/generate", 422), ("/v1/completions", 400)])
+async def test_body_of_another_media_type_says_so(
+    make_app: AppFactory, tokenizer: Tokenizer, path: str, status: int
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.post(path, content=b'{"inputs": "Hi", "prompt": "Hi"}',
+                                 headers={"content-type": "text/plain"})
+    assert response.status_code == status, response.text
+    assert "Content-Type: application/json (got text/plain)" in response.text
+
+
+async def test_too_many_prompts_names_the_limit(make_app: AppFactory, tokenizer: Tokenizer) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.post("/v1/completions", json={
+        "prompt": ["a"] * 100, "n": 2, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    assert "100 prompts x 2 choices" in response.json()["error"]["message"]
