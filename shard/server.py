@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -131,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(config.rank, config.json_logs)
     watch_parent(config.parent_pid, config.rank)
     asyncio.run(_serve(config, host, port))
+    # Stopped cleanly and logged so. Leave without the interpreter's teardown: triton's
+    # nanobind extension reports "leaked" objects then, dozens of lines in the
+    # server's log with no newline at the end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

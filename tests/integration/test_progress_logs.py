@@ -115,3 +115,16 @@ def test_warm_up_draws_a_progress_bar_on_a_terminal(tiny_model_dir: Path) -> Non
     text = output.decode(errors="replace")
     assert re.search(r"warm-up: 100%\|█+\| 3/3 \[\d\d:\d\d\], done", text), text[-3000:]
     assert "warm-up 3/3: running the worst-case prefill" in text
+
+
+def test_a_clean_stop_ends_the_log_with_its_own_lines(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    live = launch_tiny(tiny_model_dir, tmp_path / "server.log")
+    assert httpx.post(f"{live.url}/generate", json={"inputs": "Hi"}, timeout=60).is_success
+    assert live.stop() == 0
+    lines = live.log().splitlines()
+    # no teardown reports of extension modules ("nanobind: leaked ..."), and the last
+    # line is the launcher's own
+    assert not [line for line in lines if "leaked" in line], lines[-5:]
+    assert re.search(r"\| INFO +\| .*- stopped$", lines[-1]), lines[-5:]
