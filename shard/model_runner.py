@@ -440,7 +440,8 @@ class ModelRunner:
             self.device,
         )))
         return self._pending(batch.batch_id, states, out, timer, previous_timer,
-                             trace_step=trace_step, prompt_logprobs=prompt_lps)
+                             trace_step=trace_step, prompt_logprobs=prompt_lps,
+                             has_grammar=any(s.grammar is not None for s in states))
 
     def _prefill_matcher(self, r: RequestInput) -> GrammarMatcher | None:
         """The grammar state of a constrained request: fresh, or after a recompute
@@ -574,7 +575,8 @@ class ModelRunner:
             r.advance()
         timer.stop()
         previous_timer, self._last_timer = self._last_timer, timer
-        return self._pending(batch.batch_id, requests, out, timer, previous_timer)
+        return self._pending(batch.batch_id, requests, out, timer, previous_timer,
+                             has_grammar=kind.has_grammar)
 
     def _pending(
         self,
@@ -585,6 +587,7 @@ class ModelRunner:
         previous_timer: StepTimer | None,
         trace_step: int = -1,
         prompt_logprobs: tuple[tuple[float, ...], ...] = (),
+        has_grammar: bool = False,
     ) -> PendingStep:
         """The launched step whose sampled ``out`` is on its way to the host, chained
         after the last launched one (finished first)."""
@@ -597,6 +600,7 @@ class ModelRunner:
             trace_step=trace_step,
             previous_timer=previous_timer,
             prompt_logprobs=prompt_logprobs,
+            has_grammar=has_grammar,
         )
         self._last_pending = pending
         return pending
@@ -627,11 +631,11 @@ class ModelRunner:
                 out,
                 pending.prompt_logprobs or [()] * len(requests),
             )
-            failures: list[tuple[int, str]] = []
             for r, g in zip(requests, generations, strict=True):
                 r.record_token(g.token_id)
-                if r.grammar is not None and (failure := r.grammar.failure) is not None:
-                    failures.append((r.request_id, failure))
+            failures = [(r.request_id, failure) for r in requests if r.grammar is not None
+                        and (failure := r.grammar.failure) is not None
+                        ] if pending.has_grammar else []
         finally:
             pending.finished.set()
         info = CachedBatchInfo(pending.batch_id, tuple(r.request_id for r in requests))

@@ -36,6 +36,8 @@ class PendingStep:
             for the device's idle time between the two.
         prompt_logprobs: a prefill's prompt logprobs per request (computed at launch,
             only for the requests that asked); empty for a decode.
+        has_grammar: some request is constrained by a grammar (the failed ones are
+            reported with the step's results).
     """
 
     batch_id: int
@@ -47,6 +49,7 @@ class PendingStep:
     trace_step: int = -1
     previous_timer: StepTimer | None = None
     prompt_logprobs: tuple[tuple[float, ...], ...] = ()
+    has_grammar: bool = False
 
 
 class StepTimer:
