@@ -8,6 +8,7 @@ rank the torch.distributed rendezvous (rank 0's IP and a free port on it). Both 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import os
 import socket
@@ -50,6 +51,11 @@ class ShardExecutor(Protocol):
     async def stop_group(self, grace_s: float = 15.0) -> None: ...
 
     async def stop(self) -> None: ...
+
+    @property
+    def exit_at_once(self) -> bool:
+        """After :meth:`stop`: the process must end without the interpreter's teardown
+        (a library's state there would block or crash it)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -173,6 +179,10 @@ class LocalExecutor:
     async def stop(self) -> None:
         await self.stop_group()
 
+    @property
+    def exit_at_once(self) -> bool:
+        return False
+
 
 def _all_on_this_node(places: list[dict[str, Any]]) -> bool:
     """Whether every rank (``ShardActor.where`` answers) runs on the router's node, so
@@ -210,6 +220,7 @@ class RayExecutor:
         self.actors: list[Any] = []
         self._placement_group: Any = None
         self._started_ray = False
+        self._ray_lost = False
 
     async def start(self) -> list[str]:
         """Place the group, start one actor per rank; each rank's ``host:port``.
@@ -226,6 +237,8 @@ class RayExecutor:
         from shard.actor import ShardActor
 
         num_shard = self.config.world_size
+        if self._local_ray_lost():
+            raise StartupError("the local Ray instance is gone; start the server again")
         if not ray.is_initialized():
             if not (sys.stdout.isatty() and sys.stderr.isatty()):
                 # Shard lines reach our log through log_to_driver with a "(ShardActor
@@ -293,6 +306,10 @@ class RayExecutor:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self._local_ray_lost():
+            self.actors = []
+            self._placement_group = None
+            return
         for actor in self.actors:
             try:
                 await asyncio.wait_for(actor.stop.remote(), timeout=grace_s)
@@ -308,5 +325,38 @@ class RayExecutor:
         import ray
 
         await self.stop_group()
-        if self._started_ray:
+        if self._ray_lost:
+            # ray.shutdown() and Ray's own exit hook would wait 60 s for the lost GCS and
+            # then end the process; its C++ core crashes in the interpreter's teardown.
+            import ray._private.worker as ray_worker
+
+            node = ray_worker._global_node
+            if node is not None:
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
+            atexit.unregister(ray_worker.shutdown)
+        elif self._started_ray:
             ray.shutdown()
+
+    @property
+    def exit_at_once(self) -> bool:
+        return self._ray_lost
+
+    def _local_ray_lost(self) -> bool:
+        """Whether the Ray instance this executor started on this machine lost one of
+        its processes (raylet, GCS, ...): a signal sent to the whole process group
+        (``kill -- -PGID``, ``timeout``, systemd's default ``KillMode``) reaches them
+        as it reaches the launcher. Its actors are gone with the raylet, and any Ray
+        call would wait for the GCS. Checked without a Ray call (the processes' exit
+        status, as Ray's ``Node.dead_processes`` reads it)."""
+        if not self._ray_lost and self._started_ray and self.ray_address is None:
+            import ray._private.worker as ray_worker
+
+            node = ray_worker._global_node
+            dead: list[tuple[str, Any]] = node.dead_processes() if node is not None else []
+            if dead:
+                logger.warning(
+                    "the local Ray instance was stopped too ({} exited): a signal sent to "
+                    "the whole process group reaches it; its shard actors went with it",
+                    ", ".join(sorted({kind for kind, _ in dead})))
+                self._ray_lost = True
+        return self._ray_lost

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import functools
 import gc
+import os
 import signal
 import sys
 import time
@@ -253,7 +254,12 @@ async def serve(config: ServerConfig) -> int:
         await executor.stop()
         logger.info("stopped")
     gave_up = supervisor is not None and supervisor.gave_up
-    return 1 if gave_up or (frontend is not None and frontend.failed) else 0
+    code = 1 if gave_up or (frontend is not None and frontend.failed) else 0
+    if executor.exit_at_once:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 class Supervisor:
@@ -301,6 +307,12 @@ class Supervisor:
             failed = await self._failed_rank()
             if failed is None:
                 continue
+            if self.engine.draining:
+                # shutting down: the requests still running fail, no group is started
+                logger.error("shard rank {} {} while shutting down", *failed)
+                await self.engine.stop()
+                self.engine.fail_all("shard rank {} {}".format(*failed))
+                return
             message = "shard rank {} {}".format(*failed)
             logger.error("{}", message)
             await self.engine.stop()
