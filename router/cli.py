@@ -75,10 +75,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
     budgets = parser.add_argument_group("scheduling")
     for name in _DERIVED_BUDGETS:
-        budgets.add_argument(_flag(name), type=int, default=None, help=_DERIVED_HELP[name])
+        budgets.add_argument(_flag(name), *_PEER_SPELLINGS.get(name, ()), type=int, default=None,
+                             help=_DERIVED_HELP[name])
     defaults = SchedulerConfig()
-    budgets.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
-                         help="requests in the running batch")
+    budgets.add_argument("--max-batch-size", *_PEER_SPELLINGS["max_batch_size"], type=int,
+                         default=defaults.max_batch_size, help="requests in the running batch")
     budgets.add_argument("--max-concurrent-requests", type=int,
                          default=defaults.max_concurrent_requests,
                          help="queued + running requests; more are refused with 429")
@@ -147,6 +148,10 @@ _DERIVED_HELP = {
     "max_input_tokens": "longest prompt (default: max-total-tokens - 1)",
     "max_total_tokens": "longest prompt + output (default: min(context, 4096, KV capacity))",
 }
+
+
+# vLLM's names of the same budgets, accepted as they are.
+_PEER_SPELLINGS = {"max_total_tokens": ("--max-model-len",), "max_batch_size": ("--max-num-seqs",)}
 
 
 def _flag(name: str) -> str:
@@ -304,6 +309,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of ``command`` (``launch``, ``prepare``) under ``parser``."""
+    for action in parser._actions:  # argparse names no public way to its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed ``launch`` flags into a validated :class:`ServerConfig`.
 
@@ -357,7 +370,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardserve`` command; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command's own parser, with its usage
+        command_parser(parser, args.command).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     setup_logging(json_output=getattr(args, "json_output", False))
     for name, close in unknown_env_names(parser, os.environ):
         logger.warning("{} is not a shardserve setting and is ignored{}", name,

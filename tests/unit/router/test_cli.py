@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from router.cli import build_parser, config_from_args, env_names
+from router.cli import build_parser, command_parser, config_from_args, env_names, main
 from shard.config import (
     ATTENTION_BACKENDS,
     ShardConfig,
@@ -23,9 +23,7 @@ from shard.config import config_from_args as shard_config_from_args
 
 
 def launch_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
-    parser = build_parser(environ or {})
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    launch: argparse.ArgumentParser = subparsers.choices["launch"]
+    launch = command_parser(build_parser(environ or {}), "launch")
     return launch
 
 
@@ -101,6 +99,21 @@ def test_command_line_wins_over_the_environment() -> None:
     assert args.port == 4321 and args.json_output is True
     args = build_parser({"SHARDSERVE_JSON_OUTPUT": "off"}).parse_args(["launch"])
     assert args.json_output is False
+
+
+def test_vllm_spellings_of_the_budgets_are_accepted() -> None:
+    args = build_parser({}).parse_args(["launch", "--max-model-len", "2048",
+                                        "--max-num-seqs", "16"])
+    assert args.max_total_tokens == 2048 and args.max_batch_size == 16
+
+
+def test_unknown_flag_is_reported_by_its_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--max-batch-total-tokens", "9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "shardserve launch: error: unrecognized arguments: --max-batch-total-tokens 9" in err
+    assert "usage: shardserve launch" in err
 
 
 @pytest.mark.parametrize(("name", "raw"), [
