@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from loguru import logger
@@ -68,10 +69,16 @@ async def start_server(
     return server, bound
 
 
+def _name_main_module(record: Any) -> None:
+    if record["name"] == "__main__":
+        record["name"] = __spec__.name if __spec__ is not None else "shard.server"
+
+
 def configure_logging(rank: int, json_logs: bool = False) -> None:
     """One stderr sink; every line carries the rank (JSON lines with ``json_logs``)."""
     logger.remove()
-    logger.configure(extra={"rank": rank})
+    # run as ``python -m shard.server`` this module is __main__; its lines name it
+    logger.configure(extra={"rank": rank}, patcher=_name_main_module)
     # Through tqdm, so a progress bar on the terminal (warm-up) is redrawn below lines.
     if json_logs:
         logger.add(tqdm_safe_write, serialize=True)

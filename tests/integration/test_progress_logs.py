@@ -128,3 +128,5 @@ def test_a_clean_stop_ends_the_log_with_its_own_lines(
     # line is the launcher's own
     assert not [line for line in lines if "leaked" in line], lines[-5:]
     assert re.search(r"\| INFO +\| .*- stopped$", lines[-1]), lines[-5:]
+    # the shard's lines name its module, also when it runs as python -m shard.server
+    assert "shard rank=0 | shard.server:" in live.log() and "__main__:" not in live.log()
