@@ -444,7 +444,10 @@ class Engine(EventSource):
 
     async def _run(self) -> None:
         while True:
-            if not self.scheduler.num_requests:
+            # NOTE: a step still in flight is read even when no request is left (the
+            # overlapped step after the last one finished): its shard time ends now, not
+            # when the next request arrives
+            if not self.scheduler.num_requests and not self._inflight:
                 self.output.deliver()
                 self._wake.clear()
                 await self._wake.wait()

@@ -203,6 +203,28 @@ async def test_the_decode_period_leaves_out_periods_with_a_prefill(tokenizer: To
         assert (log[index - 1] == "decode_step_wall") != after_prefill, (index, log)
 
 
+async def test_an_idle_engine_reads_its_last_step_at_once(tokenizer: Tokenizer) -> None:
+    # A request that ends at EOS leaves the step sent after its last token in flight;
+    # that step is read at once, not when the next request wakes the engine (whose
+    # wait would otherwise count as one decode step).
+    eos = min(tokenizer.eos_token_ids)
+    shard = ScriptedShardClient(lambda _prompt: [100, 101, eos, 102, 103])
+    engine = _started_engine(shard, tokenizer)
+    walls: list[float] = []
+    engine.metrics.decode_step_wall.observe = walls.append  # type: ignore[method-assign]
+    stopping = StoppingParams(max_new_tokens=10)
+    try:
+        for _ in range(2):
+            events = [e async for e in engine.generate(
+                GenerationRequest((5, 6, 7), SamplingParams(), stopping))]
+            assert events[-1].finish is not None and len(events) == 3
+            await asyncio.sleep(0.3)
+            assert not engine._inflight
+    finally:
+        await engine.stop()
+    assert walls and max(walls) < 0.2, walls
+
+
 async def _events(engine: Engine, request: GenerationRequest) -> list[TokenEvent]:
     events = []
     async with asyncio.timeout(30.0):
