@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -172,22 +173,41 @@ def parse_forced(text: str) -> list[ParsedCall] | None:
     return [c for c in calls if c is not None]
 
 
-def parse_tool_calls(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[ParsedCall]]:
+def _offered_call(block: str, names: Collection[str] | None) -> ParsedCall | None:
+    """The call written in ``block`` (JSON text), if it is one of a function in
+    ``names`` (any name when None)."""
+    try:
+        call = _call_from_object(json.loads(block))
+    except json.JSONDecodeError:
+        return None
+    if call is None or (names is not None and call.name not in names):
+        return None
+    return call
+
+
+def parse_tool_calls(
+    text: str, fmt: ToolCallFormat, names: Collection[str] | None = None
+) -> tuple[str | None, list[ParsedCall]]:
     """Split free text (``tool_choice`` ``auto``) into content and calls.
+
+    Args:
+        names: the functions offered; a call of another name is no call (OpenAI never
+            answers with a function it was not given). None: any name.
 
     Returns:
         (content, calls): the text outside the calls (None when empty) and the calls in
-        order; a block that is not a valid call stays in the content.
+        order; a block that is not a valid call stays in the content. With calls, the
+        content is the text before the first call without its trailing whitespace,
+        then the text between and after the calls that is not whitespace alone (the
+        same whether streamed or not: see :class:`ToolCallStream`); without, the text
+        as it is.
     """
     if fmt == "llama3_json":
         body = text.strip().removeprefix(PYTHON_TAG).strip()
         if body.startswith("{"):
             calls = []
             for part in body.split(";"):
-                try:
-                    call = _call_from_object(json.loads(part))
-                except json.JSONDecodeError:
-                    call = None
+                call = _offered_call(part, names)
                 if call is None:
                     return text or None, []
                 calls.append(call)
@@ -197,17 +217,16 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[P
     kept: list[str] = []
     last = 0
     for match in _HERMES_CALL.finditer(text):
-        try:
-            call = _call_from_object(json.loads(match.group(1)))
-        except json.JSONDecodeError:
-            call = None
+        call = _offered_call(match.group(1), names)
         if call is None:
             continue
         kept.append(text[last : match.start()])
         calls.append(call)
         last = match.end()
     kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
+    if not calls:
+        return text or None, []
+    content = kept[0].rstrip() + "".join(part for part in kept[1:] if part.strip())
     return content or None, calls
 
 
@@ -219,9 +238,11 @@ class ToolCallStream:
     :meth:`finish` parses what was held back at the end.
     """
 
-    def __init__(self, fmt: ToolCallFormat) -> None:
+    def __init__(self, fmt: ToolCallFormat, names: Collection[str] | None = None) -> None:
         self.fmt = fmt
+        self.names = names
         self._held = ""
+        self._before_calls = ""  # whitespace between the content and the first call
         self._in_calls = False
         self._seen_text = False
 
@@ -248,17 +269,22 @@ class ToolCallStream:
         if start >= 0:
             self._in_calls = True
             self._held = held[start:]
-            return held[:start]
-        # hold a tail that may be the beginning of the opening tag
-        for keep in range(min(len(HERMES_OPEN) - 1, len(held)), 0, -1):
-            if HERMES_OPEN.startswith(held[-keep:]):
-                self._held = held[-keep:]
-                return held[:-keep]
-        self._held = ""
-        return held
+            before = held[:start]
+            sent = before.rstrip()
+            self._before_calls = before[len(sent):]
+            return sent
+        # hold a tail that may be the beginning of the opening tag, and the whitespace
+        # before it (dropped if a call follows)
+        keep = next((n for n in range(min(len(HERMES_OPEN) - 1, len(held)), 0, -1)
+                     if HERMES_OPEN.startswith(held[-n:])), 0)
+        sent = held[:len(held) - keep].rstrip()
+        self._held = held[len(sent):]
+        return sent
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content still to send, calls) once generation has ended."""
-        content, calls = parse_tool_calls(self._held, self.fmt)
-        self._held = ""
+        content, calls = parse_tool_calls(self._held, self.fmt, self.names)
+        if not calls:  # no call after all: everything held is content
+            content = self._before_calls + self._held
+        self._held = self._before_calls = ""
         return content or "", calls

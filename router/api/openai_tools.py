@@ -80,6 +80,12 @@ class ToolPlan:
     fmt: ToolCallFormat
     named: str | None = None
 
+    @property
+    def names(self) -> frozenset[str]:
+        """The names of the functions offered."""
+        return frozenset(tool["function"]["name"] for tool in self.tools or ()
+                         if tool.get("type", "function") == "function")
+
 
 def tool_plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan:
     """Check ``tools``, ``tool_choice`` and ``response_format`` together.
@@ -201,7 +207,7 @@ def tool_calls_of(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]
     if plan.mode == "forced":
         parsed = parse_forced(text)
         return (text, []) if parsed is None else (None, _calls(parsed))
-    content, parsed = parse_tool_calls(text, plan.fmt)
+    content, parsed = parse_tool_calls(text, plan.fmt, plan.names)
     return content, _calls(parsed)
 
 
@@ -228,7 +234,7 @@ class StreamedChoice:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self._stream = ToolCallStream(plan.fmt) if plan.mode == "auto" else None
+        self._stream = ToolCallStream(plan.fmt, plan.names) if plan.mode == "auto" else None
         self._forced: list[str] = []
 
     def feed(self, text: str) -> str:

@@ -46,6 +46,39 @@ def test_hermes_unterminated_last_call_and_invalid_blocks() -> None:
     assert parse_tool_calls("plain answer", "hermes") == ("plain answer", [])
 
 
+STREAM_TEXTS = [
+    HERMES_TEXT,
+    "Sure, checking.\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>",
+    "\n  Lead. \n\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>\n After.",
+    "A <tool_call>not json</tool_call> \n",
+    "text that ends in a partial tag <tool_",
+    "no call here \n ",
+    "<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>\n",
+    "x\n<tool_call>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call>\n\n"
+    "<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>",
+]
+OFFERED = frozenset({"get_weather", "get_time"})
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_streamed_content_and_calls_equal_the_whole_answers(text: str, chunk: int) -> None:
+    stream = ToolCallStream("hermes", OFFERED)
+    sent = "".join(stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk))
+    rest, calls = stream.finish()
+    content, whole_calls = parse_tool_calls(text, "hermes", OFFERED)
+    assert (sent + rest, calls) == (content or "", whole_calls)
+
+
+def test_calls_of_functions_not_offered_stay_content() -> None:
+    content, calls = parse_tool_calls(HERMES_TEXT, "hermes", {"get_weather"})
+    assert calls == [ParsedCall("get_weather", '{"city": "Paris"}')]
+    assert content is not None and '"get_time"' in content
+    llama = '{"name": "get_time", "parameters": {}}'
+    assert parse_tool_calls(llama, "llama3_json", {"get_weather"}) == (llama, [])
+    assert parse_tool_calls(llama, "llama3_json", {"get_time"})[1] == [ParsedCall("get_time", "{}")]
+
+
 def test_llama3_json_calls() -> None:
     text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}'
     assert parse_tool_calls(text, "llama3_json") == (
