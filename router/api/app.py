@@ -180,6 +180,9 @@ async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code in (404, 405):  # no such route or method: no field is at fault
+        kind = "not_found" if exc.status_code == 404 else "method_not_allowed"
+        return _error(request, exc.status_code, str(exc.detail), kind)
     # E.g. a body that is not UTF-8 or nests too deeply to parse: name the body.
     if exc.status_code in (400, 413):
         _count_rejected(server_state(request))

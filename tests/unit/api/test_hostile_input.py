@@ -203,3 +203,19 @@ async def test_too_many_prompts_names_the_limit(make_app: AppFactory, tokenizer:
         "prompt": ["a"] * 100, "n": 2, "max_tokens": 1})
     assert response.status_code == 400, response.text
     assert "100 prompts x 2 choices" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "status", "error_type"), [
+    ("GET", "/generate", 405, "method_not_allowed"),
+    ("POST", "/no-such-route", 404, "not_found"),
+])
+async def test_unknown_route_or_method_names_no_field(
+    make_app: AppFactory, tokenizer: Tokenizer, method: str, path: str, status: int,
+    error_type: str,
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, " fine"))
+    response = await client.request(method, path)
+    assert response.status_code == status, response.text
+    assert response.json()["error_type"] == error_type, response.text
+    openai = await client.request(method, "/v1/no-such-route")
+    assert openai.status_code == 404 and openai.json()["error"]["param"] is None
