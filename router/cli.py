@@ -317,6 +317,22 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
     return parser
 
 
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> argparse.Namespace:
+    """``argv`` parsed by ``parser`` (:func:`build_parser`).
+
+    Raises:
+        SystemExit: invalid arguments; an unknown flag is reported by its command's own
+            parser, with that command's usage (argparse would print the top level's).
+    """
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command_parser(parser, args.command).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed ``launch`` flags into a validated :class:`ServerConfig`.
 
@@ -370,10 +386,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardserve`` command; returns the exit code."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # reported by the command's own parser, with its usage
-        command_parser(parser, args.command).error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+    args = parse_command_line(parser, argv)
     setup_logging(json_output=getattr(args, "json_output", False))
     for name, close in unknown_env_names(parser, os.environ):
         logger.warning("{} is not a shardserve setting and is ignored{}", name,

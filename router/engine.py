@@ -595,7 +595,8 @@ class Engine(EventSource):
         logprobs = results.logprobs
         running = Status.RUNNING
         applied = 0
-        failures = results.grammar_failures
+        if results.grammar_failures:  # these end now: the loop below skips them
+            self._fail_grammars(sampled, results.grammar_failures)
         for index, ((seq, epoch), token_id) in enumerate(
             zip(sampled, results.token_ids, strict=True)
         ):
@@ -603,9 +604,6 @@ class Engine(EventSource):
                 continue
             seq.pending_tokens -= 1
             if seq.cancelled:
-                continue
-            if failures and seq.id in failures:
-                self._fail_grammar(seq, failures[seq.id])
                 continue
             seq.output_ids.append(token_id)
             if seq.first_token_time is None:
@@ -621,17 +619,24 @@ class Engine(EventSource):
                 self._finish(seq, "success", finish)
         self.metrics.generation_tokens.inc(applied)
 
-    def _fail_grammar(self, seq: Sequence, why: str) -> None:
-        """End ``seq``, whose grammar failed on the shards (``why``), with an
-        :class:`ErrorEvent` after the tokens it already has."""
-        logger.warning("request {}: its grammar failed on the shards: {}", seq.id, why)
-        self.output.deliver()
-        seq.events.put_nowait(ErrorEvent(
-            message=f"grammar: failed after {len(seq.output_ids)} generated tokens ({why}); "
-                    "no output can follow it: simplify the grammar",
-            grammar=True,
-        ))
-        self._finish(seq, "error")
+    def _fail_grammars(self, sampled: list[tuple[Sequence, int]], failures: dict[int, str]
+                       ) -> None:
+        """End each sequence of ``sampled`` still running in its epoch whose grammar
+        failed on the shards (``failures``: id -> why) with an :class:`ErrorEvent`
+        after the tokens it already has; its token of this step is void."""
+        self.output.deliver()  # the tokens before the failure come first
+        for seq, epoch in sampled:
+            why = failures.get(seq.id)
+            if (why is None or seq.epoch != epoch or seq.status is not Status.RUNNING
+                    or seq.cancelled):
+                continue
+            logger.warning("request {}: its grammar failed on the shards: {}", seq.id, why)
+            seq.events.put_nowait(ErrorEvent(
+                message=f"grammar: failed after {len(seq.output_ids)} generated tokens "
+                        f"({why}); no output can follow it: simplify the grammar",
+                grammar=True,
+            ))
+            self._finish(seq, "error")
 
     def _cancelled_in_batch(self) -> list[Sequence]:
         """Cancelled requests still in the batch: they leave at the next step

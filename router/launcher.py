@@ -307,16 +307,12 @@ class Supervisor:
             failed = await self._failed_rank()
             if failed is None:
                 continue
-            if self.engine.draining:
-                # shutting down: the requests still running fail, no group is started
-                logger.error("shard rank {} {} while shutting down", *failed)
-                await self.engine.stop()
-                self.engine.fail_all("shard rank {} {}".format(*failed))
-                return
             message = "shard rank {} {}".format(*failed)
             logger.error("{}", message)
             await self.engine.stop()
             self.engine.fail_all(message)
+            if self.engine.draining:  # shutting down: no group is started again
+                return
             if not await self._restart():
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)

@@ -130,10 +130,9 @@ def forced_call_schema(
     """
     if named is not None:
         return _call_schema(next(f for f in functions if f["name"] == named), "")
-    if len(functions) == 1:
-        items = [_call_schema(functions[0], "/items")]
-    else:
-        items = [_call_schema(f, f"/items/anyOf/{i}") for i, f in enumerate(functions)]
+    single = len(functions) == 1  # then the call schema is the items schema itself
+    items = [_call_schema(f, "/items" if single else f"/items/anyOf/{i}")
+             for i, f in enumerate(functions)]
     schema: dict[str, Any] = {
         "type": "array",
         "items": items[0] if len(items) == 1 else {"anyOf": items},

@@ -59,45 +59,45 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().__init__(config, *args, **kwargs)
         self.header_timeout_s: float = getattr(config, "header_timeout_s",
                                                DEFAULT_HEADER_TIMEOUT_S)
-        self._header_deadline: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_header_deadline()
+        self._arm_deadline()
 
     def on_headers_complete(self) -> None:
-        self._disarm_header_deadline()
+        self._disarm_deadline()
         super().on_headers_complete()
         # the body gets a deadline of its own (on_message_complete disarms it; for a
         # request without a body that comes within the same parse)
-        self._arm_header_deadline()
+        self._arm_deadline()
 
     def on_message_complete(self) -> None:
-        self._disarm_header_deadline()
+        self._disarm_deadline()
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
         # A pipelined request waiting here has its headers already; uvicorn starts it
         # inside the call below.
         if not self.transport.is_closing() and not self.pipeline:
-            self._arm_header_deadline()
+            self._arm_deadline()
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_deadline()
+        self._disarm_deadline()
         super().connection_lost(exc)
 
-    def _arm_header_deadline(self) -> None:
-        self._disarm_header_deadline()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._on_deadline)
+    def _arm_deadline(self) -> None:
+        self._disarm_deadline()
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._on_deadline)
 
-    def _disarm_header_deadline(self) -> None:
-        if self._header_deadline is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
+    def _disarm_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _on_deadline(self) -> None:
-        self._header_deadline = None
+        self._deadline = None
         if not self.transport.is_closing():
             logger.debug("closing a connection that sent no complete request headers or "
                          "body in {} s (--header-timeout)", self.header_timeout_s)

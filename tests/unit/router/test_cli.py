@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from router.cli import build_parser, command_parser, config_from_args, env_names, main
+from router.cli import (
+    build_parser,
+    command_parser,
+    config_from_args,
+    env_names,
+    parse_command_line,
+)
 from shard.config import (
     ATTENTION_BACKENDS,
     ShardConfig,
@@ -109,7 +115,7 @@ def test_vllm_spellings_of_the_budgets_are_accepted() -> None:
 
 def test_unknown_flag_is_reported_by_its_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["launch", "--max-batch-total-tokens", "9"])
+        parse_command_line(build_parser({}), ["launch", "--max-batch-total-tokens", "9"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "shardserve launch: error: unrecognized arguments: --max-batch-total-tokens 9" in err
