@@ -8,6 +8,12 @@ while the newest decode ends with U+FFFD (an incomplete UTF-8 sequence) nothing 
 emitted and the tokens wait. The Hugging Face ``tokenizers`` library implements it in
 Rust as ``tokenizers.decoders.DecodeStream`` (one call per token, about 1 µs), which is
 what runs here.
+
+A prompt may end inside a character (token ids sent as the prompt, cut after the first
+bytes of an emoji). The generated text is then vLLM's: the decode of prompt + generated
+tokens minus the decode of the prompt, counted in characters; the character the prompt
+began belongs to the prompt (its U+FFFD becomes that character), and the generated text
+starts after it. Until that character is complete nothing is emitted.
 """
 
 from __future__ import annotations
@@ -36,18 +42,38 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend
         self._skip_special_tokens = skip_special_tokens
         context = prompt_ids[-_CONTEXT_TOKENS:]
-        self._stream = DecodeStream(context, skip_special_tokens)
         self._emitted = context  # the last tokens whose text was emitted
         self._held: list[int] = []  # tokens after them, text not emitted yet
+        # None while the prompt's last character is incomplete: DecodeStream would send
+        # the prompt's text with the first delta (its prefix is the prompt's decode up to
+        # its last complete character), so the first deltas are decoded here.
+        self._stream: DecodeStream | None = None
+        self._prompt_text = tokenizer.decode(context, skip_special_tokens)
+        if not self._prompt_text.endswith(_REPLACEMENT):
+            self._stream = DecodeStream(context, skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ('' while a character is partial)."""
-        text = self._stream.step(self._backend, token_id)
         self._held.append(token_id)
+        if self._stream is None:
+            return self._after_incomplete_prompt()
+        text = self._stream.step(self._backend, token_id)
         if not text:
             return ""
         self._emitted, self._held = self._held[-_CONTEXT_TOKENS:], []
         return text
+
+    def _after_incomplete_prompt(self) -> str:
+        # The prompt ends inside a character: the text is the decode of the prompt's tail
+        # and the tokens held, minus the prompt's own decode (its U+FFFD included), once
+        # it ends with a complete character; then the DecodeStream takes over from there.
+        tokens = self._emitted + self._held
+        full = self._tokenizer.decode(tokens, self._skip_special_tokens)
+        if full.endswith(_REPLACEMENT) or len(full) <= len(self._prompt_text):
+            return ""
+        self._emitted, self._held = tokens[-_CONTEXT_TOKENS:], []
+        self._stream = DecodeStream(self._emitted, self._skip_special_tokens)
+        return full[len(self._prompt_text):]
 
     def flush(self) -> str:
         """Text still held at the end of generation (a character left incomplete by the
