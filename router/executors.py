@@ -20,6 +20,7 @@ import grpc
 from loguru import logger
 
 from router.log import announce_wait
+from router.startup_errors import StartupError  # also the launcher's name for it
 from shard.config import ENV_PREFIX, ShardConfig, shard_argv
 from shard.pb import shard_pb2, shard_pb2_grpc
 
@@ -32,10 +33,6 @@ PROBE_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-class StartupError(RuntimeError):
-    """The shard group could not be started (a rank exited, resources are missing)."""
 
 
 class ShardExecutor(Protocol):

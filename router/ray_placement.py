@@ -19,14 +19,10 @@ from typing import Any
 
 from loguru import logger
 
-from router.executors import StartupError
+from router.startup_errors import PlacementError
 
 # How often a placement-group wait logs what it is waiting for, seconds.
 LOG_EVERY_S = 10.0
-
-
-class PlacementError(StartupError):
-    """The shard group's placement group cannot be placed (resources missing)."""
 
 
 def start_local_ray(num_shard: int) -> None:
