@@ -8,6 +8,7 @@ import pytest
 
 from router.detokenizer import IncrementalDetokenizer, generated_text
 from router.tokenizer import Tokenizer
+from tests.byte_tokens import byte_tokens
 
 TEXTS = [
     " Hello world, this is a test of leading spaces.",
@@ -77,21 +78,10 @@ def test_text_decoded_once_equals_the_streamed_text_on_random_ids(tokenizer: Tok
         assert generated_text(tokenizer, prompt, ids) == _streamed(tokenizer, prompt, ids)
 
 
-def _byte_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
-    """One byte-level token per UTF-8 byte of ``text`` (GPT-2's byte-to-character map)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-    ids = [tokenizer.backend.token_to_id(chars[b]) for b in text.encode()]
-    assert None not in ids, "the tokenizer should have a token for every byte"
-    return ids
-
-
 def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
     # vLLM's text: the decode of prompt + generated minus the prompt's decode ("Hi \ufffd"),
     # so the emoji that the prompt began is the prompt's; the deltas hold no prompt text.
-    smile = _byte_tokens(tokenizer, "🙂")
+    smile = byte_tokens(tokenizer, "🙂")
     prompt = tokenizer.encode("Hi ", add_special_tokens=False) + smile[:2]
     ok = tokenizer.encode(" ok", add_special_tokens=False)
     for output, pieces in ((smile[2:] + ok, ["", "", " ok"]), (ok, [" ok"]),
@@ -109,10 +99,10 @@ def test_prompt_ending_inside_a_character_on_random_ids(tokenizer: Tokenizer) ->
     vocab = tokenizer.vocab_size
     texts = ["🙂", "é", "日本", "👩‍👧", " €x"]
     for _ in range(60):
-        whole = _byte_tokens(tokenizer, rng.choice(texts))
+        whole = byte_tokens(tokenizer, rng.choice(texts))
         cut = whole[:rng.randrange(1, len(whole))]
         prompt = tokenizer.encode("Say", add_special_tokens=False) + cut
-        ids = [rng.choice([rng.randrange(vocab), *_byte_tokens(tokenizer, rng.choice(texts))])
+        ids = [rng.choice([rng.randrange(vocab), *byte_tokens(tokenizer, rng.choice(texts))])
                for _ in range(rng.randrange(1, 12))]
         full = tokenizer.decode(prompt + ids).rstrip("\ufffd")
         expected = full[len(tokenizer.decode(prompt)):]
