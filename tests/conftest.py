@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def _quiet_triton_teardown() -> None:
+    """Send the interpreter's last stderr lines to /dev/null when triton was loaded.
+
+    After the session, libtriton's nanobind layer reports every object of it still alive
+    when the interpreter ends (``nanobind: leaked 64 types!`` and ~25 more lines) and
+    triton exposes no switch for it; the shard process leaves by ``os._exit`` for the
+    same reason (shard/server.py), and triton's compile workers silence it the same way
+    (triton/_compile_warmup_pool.py). Registered when pytest loads this file, before the
+    tests import Ray, multiprocessing or loguru, it runs after their exit handlers
+    (atexit runs them last-in, first-out), whose output still shows.
+    """
+    if "triton._C.libtriton" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+atexit.register(_quiet_triton_teardown)
 
 
 def _no_cuda() -> bool:
