@@ -1,9 +1,9 @@
 """The continuous-batching loop: prefill newcomers, decode the running batch, stream.
 
 One asyncio task drives the shard group step by step. Between decode steps, waiting
-requests are prefilled and join the running batch (their cached batch is concatenated
-into the next ``Decode``); finished, cancelled and preempted requests leave it in the
-same call. The loop's parts live beside it: the scheduler decides
+requests are prefilled and join the running batch (the shards decode them from the
+next ``Decode`` on); finished, cancelled and preempted requests leave it with the next
+step, by id. The loop's parts live beside it: the scheduler decides
 (:mod:`router.scheduler`), :mod:`router.shard_steps` speaks the shard protocol,
 :mod:`router.output` turns tokens into text and stream events, and
 :mod:`router.metrics` observes. The API reads :meth:`Engine.status`; the supervisor
@@ -25,6 +25,7 @@ from loguru import logger
 
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
+from router.health import ShardHealth
 from router.metrics import Metrics
 from router.output import OutputProcessor
 from router.request import (
@@ -232,6 +233,7 @@ class Engine(EventSource):
         self.shards = ShardSteps(client, block_size)
         self.output = OutputProcessor(tokenizer, self.scheduler)
         self.metrics = Metrics(self._metrics_state)
+        self.shard_health = ShardHealth()  # the supervisor writes it, health probes read it
         self._failed_at: float | None = None
         self._draining = False
         # shard calls sent and not yet read, one list per loop iteration, oldest first
@@ -342,28 +344,19 @@ class Engine(EventSource):
         return self.metrics.render()
 
     async def health_problem(self) -> str | None:
-        """Why the server is not healthy, or None when it is (``GET /health`` and the
-        gRPC health service ask this).
+        """Why the server is not healthy, in plain words, or None when it is (``GET
+        /health``, the gRPC health service and the API processes ask this).
 
-        Unhealthy while draining (SIGTERM, or no shard-group restart left), while a
-        shard does not answer ``Health`` within 5 s (dead, hung, restarting), and for a
-        while after a failed step (:attr:`healthy`). Never raises for a shard failure: a
-        call cancelled under it (the shard group's channels closing during a restart) is
-        an answer too. Only the cancellation of the caller itself propagates.
+        Answers at once from the known state, without a shard call: the shard group's
+        health as the supervisor last saw it (:attr:`shard_health`: a rank not
+        answering, the group restarting or down), then draining (SIGTERM), then a
+        failed step within ``HEALTH_RECOVERY_S`` (:attr:`healthy`).
         """
+        problem = self.shard_health.problem()
+        if problem is not None:
+            return problem
         if self._draining:
             return "shutting down"
-        try:
-            await self.check_shards()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            return "shards unhealthy: the shard group is restarting"
-        except Exception as error:
-            logger.warning("health check failed: {}", error)
-            plain = getattr(error, "public_message", "the model shards did not answer")
-            return f"shards unhealthy: {plain}"
         if not self.healthy:
             return "the last generation step failed"
         return None
@@ -401,7 +394,7 @@ class Engine(EventSource):
             seq.events.put_nowait(ErrorEvent(message=message))
             self.output.remove(seq.id)
             self.metrics.requests.labels("error").inc()
-        self.shards.forget_batches()
+        self.shards.restart()
         self._drop_inflight()
 
     @property
@@ -461,24 +454,22 @@ class Engine(EventSource):
             except ShardError as error:
                 logger.error("generation step failed: {}", error)  # clients get plain words
                 self.fail_all(error.public_message)
-                await self._clear_shards()
                 await self._until_shards_answer()
             except Exception:
                 logger.exception("engine step failed")
                 self.fail_all("internal error in the generation loop; see the server log")
-                await self._clear_shards()
 
     async def _step(self) -> bool:
         """Send this iteration's shard calls, then process the previous iteration's
         results while the shards compute (overlapped scheduling); False when nothing
         could run.
 
-        The router's structural state (running set, blocks, the shards' cached batches)
-        changes when a call is sent, since the shards run calls in the order sent; tokens
-        are applied when their results are processed, ``steps_in_flight`` iterations
-        later. With one step in flight, a sequence that finished in step N was already
-        sent in step N+1: it leaves the shards' batch in step N+2 and its extra token is
-        discarded (:meth:`_process`).
+        The router's structural state (running set, blocks, the requests the shards
+        hold) changes when a call is sent, since the shards run calls in the order sent;
+        tokens are applied when their results are processed, ``steps_in_flight``
+        iterations later. With one step in flight, a sequence that finished in step N
+        was already sent in step N+1: it leaves the shards in step N+2 and its extra
+        token is discarded (:meth:`_process`).
         """
         self._reap_cancelled()
         sent: list[_InFlight] = []
@@ -498,13 +489,13 @@ class Engine(EventSource):
             plan = self.scheduler.plan_decode(decoding)
             for seq in plan.preempted:
                 logger.info("preempted request {} (out of KV blocks)", seq.id)
+                self.shards.release(seq.id)
             step = self._send_decode(decoding, plan.block_appends)
             if step is not None:
                 sent.append(step)
         if sent:
             self._inflight.append(sent)
         elif not self._inflight:
-            await self.shards.sync({seq.id for seq in self.scheduler.running})
             return False
         # Read the oldest steps until config.steps_in_flight iterations stay in flight
         # (all of them when nothing new could be sent).
@@ -527,11 +518,12 @@ class Engine(EventSource):
 
     def _send_prefill(self, chunks: list[PrefillChunk]) -> _InFlight:
         self._on_admitted([chunk.seq for chunk in chunks])
-        task = self.shards.prefill(chunks)
+        task, final = self.shards.prefill(chunks)
+        by_id = {chunk.seq.id: chunk.seq for chunk in chunks}
         for chunk in chunks:
             self.scheduler.on_prefilled(chunk)
-        final = [chunk.seq for chunk in chunks if not chunk.partial]
-        return _InFlight(task, "prefill", _sampled(final), time.perf_counter())
+        return _InFlight(task, "prefill", _sampled([by_id[rid] for rid in final]),
+                         time.perf_counter())
 
     def _send_decode(
         self, decoding: list[Sequence], block_appends: dict[int, list[int]]
@@ -567,7 +559,7 @@ class Engine(EventSource):
             self.metrics.prefill_step.observe(results.forward_s)
             self._prefill_since_decode = True
         else:
-            results = ShardSteps.decode_results(response)
+            results = ShardSteps.decode_results(response, [seq.id for seq, _ in call.sampled])
             # With calls overlapped, a step's wall time runs from the later of its send
             # and the previous step's result (the time the shards could work on it). A
             # prefill between the two is the prefill's time, counted by prefill_step.
@@ -660,6 +652,7 @@ class Engine(EventSource):
     def _finish(self, seq: Sequence, outcome: str, finish: Finish | None = None) -> None:
         """Free ``seq``'s blocks, count it and write its one log line."""
         self.scheduler.finish(seq)
+        self.shards.release(seq.id)
         self.output.remove(seq.id)
         now = time.monotonic()
         self.metrics.requests.labels(outcome).inc()
@@ -674,13 +667,6 @@ class Engine(EventSource):
             (seq.admitted_time or now) - seq.arrival_time,
             None if ttft is None else round(ttft, 3), now - seq.arrival_time,
         )
-
-    async def _clear_shards(self) -> None:
-        """Best effort after a failed step: drop every batch the shards still hold."""
-        try:
-            await self.shards.client.clear_cache()
-        except ShardError as error:
-            logger.warning("clearing the shards' batches failed: {}", error)
 
     async def _until_shards_answer(self) -> None:
         """After a failed step, send nothing until every rank answers ``Health``: a dead

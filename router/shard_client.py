@@ -31,7 +31,6 @@ _CHANNEL_OPTIONS = [
 # What each RPC is, and what each status code means, in words a client understands.
 _CALL_WORDS = {
     "Prefill": "while reading the prompt", "Decode": "while generating",
-    "FilterBatch": "while updating its batch", "ClearCache": "while clearing its batches",
     "Health": "to a health check", "Info": "to an info request", "Warmup": "while warming up",
 }
 _CODE_WORDS = {
@@ -83,8 +82,8 @@ class ShardClient:
             grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) for address in addresses
         ]
         self._stubs = [shard_pb2_grpc.ShardServiceStub(channel) for channel in self._channels]
-        # Prefill/Decode step numbers, in the order the calls are made (see
-        # PrefillRequest.step); warmup() and clear_cache() of every batch restart them.
+        # Prefill/Decode step numbers, in the order the calls are made (see "One key per
+        # step" in proto/shard.proto); warmup() and restart_steps() restart them.
         self._steps = itertools.count(1)
 
     async def close(self) -> None:
@@ -203,46 +202,24 @@ class ShardClient:
         self.deadline.observe(time.perf_counter() - started)
         return responses[0]
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        """Prefill ``batch`` on every rank; rank 0's response."""
-        request = pb.PrefillRequest(batch=batch, step=next(self._steps))
+    def restart_steps(self) -> None:
+        """The next step is step 1: it starts a new sequence, and every rank drops the
+        requests it holds before running it (after a failed step, whose sequence is
+        abandoned)."""
+        self._steps = itertools.count(1)
+
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        """Send ``request`` (its step number set here) to every rank; rank 0's response."""
+        request.step = next(self._steps)
         return await self._step("Prefill", lambda s, timeout: s.Prefill(request, timeout=timeout))
 
-    async def decode(
-        self,
-        batches: list[pb.CachedBatch],
-        block_appends: dict[int, list[int]],
-        remove_request_ids: Sequence[int] = (),
-    ) -> pb.DecodeResponse:
-        """One decode step over ``batches`` (concatenated, without
-        ``remove_request_ids``); rank 0's response."""
-        request = pb.DecodeRequest(
-            batches=batches,
-            block_appends=[
-                pb.BlockAppend(request_id=request_id, block_ids=blocks)
-                for request_id, blocks in block_appends.items()
-            ],
-            remove_request_ids=remove_request_ids,
-            step=next(self._steps),
-        )
+    async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
+        """Send ``request`` (its step number set here) to every rank; rank 0's response.
+        ``num_rows``: the rows it steps, for :mod:`shard.step_trace`."""
+        request.step = next(self._steps)
         if step_trace.enabled:
-            step_trace.mark("send", request.step, sum(len(b.request_ids) for b in batches))
+            step_trace.mark("send", request.step, num_rows)
         response = await self._step(
             "Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
         step_trace.mark("recv", request.step)
         return response
-
-    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
-        """Keep only ``request_ids`` in cached batch ``batch_id``."""
-        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
-        responses = await self._all("FilterBatch", lambda s: s.FilterBatch(request, timeout=60.0))
-        return responses[0].batch
-
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        """Drop cached batch ``batch_id``, or every batch."""
-        request = (
-            pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(batch_id=batch_id)
-        )
-        if batch_id is None:
-            self._steps = itertools.count(1)
-        await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=60.0))

@@ -1,17 +1,19 @@
-"""The router's side of the shard protocol: scheduler decisions go out as Prefill and
-Decode calls, each call's results come back as plain per-token values.
+"""The router's side of the step contract (proto/shard.proto): scheduler decisions go
+out as Prefill and Decode calls, each call's results come back as plain per-token
+values.
 
 With :mod:`router.shard_client` (the transport) this is the only router code that
-builds or reads shard protobuf messages. It also keeps the shards' cached batches as
-the router knows them: a prefill leaves one batch of its finished requests on the
-shards, and every Decode concatenates them all into one, dropping (in the same call)
-the requests that no longer step.
+builds or reads shard protobuf messages. A request goes to the shards once in full
+(its first prefill chunk); afterwards a step names it only by id with what changed
+(a further chunk, new blocks), and once it is finished, cancelled or preempted its id
+leaves with the next step. What is kept here is what the contract needs: which ids the
+shards hold, the decoding rows' order (the order of a Decode's tokens) and the ids
+waiting to leave.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -76,48 +78,85 @@ class ShardSteps:
     def __init__(self, client: ShardClient, block_size: int) -> None:
         self.client = client
         self.block_size = block_size
-        self._batches: list[pb.CachedBatch] = []
-        self._batch_ids = itertools.count()
+        self._held: set[int] = set()  # request ids the shards hold
+        self._rows: list[int] = []  # the decoding rows, in row order
+        self._finished: list[int] = []  # held ids that leave with the next step
 
     def reset(self, client: ShardClient, block_size: int) -> None:
-        """Talk to ``client`` from now on; it holds no batch yet (a new or cleared group)."""
+        """Talk to ``client`` from now on; it holds no request yet (a new group)."""
         self.client = client
         self.block_size = block_size
-        self._batches = []
+        self.restart()
 
-    def forget_batches(self) -> None:
-        """The shards hold no batch any more (after a failure and ``ClearCache``)."""
-        self._batches = []
+    def restart(self) -> None:
+        """Abandon the steps sent so far (after a failed step): the next one is step 1,
+        before which every rank drops what it holds."""
+        self.client.restart_steps()
+        self._held.clear()
+        self._rows = []
+        self._finished = []
 
-    def prefill(self, chunks: list[PrefillChunk]) -> asyncio.Future[pb.PrefillResponse]:
+    def release(self, request_id: int) -> None:
+        """``request_id`` is finished, cancelled or preempted: it leaves the shards
+        with the next step (nothing to do when they do not hold it)."""
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self._finished.append(request_id)
+            if request_id in self._rows:
+                self._rows.remove(request_id)
+
+    def prefill(
+        self, chunks: list[PrefillChunk]
+    ) -> tuple[asyncio.Future[pb.PrefillResponse], list[int]]:
         """Send one Prefill of ``chunks`` (call before the scheduler records them as
-        prefilled); the requests whose prompt it completes form a new cached batch."""
-        batch = pb.Batch(id=next(self._batch_ids),
-                         requests=[self._request(chunk) for chunk in chunks])
-        task = asyncio.ensure_future(self.client.prefill(batch))
-        final = [chunk.seq.id for chunk in chunks if not chunk.partial]
-        if final:
-            self._batches.append(pb.CachedBatch(id=batch.id, request_ids=final))
-        return task
+        prefilled): a request the shards hold continues by id, a new one comes in
+        full. The requests whose prompt it completes become decoding rows.
+
+        Returns:
+            The call, and the ids of the requests it samples a first token for, in the
+            order of its generations.
+        """
+        cached = [chunk for chunk in chunks if chunk.seq.id in self._held]
+        new = [chunk for chunk in chunks if chunk.seq.id not in self._held]
+        request = pb.PrefillRequest(
+            finished_request_ids=self._take_finished(),
+            cached_requests=[
+                pb.CachedRequest(id=c.seq.id, num_tokens=0 if not c.partial else c.num_tokens)
+                for c in cached
+            ],
+            new_requests=[self._new_request(chunk) for chunk in new],
+        )
+        task = asyncio.ensure_future(self.client.prefill(request))
+        self._held.update(chunk.seq.id for chunk in new)
+        final = [chunk.seq.id for chunk in (*cached, *new) if not chunk.partial]
+        self._rows.extend(final)
+        return task, final
 
     def decode(
         self, stepping: Collection[int], block_appends: dict[int, list[int]]
     ) -> tuple[asyncio.Future[pb.DecodeResponse], list[int]] | None:
-        """Send one Decode over every cached batch, stepping the requests in
-        ``stepping``; every other request leaves the shards' batch in the same call.
+        """Send one Decode stepping the rows in ``stepping``; every other row leaves the
+        shards in the same call.
 
         Returns:
             The call and the ids it steps, in the order its results come; None when no
-            cached request is in ``stepping``.
+            row is in ``stepping`` (the ids that leave go with the next step).
         """
-        held = [rid for batch in self._batches for rid in batch.request_ids]
-        kept = [rid for rid in held if rid in stepping]
-        if not kept:
+        for rid in [rid for rid in self._rows if rid not in stepping]:
+            self.release(rid)
+        if not self._rows:
             return None
-        removed = [rid for rid in held if rid not in stepping]
-        task = asyncio.ensure_future(self.client.decode(self._batches, block_appends, removed))
-        self._batches = [pb.CachedBatch(id=self._batches[0].id, request_ids=kept)]
-        return task, kept
+        request = pb.DecodeRequest(
+            finished_request_ids=self._take_finished(),
+            cached_requests=[pb.CachedRequest(id=rid, new_block_ids=blocks)
+                             for rid, blocks in block_appends.items()],
+        )
+        rows = list(self._rows)
+        return asyncio.ensure_future(self.client.decode(request, len(rows))), rows
+
+    def _take_finished(self) -> list[int]:
+        finished, self._finished = self._finished, []
+        return finished
 
     @staticmethod
     def prefill_results(response: pb.PrefillResponse) -> StepResults:
@@ -133,13 +172,14 @@ class ShardSteps:
         )
 
     @staticmethod
-    def decode_results(response: pb.DecodeResponse) -> StepResults:
+    def decode_results(response: pb.DecodeResponse, rows: list[int]) -> StepResults:
         """The tokens of a Decode response (packed ids and logprobs; full generations
-        only for the requests that asked for more), in its batch's order."""
+        only for the requests that asked for more), in the order of ``rows``, the ids
+        it stepped."""
         extras: list[TokenExtras | None] | None = None
         if response.generations:
             by_id = {g.request_id: _extras(g) for g in response.generations}
-            extras = [by_id.get(rid) for rid in response.batch.request_ids]
+            extras = [by_id.get(rid) for rid in rows]
         return StepResults(
             token_ids=list(response.token_ids),
             logprobs=list(response.logprobs),
@@ -148,34 +188,27 @@ class ShardSteps:
             grammar_failures={f.request_id: f.message for f in response.grammar_failures},
         )
 
-    async def sync(self, running: Collection[int]) -> None:
-        """Drop from the shards' cached batches every request not in ``running``."""
-        kept: list[pb.CachedBatch] = []
-        for batch in self._batches:
-            keep = [rid for rid in batch.request_ids if rid in running]
-            if not keep:
-                await self.client.clear_cache(batch.id)
-            elif len(keep) < len(batch.request_ids):
-                kept.append(await self.client.filter_batch(batch.id, keep))
-            else:
-                kept.append(batch)
-        self._batches = kept
-
-    def _request(self, chunk: PrefillChunk) -> pb.Request:
+    def _new_request(self, chunk: PrefillChunk) -> pb.NewRequest:
         seq = chunk.seq
         sampling = seq.request.sampling
-        return pb.Request(
+        return pb.NewRequest(
             id=seq.id,
-            input_ids=seq.all_ids()[: chunk.end],
+            input_ids=seq.all_ids(),
             cache_len=chunk.cache_len,
-            block_ids=seq.block_ids[: -(-chunk.end // self.block_size)],
-            partial=chunk.partial,
-            sampling=pb.SamplingParameters(**sampling.__dict__),
+            block_ids=seq.block_ids,
+            num_tokens=chunk.num_tokens if chunk.partial else 0,
+            sampling=pb.SamplingParameters(
+                temperature=sampling.temperature, top_k=sampling.top_k,
+                top_p=sampling.top_p, typical_p=sampling.typical_p, min_p=sampling.min_p,
+                do_sample=sampling.do_sample, seed=sampling.seed,
+                repetition_penalty=sampling.repetition_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                presence_penalty=sampling.presence_penalty,
+            ),
             top_n_tokens=seq.request.top_n_tokens,
             # Prompt logprobs are sent once, with the first token (not after a recompute).
             prompt_logprobs=seq.wants_prompt_logprobs,
-            # generated tokens among input_ids: a partial chunk of a recompute after
-            # preemption may end inside them, or before them
-            num_generated=max(0, chunk.end - len(seq.prompt_ids)),
+            # generated tokens among input_ids, after a preemption
+            num_generated=len(seq.output_ids),
             grammar=seq.request.grammar,
         )

@@ -1,10 +1,9 @@
-"""The model runner: turns Prefill/Decode batches into tensors, runs the model,
-samples, and updates the shard's batch state. Synchronous; the servicer calls it from
-a worker thread under a lock.
+"""The model runner: turns Prefill/Decode steps into tensors, runs the model,
+samples, and updates the requests the shard holds (:class:`~shard.requests.RequestTable`).
+Synchronous; the servicer calls it from a worker thread under a lock.
 
 Entry points: :meth:`ModelRunner.info`, :meth:`~ModelRunner.warmup`,
-:meth:`~ModelRunner.prefill`, :meth:`~ModelRunner.decode`,
-:meth:`~ModelRunner.filter_batch`, :meth:`~ModelRunner.clear_cache`.
+:meth:`~ModelRunner.prefill`, :meth:`~ModelRunner.decode`, :meth:`~ModelRunner.reset`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from loguru import logger
 
 from shard import step_trace
 from shard.attention import AttentionSpec, select_backend
-from shard.batch import BatchStore, CachedBatch, RequestState
 from shard.config import ShardConfig, default_cache_dir, dtype_name
 from shard.cuda_graphs import DecodeGraphs, parse_buckets
 from shard.decode_state import DecodeRows
@@ -40,14 +38,15 @@ from shard.models.llama import fused_decode_rows
 from shard.pending_step import PendingStep, StepTimer
 from shard.progress import PhaseProgress
 from shard.records import (
-    CachedBatchInfo,
+    DecodeStep,
     Generation,
-    PrefillBatch,
-    RequestInput,
+    NewRequest,
+    PrefillStep,
     ShardInfo,
     StepOutput,
     TopToken,
 )
+from shard.requests import RequestState, RequestTable
 from shard.sampling import (
     SamplerOutput,
     SamplingRow,
@@ -66,6 +65,9 @@ from shard.warmup import (
     dummy_sampling_rows,
 )
 
+# A Decode that changes nothing: every row steps as it is.
+NO_CHANGE = DecodeStep()
+
 
 def configure_pdl(mode: str, device: torch.device, log: Any) -> None:
     """Apply ``--pdl`` to this process's Triton kernels (:mod:`shard.pdl`); nothing to do
@@ -80,7 +82,7 @@ def configure_pdl(mode: str, device: torch.device, log: Any) -> None:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and the batch state of one shard.
+    """Owns the model, the KV cache and the request rows of one shard.
 
     Args:
         config: shard configuration.
@@ -119,7 +121,7 @@ class ModelRunner:
         configure_pdl(config.pdl, self.device, self.log)
         self.log.info("attention backend {}: {}", self.backend.name, self.backend_reason)
         self.model = build_model(config, mc, self.backend, self.device, self.dtype)
-        self.batches = BatchStore()
+        self.requests = RequestTable()
         self.kv_cache: list[KVCacheLayer] = []
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
         self.graphs: DecodeGraphs | None = None
@@ -182,7 +184,7 @@ class ModelRunner:
     ) -> int:
         """Size and allocate the KV cache (see :mod:`shard.warmup`), run a worst-case
         prefill through it, capture the decode CUDA graphs (see :meth:`graph_buckets`)
-        and drop all batches (also on failure, which leaves no cache). Each phase is
+        and drop every request held (also on failure, which leaves no cache). Each phase is
         announced (:class:`~shard.progress.PhaseProgress`).
 
         Args:
@@ -200,9 +202,7 @@ class ModelRunner:
             KVCacheTooSmallError: the cache cannot hold the budgets (names the flag).
             ValueError: a budget is 0.
         """
-        self.batches.clear()
-        self._last_pending = None
-        self._last_timer = None
+        self.reset()
         self.unbind_kv_cache()  # a failed warmup leaves the shard without a cache
         buckets = self.graph_buckets(max_batch_size)
         if max_batch_prefill_tokens <= 0 or max_total_tokens <= 0:
@@ -368,82 +368,97 @@ class ModelRunner:
         self.backend.prepare(inputs.metadata)
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
-    def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
+    def prefill(self, step: PrefillStep, trace_step: int = -1) -> StepOutput:
         """One prefill step: :meth:`launch_prefill`, then :meth:`finish_step`."""
-        launched = self.launch_prefill(batch, trace_step)
+        launched = self.launch_prefill(step, trace_step)
         if isinstance(launched, StepOutput):
             return launched
         return self.finish_step(launched)
 
     @torch.inference_mode()
-    def launch_prefill(self, batch: PrefillBatch, trace_step: int = -1) -> PendingStep | StepOutput:
-        """Compute ``input_ids[cache_len:]`` of every request, sample the first token of
-        each non-partial one and keep those under ``batch.batch_id``; the tokens are read
-        by :meth:`finish_step`. ``trace_step``: the router's step number, for
+    def launch_prefill(self, step: PrefillStep, trace_step: int = -1) -> PendingStep | StepOutput:
+        """Drop the finished requests, then compute the next chunk of each cached request
+        and of each new one (new ones are held from now on), and sample the first token
+        of each whose prompt this completes: those become decoding rows. The tokens are
+        read by :meth:`finish_step`. ``trace_step``: the router's step number, for
         :mod:`shard.step_trace`.
 
         Launching does not wait for the device (unless a request asked for prompt
-        logprobs): the new batch's first tokens stay on the device, where a decode step
+        logprobs): the new rows' first tokens stay on the device, where a decode step
         launched next reads them, so the next step is launched while this one computes.
 
         Returns:
-            the pending step, or an empty :class:`StepOutput` when every request is a
-            partial chunk (nothing is sampled or kept).
+            the pending step, or an empty :class:`StepOutput` when no prompt is
+            completed (nothing is sampled).
 
         Raises:
-            ValueError: invalid request (see :mod:`shard.step_checks`) or batch id already held.
+            ValueError: a step inconsistent with the requests held (see
+                :func:`~shard.step_checks.validate_prefill`).
             NotWarmedUpError: before Warmup.
         """
         if not self.kv_cache:
             raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
-        validate_prefill(batch, self.block_size, self.num_blocks, self.model_config.vocab_size)
-        final = [r for r in batch.requests if not r.partial]
-        if final and batch.batch_id in self.batches:
-            raise ValueError(f"batch id {batch.batch_id} is already cached")
+        table = self.requests
+        validate_prefill(step, table, self.block_size, self.num_blocks,
+                         self.model_config.vocab_size)
+        table.finish(step.finished_request_ids)
+        table.append_blocks({c.request_id: c.new_block_ids for c in step.cached_requests
+                             if c.new_block_ids})
         t0 = time.perf_counter_ns()
-        chunks = [_prefill_chunk(r) for r in batch.requests]
+        states: list[RequestState] = []
+        chunks: list[SeqChunk] = []
+        for c in step.cached_requests:
+            state = table.get(c.request_id)
+            end = len(state.token_ids) if c.num_tokens == 0 else state.seq_len + c.num_tokens
+            chunks.append(SeqChunk(state.token_ids[state.seq_len:end], state.seq_len,
+                                   state.block_table))
+            state.seq_len = end
+            states.append(state)
+        for r in step.new_requests:
+            state = _new_state(r, self._prefill_matcher(r))
+            table.add(state)
+            chunks.append(_prefill_chunk(r))
+            states.append(state)
+        wants_logprobs = [False] * len(step.cached_requests) + [
+            r.prompt_logprobs for r in step.new_requests]
         inputs = build_inputs(chunks, self.block_size, True, self.device)
         # started after the host built the inputs: the device's wait for them counts as
         # idle time before the step
         timer = StepTimer(self.device)
         hidden = self.forward(inputs)
         previous_timer = self._last_timer
-        if not final:
+        rows = [i for i, s in enumerate(states) if s.seq_len == len(s.token_ids)]
+        if not rows:
             timer.stop()
             self._last_timer = timer
             if step_trace.enabled:
                 timer.synchronize()  # nothing is read back from a partial-only prefill
                 timer.trace_gap_after(previous_timer, trace_step)
-            return StepOutput((), CachedBatchInfo(batch.batch_id, ()),
-                              time.perf_counter_ns() - t0)
-        rows = [i for i, r in enumerate(batch.requests) if not r.partial]
+            return StepOutput((), time.perf_counter_ns() - t0)
+        final = [states[i] for i in rows]
         last = inputs.last_token_indices
-        if len(rows) < len(batch.requests):
+        if len(rows) < len(states):
             # NOTE: not last[rows]: indexing by a host list copies it from pageable
             # memory, which waits for the forward just queued
             last = last.index_select(0, to_device(rows, torch.int64, last.device))
         logits = self.model.compute_logits(hidden[last])
-        matchers = [self._prefill_matcher(r) for r in final]
-        mask = self._token_mask(matchers, logits.device)
-        out = sample(logits, [_prefill_sampling_row(r) for r in final], mask)
+        mask = self._token_mask([s.grammar for s in final], logits.device)
+        out = sample(logits, [_sampling_row(s) for s in final], mask)
         timer.stop()
         self._last_timer = timer  # stopped first: the next step reads its end event
         prompt_lps = tuple(
-            self._prompt_logprobs(r, c, i, inputs, hidden)
-            for i, r, c in ((i, batch.requests[i], chunks[i]) for i in rows)
+            self._prompt_logprobs(chunks[i], i, inputs, hidden) if wants_logprobs[i] else ()
+            for i in rows
         )
-        states = [_launched_state(r, m) for r, m in zip(final, matchers, strict=True)]
-        self.batches.add(CachedBatch(batch.batch_id, states, DecodeRows.build(
-            out.token_ids.clone(),  # the next input of each row, read on the device
-            [s.seq_len for s in states],
-            [s.block_table for s in states],
-            self.device,
-        )))
-        return self._pending(batch.batch_id, states, out, timer, previous_timer,
-                             trace_step=trace_step, prompt_logprobs=prompt_lps,
-                             has_grammar=any(s.grammar is not None for s in states))
+        for state in final:
+            state.num_generated += 1  # its first token (recorded when the step is read)
+        # the next input of each new row, read on the device
+        table.join(final, out.token_ids.clone(), self.device)
+        return self._pending(final, out, timer, previous_timer, trace_step=trace_step,
+                             prompt_logprobs=prompt_lps,
+                             has_grammar=any(s.grammar is not None for s in final))
 
-    def _prefill_matcher(self, r: RequestInput) -> GrammarMatcher | None:
+    def _prefill_matcher(self, r: NewRequest) -> GrammarMatcher | None:
         """The grammar state of a constrained request: fresh, or after a recompute
         rebuilt from the tokens it had generated (the last num_generated of input_ids)."""
         if not r.grammar:
@@ -465,16 +480,11 @@ class ModelRunner:
         return TokenMask(index, allowed)
 
     def _prompt_logprobs(
-        self,
-        r: RequestInput,
-        chunk: SeqChunk,
-        index: int,
-        inputs: ModelInputs,
-        hidden: torch.Tensor,
+        self, chunk: SeqChunk, index: int, inputs: ModelInputs, hidden: torch.Tensor
     ) -> tuple[float, ...]:
         """Logprobs of ``input_ids[max(cache_len, 1):]``, each from the logits of the
         token before it (all computed in this forward; see :func:`_prefill_chunk`)."""
-        if not r.prompt_logprobs or len(chunk.token_ids) < 2:
+        if len(chunk.token_ids) < 2:
             return ()
         first = int(inputs.metadata.cu_seqlens_q[index])
         rows = hidden[first : first + len(chunk.token_ids) - 1]
@@ -482,28 +492,17 @@ class ModelRunner:
         targets = torch.tensor(chunk.token_ids[1:], dtype=torch.int64, device=logprobs.device)
         return tuple(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
 
-    def decode(
-        self,
-        batch_ids: Sequence[int],
-        block_appends: Sequence[tuple[int, Sequence[int]]] = (),
-        remove_request_ids: Sequence[int] = (),
-    ) -> StepOutput:
+    def decode(self, step: DecodeStep = NO_CHANGE) -> StepOutput:
         """One decode step: :meth:`launch_decode`, then :meth:`finish_step`."""
-        pending = self.launch_decode(batch_ids, block_appends, remove_request_ids)
+        pending = self.launch_decode(step)
         if isinstance(pending, StepOutput):
             return pending
         return self.finish_step(pending)
 
     @torch.inference_mode()
-    def launch_decode(
-        self,
-        batch_ids: Sequence[int],
-        block_appends: Sequence[tuple[int, Sequence[int]]] = (),
-        remove_request_ids: Sequence[int] = (),
-    ) -> PendingStep | StepOutput:
-        """Start one decode step over the concatenation of ``batch_ids`` (kept under the
-        first id), after dropping ``remove_request_ids`` from it and appending new blocks
-        to the named requests; its results are read by :meth:`finish_step`.
+    def launch_decode(self, step: DecodeStep = NO_CHANGE) -> PendingStep | StepOutput:
+        """Drop the finished requests, append the new blocks, then start one decode step
+        over every decoding row; its results are read by :meth:`finish_step`.
 
         Launching does not wait for the device: the step's inputs come from device state
         (the previous step's sampled tokens included), so the next step can be launched
@@ -511,52 +510,27 @@ class ModelRunner:
         token history, first waits for the previous step's :meth:`finish_step`.
 
         Returns:
-            the pending step, or an empty :class:`StepOutput` when the removals left no
-            request (the batch is dropped).
+            the pending step, or an empty :class:`StepOutput` when no row is left.
 
         Raises:
-            UnknownBatchError: a batch id not held.
-            ValueError: bad block appends, a removed id not in the batches, or a block
-                table too short for the next token.
+            ValueError: a step inconsistent with the requests held (see
+                :func:`~shard.step_checks.validate_decode`).
             NotWarmedUpError: before Warmup.
         """
-        self.batches.check_concatenate(batch_ids)
-        if len(batch_ids) == 1:
-            requests = self.batches.get(batch_ids[0]).requests
-        else:
-            requests = [r for bid in batch_ids for r in self.batches.get(bid).requests]
-        if remove_request_ids:
-            remove = set(remove_request_ids)
-            unknown = remove - {r.request_id for r in requests}
-            if unknown:
-                raise ValueError(
-                    f"remove_request_ids {sorted(unknown)} are not in the decoded batches"
-                )
-            requests = [r for r in requests if r.request_id not in remove]
-            if not requests:
-                for bid in batch_ids:
-                    self.batches.clear(bid)
-                return StepOutput((), CachedBatchInfo(batch_ids[0], ()), 0)
-        appends: dict[int, list[int]] = {}
-        for rid, blocks in block_appends:
-            appends.setdefault(rid, []).extend(blocks)
-        validate_decode(requests, appends, self.block_size, self.num_blocks)
-        batch = self.batches.concatenate(batch_ids)
-        if remove_request_ids:
-            batch = self.batches.filter(batch.batch_id, [r.request_id for r in requests])
-        if appends:
-            row_of = {r.request_id: i for i, r in enumerate(batch.requests)}
-            row_appends = []
-            for rid, blocks in appends.items():
-                r = batch.requests[row_of[rid]]
-                row_appends.append((row_of[rid], len(r.block_table), blocks))
-                r.block_table.extend(blocks)
-            batch.rows.append_blocks(row_appends)
+        if not self.kv_cache:
+            raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
+        table = self.requests
+        validate_decode(step, table, self.block_size, self.num_blocks)
+        table.finish(step.finished_request_ids)
+        table.append_blocks({c.request_id: c.new_block_ids for c in step.cached_requests
+                             if c.new_block_ids})
+        if table.rows is None:
+            return StepOutput((), 0)
         timer = StepTimer(self.device)
-        max_seqlen_k = max(r.seq_len for r in batch.requests) + 1
-        logits = self._decode_logits(batch.rows, max_seqlen_k)
-        requests = list(batch.requests)
-        kind = batch.kind
+        requests = list(table.decoding)
+        max_seqlen_k = max(r.seq_len for r in requests) + 1
+        logits = self._decode_logits(table.rows, max_seqlen_k)
+        kind = table.kind
         mask = None
         if kind.has_grammar:
             # NOTE: the forward is already queued on the device; the grammar states need
@@ -569,18 +543,17 @@ class ModelRunner:
         else:
             if kind.has_penalty:
                 self._wait_previous_finish()  # penalties read the host's token history
-            out = sample(logits, [_decode_sampling_row(r) for r in requests], mask)
-        batch.rows.advance(out.token_ids)
+            out = sample(logits, [_sampling_row(r) for r in requests], mask)
+        table.rows.advance(out.token_ids)
         for r in requests:
             r.advance()
         timer.stop()
         previous_timer, self._last_timer = self._last_timer, timer
-        return self._pending(batch.batch_id, requests, out, timer, previous_timer,
+        return self._pending(requests, out, timer, previous_timer,
                              has_grammar=kind.has_grammar)
 
     def _pending(
         self,
-        batch_id: int,
         requests: list[RequestState],
         out: SamplerOutput,
         timer: StepTimer,
@@ -592,7 +565,6 @@ class ModelRunner:
         """The launched step whose sampled ``out`` is on its way to the host, chained
         after the last launched one (finished first)."""
         pending = PendingStep(
-            batch_id=batch_id,
             requests=requests,
             host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
             timer=timer,
@@ -638,9 +610,7 @@ class ModelRunner:
                         ] if pending.has_grammar else []
         finally:
             pending.finished.set()
-        info = CachedBatchInfo(pending.batch_id, tuple(r.request_id for r in requests))
-        return StepOutput(tuple(generations), info, pending.timer.elapsed_ns(),
-                          tuple(failures))
+        return StepOutput(tuple(generations), pending.timer.elapsed_ns(), tuple(failures))
 
     def _wait_previous_finish(self, timeout_s: float = 120.0) -> None:
         """Block until the last launched step is finished (its tokens recorded)."""
@@ -666,51 +636,39 @@ class ModelRunner:
         inputs = rows.model_inputs(self.block_size, max_seqlen_k)
         return self.model.compute_logits(self.forward(inputs))
 
-    def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
-        """Keep only ``request_ids`` in the batch (see :meth:`BatchStore.filter`)."""
-        batch = self.batches.filter(batch_id, request_ids)
-        return CachedBatchInfo(batch.batch_id, batch.request_ids)
-
-    def clear_cache(self, batch_id: int | None = None) -> None:
-        """Drop one batch, or all with None (KV contents stay; the router owns blocks).
-        Clearing all also forgets a launched step whose results were never read (its
-        RPC was cancelled), so later steps do not wait for it."""
-        self.batches.clear(batch_id)
-        if batch_id is None:
-            self._last_pending = None
-            self._last_timer = None
+    def reset(self) -> None:
+        """Drop every request held (KV contents stay; the router owns blocks), and
+        forget a launched step whose results were never read (its RPC was cancelled),
+        so later steps do not wait for it: a new sequence of steps starts."""
+        self.requests.clear()
+        self._last_pending = None
+        self._last_timer = None
 
 
-def _prefill_chunk(r: RequestInput) -> SeqChunk:
-    """Tokens to compute for a prefill request. NOTE: with prompt_logprobs and a cached
+def _prefill_chunk(r: NewRequest) -> SeqChunk:
+    """Tokens to compute for a new request. NOTE: with prompt_logprobs and a cached
     prefix, the last cached token is recomputed (not rewritten) so the first new
     token's logprob is available."""
     start = r.cache_len
-    if r.prompt_logprobs and not r.partial and r.cache_len > 0:
+    if r.prompt_logprobs and r.cache_len > 0:
         start -= 1
-    return SeqChunk(r.input_ids[start:], start, r.block_ids, write_from=r.cache_len)
+    return SeqChunk(r.input_ids[start:r.end], start, r.block_ids, write_from=r.cache_len)
 
 
-def _prefill_sampling_row(r: RequestInput) -> SamplingRow:
-    generated = r.input_ids[len(r.input_ids) - r.num_generated :]
-    return SamplingRow(r.sampling, r.num_generated, r.input_ids, generated, r.top_n_tokens)
-
-
-def _decode_sampling_row(r: RequestState) -> SamplingRow:
+def _sampling_row(r: RequestState) -> SamplingRow:
     generated = TokenSuffix(r.token_ids, r.num_generated)
     return SamplingRow(r.sampling, r.num_generated, r.token_ids, generated, r.top_n_tokens)
 
 
-def _launched_state(r: RequestInput, grammar: GrammarMatcher | None) -> RequestState:
-    """The state of a request whose prefill was launched: its prompt is cached (once the
-    step runs) and one token is generated, whose id :meth:`RequestState.record_token`
-    adds when the step is read."""
+def _new_state(r: NewRequest, grammar: GrammarMatcher | None) -> RequestState:
+    """The state of a new request once this step's chunk is computed: ``end`` tokens
+    cached, none generated in this step yet."""
     return RequestState(
         request_id=r.request_id,
         block_table=list(r.block_ids),
         token_ids=list(r.input_ids),
-        seq_len=len(r.input_ids),
-        num_generated=r.num_generated + 1,
+        seq_len=r.end,
+        num_generated=r.num_generated,
         sampling=r.sampling,
         top_n_tokens=r.top_n_tokens,
         grammar=grammar,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from shard.pb import shard_pb2 as pb
 from shard.records import (
-    CachedBatchInfo,
+    CachedRequest,
+    DecodeStep,
     Generation,
-    PrefillBatch,
-    RequestInput,
+    NewRequest,
+    PrefillStep,
     ShardInfo,
     StepOutput,
 )
@@ -39,18 +40,18 @@ def sampling_from_pb(p: pb.SamplingParameters) -> SamplingParams:
     )
 
 
-def request_from_pb(r: pb.Request) -> RequestInput:
+def new_request_from_pb(r: pb.NewRequest) -> NewRequest:
     try:
         sampling = sampling_from_pb(r.sampling)
     except ValueError as exc:
         raise ValueError(f"request {r.id}: sampling: {exc}") from exc
-    return RequestInput(
+    return NewRequest(
         request_id=r.id,
         input_ids=tuple(r.input_ids),
         cache_len=r.cache_len,
         block_ids=tuple(r.block_ids),
         sampling=sampling,
-        partial=r.partial,
+        num_tokens=r.num_tokens,
         top_n_tokens=r.top_n_tokens,
         prompt_logprobs=r.prompt_logprobs,
         num_generated=r.num_generated,
@@ -58,16 +59,23 @@ def request_from_pb(r: pb.Request) -> RequestInput:
     )
 
 
-def prefill_batch_from_pb(b: pb.Batch) -> PrefillBatch:
-    return PrefillBatch(batch_id=b.id, requests=tuple(request_from_pb(r) for r in b.requests))
+def cached_request_from_pb(r: pb.CachedRequest) -> CachedRequest:
+    return CachedRequest(r.id, tuple(r.new_block_ids), r.num_tokens)
 
 
-def block_appends_from_pb(appends: list[pb.BlockAppend]) -> list[tuple[int, list[int]]]:
-    return [(a.request_id, list(a.block_ids)) for a in appends]
+def prefill_step_from_pb(request: pb.PrefillRequest) -> PrefillStep:
+    return PrefillStep(
+        new_requests=tuple(new_request_from_pb(r) for r in request.new_requests),
+        cached_requests=tuple(cached_request_from_pb(r) for r in request.cached_requests),
+        finished_request_ids=tuple(request.finished_request_ids),
+    )
 
 
-def cached_batch_to_pb(b: CachedBatchInfo) -> pb.CachedBatch:
-    return pb.CachedBatch(id=b.batch_id, request_ids=list(b.request_ids))
+def decode_step_from_pb(request: pb.DecodeRequest) -> DecodeStep:
+    return DecodeStep(
+        cached_requests=tuple(cached_request_from_pb(r) for r in request.cached_requests),
+        finished_request_ids=tuple(request.finished_request_ids),
+    )
 
 
 def generation_to_pb(g: Generation) -> pb.Generation:
@@ -94,13 +102,12 @@ def grammar_failures_to_pb(out: StepOutput) -> list[pb.GrammarFailure]:
 
 
 def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
-    """Tokens and logprobs as packed arrays in batch order; a ``Generation`` message
+    """Tokens and logprobs as packed arrays in row order; a ``Generation`` message
     only for the requests with top tokens (a step of hundreds of requests stays a few
     kilobytes and parses without a message per request)."""
     gens = out.generations
     return pb.DecodeResponse(
         generations=[generation_to_pb(g) for g in gens if g.top_tokens],
-        batch=cached_batch_to_pb(out.batch),
         timings=timings_to_pb(out.forward_ns, total_ns),
         token_ids=[g.token_id for g in gens],
         logprobs=[g.logprob for g in gens],

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from shard import step_trace
-from shard.batch import RequestState
 from shard.host_copy import HostCopy
+from shard.requests import RequestState
 
 
 @dataclass
@@ -23,9 +23,9 @@ class PendingStep:
     """A prefill or decode step launched on the device whose results are not read yet.
 
     Attributes:
-        batch_id: the batch it stepped (a prefill: the batch it created).
-        requests: the batch's requests at launch, in order (a prefill: its non-partial
-            requests, whose first token is recorded when the step is read).
+        requests: the rows it samples, in order (a decode: every decoding row at launch;
+            a prefill: the requests whose prompt it completed, whose first token is
+            recorded when the step is read).
         host: the sampled ids, logprobs and top tokens, on their way to the host.
         timer: the step's device time.
         previous: the step launched before it (finished first, so that the tokens of
@@ -40,7 +40,6 @@ class PendingStep:
             reported with the step's results).
     """
 
-    batch_id: int
     requests: list[RequestState]
     host: HostCopy
     timer: StepTimer

@@ -10,24 +10,25 @@ from shard.sampling_types import SamplingParams, TopToken
 
 
 @dataclass(frozen=True)
-class RequestInput:
-    """One request of a Prefill (see ``Request`` in proto/shard.proto).
+class NewRequest:
+    """A request the shard has not seen, sent once in full (see ``NewRequest`` in
+    proto/shard.proto).
 
     Attributes:
-        request_id: router-assigned id, unique within the batch.
+        request_id: router-assigned id, not held by the shard yet.
         input_ids: all tokens so far (prompt, plus generated ones after a preemption).
-        cache_len: leading tokens of input_ids already in the KV cache; only
-            ``input_ids[cache_len:]`` are computed. Must be < len(input_ids).
+        cache_len: leading tokens of input_ids already in the KV cache (a prefix cache
+            hit); computing starts there. Must be < len(input_ids).
         block_ids: the request's block table, enough blocks for len(input_ids) tokens.
         sampling: sampling parameters. (The request's stopping parameters are not read:
             the router decides when a request stops.)
-        partial: intermediate chunk of a chunked prefill: write K/V only, sample
-            nothing, keep no state.
+        num_tokens: tokens to compute in this step from ``cache_len``; 0 = all the rest.
+            A chunk that ends before input_ids does samples nothing: the shard keeps the
+            request and later Prefills continue it (:class:`CachedRequest`).
         top_n_tokens: alternatives to return with each generated token.
         prompt_logprobs: return the logprob of every computed prompt token after the
-            first (aligned with ``input_ids[max(cache_len, 1):]``). A partial chunk
-            returns no Generation, so with chunked prefill only the final chunk's
-            prompt logprobs come back.
+            first (aligned with ``input_ids[max(cache_len, 1):]``); such a request
+            comes whole, never in chunks.
         num_generated: how many trailing tokens of input_ids were generated (penalties,
             and the grammar's state after a recompute).
         grammar: llguidance grammar (JSON text) the generated tokens must follow; ""
@@ -39,19 +40,59 @@ class RequestInput:
     cache_len: int
     block_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    partial: bool = False
+    num_tokens: int = 0
     top_n_tokens: int = 0
     prompt_logprobs: bool = False
     num_generated: int = 0
     grammar: str = ""
 
+    @property
+    def end(self) -> int:
+        """Tokens of input_ids in the cache once this step has run."""
+        if self.num_tokens == 0:
+            return len(self.input_ids)
+        return min(self.cache_len + self.num_tokens, len(self.input_ids))
+
+    @property
+    def partial(self) -> bool:
+        """This step computes a chunk that ends before the prompt does."""
+        return self.end < len(self.input_ids)
+
 
 @dataclass(frozen=True)
-class PrefillBatch:
-    """A Prefill call: a new batch id and its requests."""
+class CachedRequest:
+    """A request the shard holds, as it changes in one step (see ``CachedRequest`` in
+    proto/shard.proto).
 
-    batch_id: int
-    requests: tuple[RequestInput, ...]
+    Attributes:
+        request_id: the request.
+        new_block_ids: KV blocks appended to its block table before the step.
+        num_tokens: tokens to compute in this step; 0 = the default (a Prefill: the
+            rest of the prompt; a Decode: 1).
+    """
+
+    request_id: int
+    new_block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """A Prefill call: requests that leave, then the next chunks of requests being
+    prefilled (``cached_requests``), then new requests, computed in that order."""
+
+    new_requests: tuple[NewRequest, ...] = ()
+    cached_requests: tuple[CachedRequest, ...] = ()
+    finished_request_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A Decode call: requests that leave, and rows whose block table grows; every row
+    held then decodes one token."""
+
+    cached_requests: tuple[CachedRequest, ...] = ()
+    finished_request_ids: tuple[int, ...] = ()
 
 
 class Generation(NamedTuple):
@@ -64,7 +105,7 @@ class Generation(NamedTuple):
         token_id: sampled token.
         logprob: its log-probability under the raw model distribution.
         top_tokens: the ``top_n_tokens`` most likely tokens, most likely first.
-        prompt_logprobs: see :attr:`RequestInput.prompt_logprobs` (empty otherwise).
+        prompt_logprobs: see :attr:`NewRequest.prompt_logprobs` (empty otherwise).
     """
 
     request_id: int
@@ -75,20 +116,12 @@ class Generation(NamedTuple):
 
 
 @dataclass(frozen=True)
-class CachedBatchInfo:
-    """A batch held by the shard: its id and request ids in order."""
-
-    batch_id: int
-    request_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class StepOutput:
     """Result of Prefill or Decode.
 
     Attributes:
-        generations: one per sampled request, in batch order.
-        batch: the batch now cached (empty request_ids when nothing was kept).
+        generations: one per sampled request: a Prefill's in its requests' order, a
+            Decode's in row order.
         forward_ns: model forward + sampling time on this rank, in nanoseconds.
         grammar_failures: (request id, why) of each request of the step whose grammar
             is in its failed state (see :class:`shard.grammar.GrammarMatcher`): its
@@ -96,7 +129,6 @@ class StepOutput:
     """
 
     generations: tuple[Generation, ...]
-    batch: CachedBatchInfo
     forward_ns: int
     grammar_failures: tuple[tuple[int, str], ...] = ()
 

@@ -1,15 +1,16 @@
-"""Shard-side batch state: what the shard remembers about each running request
-between RPCs, keyed by batch id: host records (:class:`RequestState`) and, for the
-decode step, the same rows as device tensors (:class:`~shard.decode_state.DecodeRows`),
-kept in the same order by every operation here."""
+"""What the shard remembers about each request between steps, keyed by request id
+(the step contract in proto/shard.proto): host records (:class:`RequestState`) of every
+request held, and for those that decode, the same rows as device tensors
+(:class:`~shard.decode_state.DecodeRows`), kept in row order by every operation here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from shard.decode_state import DecodeRows
-from shard.errors import UnknownBatchError
 from shard.grammar import GrammarMatcher
 from shard.sampling import has_penalty, is_plain_greedy
 from shard.sampling_types import SamplingParams
@@ -17,18 +18,20 @@ from shard.sampling_types import SamplingParams
 
 @dataclass
 class RequestState:
-    """One running request.
+    """One request the shard holds.
 
     Attributes:
         request_id: router-assigned id.
-        block_table: KV block ids in order; grows with ``BlockAppend``.
-        token_ids: prompt + generated tokens, ending with the last sampled token
-            (whose K/V are not in the cache yet).
-        seq_len: tokens whose K/V are in the cache (= len(token_ids) - 1).
+        block_table: KV block ids in order; grows with a step's ``new_block_ids``.
+        token_ids: prompt + generated tokens; once decoding, ending with the last
+            sampled token (whose K/V are not in the cache yet).
+        seq_len: tokens whose K/V are in the cache (= len(token_ids) - 1 once
+            decoding; fewer while its prompt is prefilled in chunks).
         num_generated: generated tokens (a suffix of token_ids).
         sampling: sampling parameters.
         top_n_tokens: alternatives to return per token.
         grammar: the grammar state of a constrained request (None = unconstrained).
+        decoding: its prefill is complete: it is a decoding row.
     """
 
     request_id: int
@@ -39,6 +42,7 @@ class RequestState:
     sampling: SamplingParams
     top_n_tokens: int = 0
     grammar: GrammarMatcher | None = None
+    decoding: bool = False
 
     @property
     def plain_greedy(self) -> bool:
@@ -96,131 +100,106 @@ class BatchKind:
         )
 
 
-@dataclass
-class CachedBatch:
-    """The shard's state of a cached batch (the router's ``pb.CachedBatch`` names it by
-    id and request ids): requests kept under one batch id, in order, between steps.
+class RequestTable:
+    """Every request the shard holds, keyed by request id: those being prefilled in
+    chunks (host state only) and the decoding rows (host and device state, in row
+    order: the order they finished their prefill; a row that leaves keeps the others'
+    order)."""
 
-    Attributes:
-        batch_id: router-assigned id.
-        requests: host state of each request.
-        rows: the same requests' device state, row ``i`` for ``requests[i]``.
-    """
+    def __init__(self) -> None:
+        self._requests: dict[int, RequestState] = {}
+        self.decoding: list[RequestState] = []
+        self.rows: DecodeRows | None = None
+        self._kind: BatchKind | None = None
 
-    batch_id: int
-    requests: list[RequestState]
-    rows: DecodeRows
-    _kind: BatchKind | None = field(default=None, repr=False, compare=False)
+    def __len__(self) -> int:
+        return len(self._requests)
 
-    @property
-    def request_ids(self) -> tuple[int, ...]:
-        return tuple(r.request_id for r in self.requests)
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: int) -> RequestState:
+        """Raises ValueError for an id not held."""
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise ValueError(f"request {request_id} is not held by this shard") from None
 
     @property
     def kind(self) -> BatchKind:
-        """The requests' :class:`BatchKind`, computed once per membership (each step
-        reads it; concatenating and filtering change it)."""
+        """The decoding rows' :class:`BatchKind`, computed once per membership."""
         if self._kind is None:
-            self._kind = BatchKind.of(self.requests)
+            self._kind = BatchKind.of(self.decoding)
         return self._kind
 
-    def set_requests(self, requests: list[RequestState]) -> None:
-        """Replace the membership (the rows are the caller's to keep in step)."""
-        self.requests = requests
+    def check_finished(self, request_ids: Iterable[int]) -> None:
+        """Raises ValueError when an id is not held or repeats."""
+        ids = list(request_ids)
+        unknown = [rid for rid in ids if rid not in self._requests]
+        if unknown:
+            raise ValueError(
+                f"finished_request_ids {sorted(unknown)[:5]} are not held by this shard")
+        if len(set(ids)) != len(ids):
+            raise ValueError("finished_request_ids repeat")
+
+    def finish(self, request_ids: Iterable[int]) -> None:
+        """Drop the listed requests (checked by :meth:`check_finished`); decoding rows
+        that stay keep their order."""
+        leaving = set(request_ids)
+        if not leaving:
+            return
+        for rid in leaving:
+            del self._requests[rid]
+        kept = [i for i, r in enumerate(self.decoding) if r.request_id not in leaving]
+        if len(kept) == len(self.decoding):
+            return
+        self.decoding = [self.decoding[i] for i in kept]
+        self._kind = None
+        assert self.rows is not None
+        self.rows = self.rows.select(kept) if kept else None
+
+    def add(self, state: RequestState) -> None:
+        """Hold a new request (before its first chunk is computed)."""
+        assert state.request_id not in self._requests, f"request {state.request_id} is held"
+        self._requests[state.request_id] = state
+
+    def join(self, states: Sequence[RequestState], tokens: torch.Tensor,
+             device: torch.device) -> None:
+        """Make held requests whose prefill is complete decoding rows, after the others.
+
+        Args:
+            states: the requests, in order; each already :meth:`add`-ed.
+            tokens: [len(states)] int64 on ``device``, each one's first sampled token
+                (read on the device by the next decode step).
+        """
+        new = DecodeRows.build(tokens, [s.seq_len for s in states],
+                               [s.block_table for s in states], device)
+        self.rows = new if self.rows is None else DecodeRows.concatenate([self.rows, new])
+        self.decoding.extend(states)
+        for state in states:
+            state.decoding = True
         self._kind = None
 
-
-class BatchStore:
-    """All batches held by the shard, keyed by batch id."""
-
-    def __init__(self) -> None:
-        self._batches: dict[int, CachedBatch] = {}
-
-    def __len__(self) -> int:
-        return len(self._batches)
-
-    def __contains__(self, batch_id: int) -> bool:
-        return batch_id in self._batches
-
-    def add(self, batch: CachedBatch) -> None:
-        """Keep ``batch``. Raises ValueError when its id is already held."""
-        if batch.batch_id in self._batches:
-            raise ValueError(
-                f"batch id {batch.batch_id} is already cached; clear or filter it first"
-            )
-        self._batches[batch.batch_id] = batch
-
-    def get(self, batch_id: int) -> CachedBatch:
-        """Raises UnknownBatchError."""
-        try:
-            return self._batches[batch_id]
-        except KeyError:
-            raise UnknownBatchError(batch_id) from None
-
-    def check_concatenate(self, batch_ids: Sequence[int]) -> None:
-        """Validate :meth:`concatenate` arguments without changing anything.
-
-        Raises:
-            ValueError: no ids, a repeated id, or a request id in two batches.
-            UnknownBatchError: an id not held.
-        """
-        if not batch_ids:
-            raise ValueError("batches must not be empty")
-        if len(batch_ids) == 1:  # every decode step of a settled batch: nothing to merge
-            self.get(batch_ids[0])
+    def append_blocks(self, appends: Mapping[int, Sequence[int]]) -> None:
+        """Append new block ids to the named requests' block tables (and to the device
+        rows of the decoding ones). Checked beforehand by
+        :func:`shard.step_checks.validate_appends`."""
+        if not appends:
             return
-        if len(set(batch_ids)) != len(batch_ids):
-            raise ValueError(f"batch ids repeat: {list(batch_ids)}")
-        seen: set[int] = set()
-        for batch_id in batch_ids:
-            for rid in self.get(batch_id).request_ids:
-                if rid in seen:
-                    raise ValueError(f"request id {rid} appears in more than one batch")
-                seen.add(rid)
+        row_of = {r.request_id: i for i, r in enumerate(self.decoding)} if self.rows else {}
+        row_appends = []
+        for rid, blocks in appends.items():
+            state = self._requests[rid]
+            if rid in row_of:
+                row_appends.append((row_of[rid], len(state.block_table), blocks))
+            state.block_table.extend(blocks)
+        if row_appends:
+            assert self.rows is not None
+            self.rows.append_blocks(row_appends)
 
-    def concatenate(self, batch_ids: Sequence[int]) -> CachedBatch:
-        """Merge batches, in order, into one kept under the first id; the others are dropped.
-
-        Raises: as :meth:`check_concatenate`.
-        """
-        self.check_concatenate(batch_ids)
-        first = self._batches[batch_ids[0]]
-        if len(batch_ids) == 1:
-            return first
-        requests, rows = list(first.requests), [first.rows]
-        for batch_id in batch_ids[1:]:
-            other = self._batches.pop(batch_id)
-            requests.extend(other.requests)
-            rows.append(other.rows)
-        first.set_requests(requests)
-        first.rows = DecodeRows.concatenate(rows)
-        return first
-
-    def filter(self, batch_id: int, keep: Iterable[int]) -> CachedBatch:
-        """Keep only the listed request ids (in the batch's order); an empty result
-        drops the batch.
-
-        Raises:
-            UnknownBatchError: unknown batch id.
-            ValueError: a listed id is not in the batch.
-        """
-        batch = self.get(batch_id)
-        keep_set = set(keep)
-        unknown = keep_set - set(batch.request_ids)
-        if unknown:
-            raise ValueError(f"request ids {sorted(unknown)} are not in batch {batch_id}")
-        kept = [i for i, r in enumerate(batch.requests) if r.request_id in keep_set]
-        batch.set_requests([batch.requests[i] for i in kept])
-        if batch.requests:
-            batch.rows = batch.rows.select(kept)
-        else:
-            del self._batches[batch_id]
-        return batch
-
-    def clear(self, batch_id: int | None = None) -> None:
-        """Drop one batch or, with None, all of them. Idempotent: an id not held (e.g.
-        already dropped by filtering it to nothing) is ignored."""
-        if batch_id is None:
-            self._batches.clear()
-        else:
-            self._batches.pop(batch_id, None)
+    def clear(self) -> None:
+        """Drop every request."""
+        self._requests.clear()
+        self.decoding = []
+        self.rows = None
+        self._kind = None

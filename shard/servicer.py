@@ -18,7 +18,7 @@ import grpc
 from loguru import logger
 
 from shard import pb_convert, step_trace
-from shard.errors import NotWarmedUpError, UnknownBatchError
+from shard.errors import NotWarmedUpError
 from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
@@ -29,10 +29,8 @@ T = TypeVar("T")
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    """ValueError → INVALID_ARGUMENT, unknown batch → NOT_FOUND, no KV cache yet →
-    FAILED_PRECONDITION, anything else → INTERNAL."""
-    if isinstance(exc, UnknownBatchError):
-        return grpc.StatusCode.NOT_FOUND
+    """ValueError → INVALID_ARGUMENT, no KV cache yet → FAILED_PRECONDITION, anything
+    else → INTERNAL."""
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, NotWarmedUpError):
@@ -47,31 +45,41 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self.runner = runner
         self.lock = asyncio.Lock()
         self.log = logger.bind(rank=runner.config.rank)
-        # Prefill/Decode ordering (PrefillRequest.step): the last step let through.
+        # Prefill/Decode ordering (PrefillRequest.step): the last step let through, and
+        # how many sequences of steps have started (step 1 starts one)
         self._last_step = 0
+        self._sequence = 0
         self._step_turn = asyncio.Condition()
         self._step_wait_s = step_wait_s
 
     async def _restart_steps(self) -> None:
-        """The router's step count starts again from 1."""
+        """A new sequence of steps starts (Warmup, or step 1): steps still waiting for
+        their turn in the old one are abandoned."""
         async with self._step_turn:
             self._last_step = 0
+            self._sequence += 1
             self._step_turn.notify_all()
 
     async def _wait_turn(self, context: grpc.aio.ServicerContext, step: int) -> None:
         """Hold a Prefill/Decode until every step before ``step`` has started (0 =
-        unordered). Steps count from 1 after Warmup and after ClearCache of every batch.
+        unordered). Step 1 starts a new sequence: the steps of the old one that still
+        wait are abandoned, and the runner drops the requests it holds before step 1
+        runs (see :meth:`_launch`).
 
         Aborts with FAILED_PRECONDITION when an earlier step never arrives within
-        ``step_wait_s`` seconds (the router lost it, e.g. after a failure).
+        ``step_wait_s`` seconds (the router lost it, e.g. after a failure), or when a
+        new sequence started while this step waited.
         """
         if step == 0:
             return
+        if step == 1:
+            await self._restart_steps()
         async with self._step_turn:
+            sequence = self._sequence
             try:
                 await asyncio.wait_for(
                     self._step_turn.wait_for(
-                        lambda: self._last_step >= step - 1
+                        lambda: self._sequence != sequence or self._last_step >= step - 1
                     ),
                     self._step_wait_s,
                 )
@@ -79,6 +87,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"step {step} waited {self._step_wait_s:.0f} s for step {step - 1}",
+                )
+            if self._sequence != sequence:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"step {step} was abandoned: the router started a new sequence of steps",
                 )
             self._last_step = max(self._last_step, step)
             self._step_turn.notify_all()
@@ -188,19 +201,18 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
         t0 = time.perf_counter_ns()
-        await self._wait_turn(context, request.step)
+        step = request.step
+        await self._wait_turn(context, step)
         out = await self._launch_then_finish(
             context,
             "Prefill",
-            request.step,
-            lambda: self.runner.launch_prefill(
-                pb_convert.prefill_batch_from_pb(request.batch), request.step
-            ),
+            step,
+            self._launch(step, lambda: self.runner.launch_prefill(
+                pb_convert.prefill_step_from_pb(request), step)),
         )
-        step_trace.mark("prefill", request.step, out.forward_ns // 1000)
+        step_trace.mark("prefill", step, out.forward_ns // 1000)
         return pb.PrefillResponse(
             generations=pb_convert.step_generations_to_pb(out),
-            batch=pb_convert.cached_batch_to_pb(out.batch),
             timings=pb_convert.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
             grammar_failures=pb_convert.grammar_failures_to_pb(out),
         )
@@ -209,36 +221,31 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DecodeResponse:
         t0 = time.perf_counter_ns()
-        step_trace.mark("arrive", request.step)
-        batch_ids = [b.id for b in request.batches]
-        appends = pb_convert.block_appends_from_pb(list(request.block_appends))
-        removed = list(request.remove_request_ids)
-        await self._wait_turn(context, request.step)
+        step = request.step
+        step_trace.mark("arrive", step)
+        await self._wait_turn(context, step)
         out = await self._launch_then_finish(
             context,
             "Decode",
-            request.step,
-            lambda: self.runner.launch_decode(batch_ids, appends, removed),
+            step,
+            self._launch(step, lambda: self.runner.launch_decode(
+                pb_convert.decode_step_from_pb(request))),
         )
         response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
-        response.step = request.step
-        step_trace.mark("answer", request.step, out.forward_ns // 1000)
+        response.step = step
+        step_trace.mark("answer", step, out.forward_ns // 1000)
         return response
 
-    async def FilterBatch(
-        self, request: pb.FilterBatchRequest, context: grpc.aio.ServicerContext
-    ) -> pb.FilterBatchResponse:
-        ids = list(request.request_ids)
-        info = await self._run(
-            context, "FilterBatch", lambda: self.runner.filter_batch(request.batch_id, ids)
-        )
-        return pb.FilterBatchResponse(batch=pb_convert.cached_batch_to_pb(info))
+    def _launch(
+        self, step: int, launch: Callable[[], PendingStep | StepOutput]
+    ) -> Callable[[], PendingStep | StepOutput]:
+        """``launch``, after dropping every request held when ``step`` is 1 (the first
+        of a new sequence: what an abandoned sequence left is gone)."""
+        if step != 1:
+            return launch
 
-    async def ClearCache(
-        self, request: pb.ClearCacheRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ClearCacheResponse:
-        batch_id = request.batch_id if request.HasField("batch_id") else None
-        await self._run(context, "ClearCache", lambda: self.runner.clear_cache(batch_id))
-        if batch_id is None:
-            await self._restart_steps()
-        return pb.ClearCacheResponse()
+        def first() -> PendingStep | StepOutput:
+            self.runner.reset()
+            return launch()
+
+        return first

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from shard.batch import RequestState
-from shard.records import PrefillBatch, RequestInput
+from shard.records import CachedRequest, DecodeStep, NewRequest, PrefillStep
+from shard.requests import RequestState, RequestTable
 
 
 def _check_blocks(
@@ -23,8 +23,8 @@ def _check_blocks(
         raise ValueError(f"{where}: block ids {bad[:5]} out of range [0, {num_blocks})")
 
 
-def validate_request(r: RequestInput, block_size: int, num_blocks: int, vocab_size: int) -> None:
-    """Raises ValueError on an inconsistent request."""
+def validate_request(r: NewRequest, block_size: int, num_blocks: int, vocab_size: int) -> None:
+    """Raises ValueError on an inconsistent new request."""
     where = f"request {r.request_id}"
     n = len(r.input_ids)
     if n == 0:
@@ -36,58 +36,111 @@ def validate_request(r: RequestInput, block_size: int, num_blocks: int, vocab_si
         )
     if r.num_generated > n:
         raise ValueError(f"{where}: num_generated={r.num_generated} > len(input_ids)={n}")
+    if r.prompt_logprobs and r.partial:
+        raise ValueError(f"{where}: a request with prompt_logprobs cannot come in chunks")
     bad = [t for t in r.input_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{where}: input_ids {bad[:5]} out of vocabulary range [0, {vocab_size})")
     _check_blocks(where, r.block_ids, n, block_size, num_blocks)
 
 
-def validate_prefill(
-    batch: PrefillBatch, block_size: int, num_blocks: int, vocab_size: int
+def _check_appends(
+    cached: Sequence[CachedRequest], staying: Callable[[int], RequestState], num_blocks: int
 ) -> None:
-    """Raises ValueError on an empty batch, repeated request ids or a bad request."""
-    if not batch.requests:
-        raise ValueError(f"batch {batch.batch_id}: no requests")
-    ids = [r.request_id for r in batch.requests]
+    ids = [c.request_id for c in cached]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"batch {batch.batch_id}: request ids repeat")
-    for r in batch.requests:
+        raise ValueError("cached_requests name a request more than once")
+    for c in cached:
+        staying(c.request_id)
+        bad = [b for b in c.new_block_ids if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(
+                f"request {c.request_id}: new_block_ids {bad[:5]} out of range [0, {num_blocks})"
+            )
+
+
+def _staying(table: RequestTable, finished: Sequence[int]) -> Callable[[int], RequestState]:
+    """A lookup of the requests held that do not leave in this step (ValueError else)."""
+    table.check_finished(finished)
+    leaving = set(finished)
+
+    def get(request_id: int) -> RequestState:
+        if request_id in leaving:
+            raise ValueError(f"request {request_id} is finished in the same step")
+        return table.get(request_id)
+
+    return get
+
+
+def validate_prefill(
+    step: PrefillStep, table: RequestTable, block_size: int, num_blocks: int, vocab_size: int
+) -> None:
+    """Check a Prefill against the requests held, before anything changes.
+
+    Raises:
+        ValueError: nothing to compute; a finished id not held; a cached request not
+            held, leaving in the same step, already decoding, or with blocks out of
+            range or too few for its chunk; a new request id held (and not leaving) or
+            repeated; a bad new request (:func:`validate_request`).
+    """
+    if not step.new_requests and not step.cached_requests:
+        raise ValueError("a Prefill must compute at least one request")
+    staying = _staying(table, step.finished_request_ids)
+    _check_appends(step.cached_requests, staying, num_blocks)
+    for c in step.cached_requests:
+        state = staying(c.request_id)
+        if state.decoding:
+            raise ValueError(f"request {c.request_id}: its prefill is already complete")
+        end = len(state.token_ids) if c.num_tokens == 0 else state.seq_len + c.num_tokens
+        if end > len(state.token_ids):
+            raise ValueError(
+                f"request {c.request_id}: num_tokens={c.num_tokens} goes past its prompt "
+                f"({len(state.token_ids) - state.seq_len} tokens left)")
+        have = len(state.block_table) + len(c.new_block_ids)
+        if have * block_size < end:
+            raise ValueError(
+                f"request {c.request_id}: block_ids has {have} blocks but {end} tokens need "
+                f"{-(-end // block_size)} (block_size {block_size})")
+    ids = [r.request_id for r in step.new_requests]
+    if len(set(ids)) != len(ids) or set(ids) & {c.request_id for c in step.cached_requests}:
+        raise ValueError("new_requests repeat a request id")
+    leaving = set(step.finished_request_ids)
+    for r in step.new_requests:
+        if r.request_id in table and r.request_id not in leaving:
+            raise ValueError(f"request {r.request_id} is already held by this shard")
         validate_request(r, block_size, num_blocks, vocab_size)
 
 
 def validate_decode(
-    requests: Sequence[RequestState],
-    appends: dict[int, list[int]],
-    block_size: int,
-    num_blocks: int,
+    step: DecodeStep, table: RequestTable, block_size: int, num_blocks: int
 ) -> None:
-    """Check block appends name known requests with block ids in range, and every
-    request has a block for its next token (position seq_len) once they are applied.
+    """Check a Decode against the requests held, before anything changes: finished ids
+    and cached requests name held requests (cached ones: decoding rows that stay),
+    block ids are in range, and every row that steps has a block for its next token
+    (position seq_len) once the appends are applied.
 
-    NOTE: O(1) per request plus the appended ids: block tables were checked when their
+    NOTE: O(1) per row plus the appended ids: block tables were checked when their
     blocks arrived, and this runs on every decode step.
 
     Raises:
-        ValueError: unknown request id in appends, a block id out of range, or a block
-            table too short.
+        ValueError: as above (naming the request and field), or a cached request with
+            num_tokens other than 0 or 1 (one token per decode step for now).
     """
-    if appends:
-        known = {r.request_id for r in requests}
-        unknown = sorted(set(appends) - known)
-        if unknown:
-            raise ValueError(
-                f"block_appends name request ids {unknown} not in the decoded batches"
-            )
-        for rid, blocks in appends.items():
-            bad = [b for b in blocks if not 0 <= b < num_blocks]
-            if bad:
-                raise ValueError(
-                    f"request {rid}: block ids {bad[:5]} out of range [0, {num_blocks})"
-                )
-    for r in requests:
-        have = len(r.block_table) + len(appends.get(r.request_id, ())) if appends else len(
-            r.block_table
-        )
+    staying = _staying(table, step.finished_request_ids)
+    _check_appends(step.cached_requests, staying, num_blocks)
+    appended: dict[int, int] = {}
+    for c in step.cached_requests:
+        if not staying(c.request_id).decoding:
+            raise ValueError(f"request {c.request_id}: its prefill is not complete")
+        if c.num_tokens > 1:
+            raise ValueError(f"request {c.request_id}: num_tokens={c.num_tokens}: a decode "
+                             "step computes one token per request")
+        appended[c.request_id] = len(c.new_block_ids)
+    leaving = set(step.finished_request_ids)
+    for r in table.decoding:
+        if r.request_id in leaving:
+            continue
+        have = len(r.block_table) + appended.get(r.request_id, 0)
         if have * block_size < r.seq_len + 1:
             needed = -(-(r.seq_len + 1) // block_size)
             raise ValueError(

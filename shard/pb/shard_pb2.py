@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bshard.proto\x12\x13shardserve.shard.v1\"\r\n\x0bInfoRequest\"\xfb\x01\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12 \n\x18\x61ttention_backend_reason\x18\t \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x85\x01\n\rWarmupRequest\x12 \n\x18max_batch_prefill_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12 \n\x18max_total_tokens_derived\x18\x04 \x01(\x08\"8\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xdb\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\tdo_sample\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\"\x81\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.shardserve.shard.v1.SamplingParameters\x12\x0f\n\x07partial\x18\x07 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\t \x01(\x08\x12\x15\n\rnum_generated\x18\n \x01(\r\x12\x0f\n\x07grammar\x18\x0b \x01(\tJ\x04\x08\x06\x10\x07R\x08stopping\"C\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12.\n\x08requests\x18\x02 \x03(\x0b\x32\x1c.shardserve.shard.v1.Request\".\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"-\n\x08TopToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8f\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x1d.shardserve.shard.v1.TopToken\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\"/\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x10\n\x08total_ns\x18\x02 \x01(\x04\"I\n\x0ePrefillRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.shardserve.shard.v1.Batch\x12\x0c\n\x04step\x18\x02 \x01(\x04\"5\n\x0eGrammarFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe6\x01\n\x0fPrefillResponse\x12\x34\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12/\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32 .shardserve.shard.v1.CachedBatch\x12-\n\x07timings\x18\x03 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x04 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailure\"4\n\x0b\x42lockAppend\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\xa5\x01\n\rDecodeRequest\x12\x31\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32 .shardserve.shard.v1.CachedBatch\x12\x37\n\rblock_appends\x18\x02 \x03(\x0b\x32 .shardserve.shard.v1.BlockAppend\x12\x1a\n\x12remove_request_ids\x18\x03 \x03(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\"\x98\x02\n\x0e\x44\x65\x63odeResponse\x12\x34\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12/\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32 .shardserve.shard.v1.CachedBatch\x12-\n\x07timings\x18\x03 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12=\n\x10grammar_failures\x18\x07 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailure\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"F\n\x13\x46ilterBatchResponse\x12/\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32 .shardserve.shard.v1.CachedBatch\"7\n\x11\x43learCacheRequest\x12\x15\n\x08\x62\x61tch_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_batch_id\"\x14\n\x12\x43learCacheResponse2\xeb\x04\n\x0cShardService\x12K\n\x04Info\x12 .shardserve.shard.v1.InfoRequest\x1a!.shardserve.shard.v1.InfoResponse\x12Q\n\x06Health\x12\".shardserve.shard.v1.HealthRequest\x1a#.shardserve.shard.v1.HealthResponse\x12Q\n\x06Warmup\x12\".shardserve.shard.v1.WarmupRequest\x1a#.shardserve.shard.v1.WarmupResponse\x12T\n\x07Prefill\x12#.shardserve.shard.v1.PrefillRequest\x1a$.shardserve.shard.v1.PrefillResponse\x12Q\n\x06\x44\x65\x63ode\x12\".shardserve.shard.v1.DecodeRequest\x1a#.shardserve.shard.v1.DecodeResponse\x12`\n\x0b\x46ilterBatch\x12\'.shardserve.shard.v1.FilterBatchRequest\x1a(.shardserve.shard.v1.FilterBatchResponse\x12]\n\nClearCache\x12&.shardserve.shard.v1.ClearCacheRequest\x1a\'.shardserve.shard.v1.ClearCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bshard.proto\x12\x13shardserve.shard.v1\"\r\n\x0bInfoRequest\"\xfb\x01\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12 \n\x18\x61ttention_backend_reason\x18\t \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x85\x01\n\rWarmupRequest\x12 \n\x18max_batch_prefill_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12 \n\x18max_total_tokens_derived\x18\x04 \x01(\x08\"8\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xdb\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\tdo_sample\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\"\xf7\x01\n\nNewRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.shardserve.shard.v1.SamplingParameters\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x01(\x08\x12\x15\n\rnum_generated\x18\t \x01(\r\x12\x0f\n\x07grammar\x18\n \x01(\t\"F\n\rCachedRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"-\n\x08TopToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8f\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x1d.shardserve.shard.v1.TopToken\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\"/\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x10\n\x08total_ns\x18\x02 \x01(\x04\"\xb0\x01\n\x0ePrefillRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x01 \x03(\x04\x12;\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\".shardserve.shard.v1.CachedRequest\x12\x35\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1f.shardserve.shard.v1.NewRequest\x12\x0c\n\x04step\x18\x04 \x01(\x04\"5\n\x0eGrammarFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc2\x01\n\x0fPrefillResponse\x12\x34\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12-\n\x07timings\x18\x03 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x04 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailureJ\x04\x08\x02\x10\x03R\x05\x62\x61tch\"x\n\rDecodeRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x01 \x03(\x04\x12;\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\".shardserve.shard.v1.CachedRequest\x12\x0c\n\x04step\x18\x03 \x01(\x04\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x34\n\x0bgenerations\x18\x03 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12-\n\x07timings\x18\x04 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x05 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailure\x12\x0c\n\x04step\x18\x06 \x01(\x04\x32\xaa\x03\n\x0cShardService\x12K\n\x04Info\x12 .shardserve.shard.v1.InfoRequest\x1a!.shardserve.shard.v1.InfoResponse\x12Q\n\x06Health\x12\".shardserve.shard.v1.HealthRequest\x1a#.shardserve.shard.v1.HealthResponse\x12Q\n\x06Warmup\x12\".shardserve.shard.v1.WarmupRequest\x1a#.shardserve.shard.v1.WarmupResponse\x12T\n\x07Prefill\x12#.shardserve.shard.v1.PrefillRequest\x1a$.shardserve.shard.v1.PrefillResponse\x12Q\n\x06\x44\x65\x63ode\x12\".shardserve.shard.v1.DecodeRequest\x1a#.shardserve.shard.v1.DecodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,38 +45,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WARMUPRESPONSE']._serialized_end=532
   _globals['_SAMPLINGPARAMETERS']._serialized_start=535
   _globals['_SAMPLINGPARAMETERS']._serialized_end=754
-  _globals['_REQUEST']._serialized_start=757
-  _globals['_REQUEST']._serialized_end=1014
-  _globals['_BATCH']._serialized_start=1016
-  _globals['_BATCH']._serialized_end=1083
-  _globals['_CACHEDBATCH']._serialized_start=1085
-  _globals['_CACHEDBATCH']._serialized_end=1131
-  _globals['_TOPTOKEN']._serialized_start=1133
-  _globals['_TOPTOKEN']._serialized_end=1178
-  _globals['_GENERATION']._serialized_start=1181
-  _globals['_GENERATION']._serialized_end=1324
-  _globals['_TIMINGS']._serialized_start=1326
-  _globals['_TIMINGS']._serialized_end=1373
-  _globals['_PREFILLREQUEST']._serialized_start=1375
-  _globals['_PREFILLREQUEST']._serialized_end=1448
-  _globals['_GRAMMARFAILURE']._serialized_start=1450
-  _globals['_GRAMMARFAILURE']._serialized_end=1503
-  _globals['_PREFILLRESPONSE']._serialized_start=1506
-  _globals['_PREFILLRESPONSE']._serialized_end=1736
-  _globals['_BLOCKAPPEND']._serialized_start=1738
-  _globals['_BLOCKAPPEND']._serialized_end=1790
-  _globals['_DECODEREQUEST']._serialized_start=1793
-  _globals['_DECODEREQUEST']._serialized_end=1958
-  _globals['_DECODERESPONSE']._serialized_start=1961
-  _globals['_DECODERESPONSE']._serialized_end=2241
-  _globals['_FILTERBATCHREQUEST']._serialized_start=2243
-  _globals['_FILTERBATCHREQUEST']._serialized_end=2302
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=2304
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=2374
-  _globals['_CLEARCACHEREQUEST']._serialized_start=2376
-  _globals['_CLEARCACHEREQUEST']._serialized_end=2431
-  _globals['_CLEARCACHERESPONSE']._serialized_start=2433
-  _globals['_CLEARCACHERESPONSE']._serialized_end=2453
-  _globals['_SHARDSERVICE']._serialized_start=2456
-  _globals['_SHARDSERVICE']._serialized_end=3075
+  _globals['_NEWREQUEST']._serialized_start=757
+  _globals['_NEWREQUEST']._serialized_end=1004
+  _globals['_CACHEDREQUEST']._serialized_start=1006
+  _globals['_CACHEDREQUEST']._serialized_end=1076
+  _globals['_TOPTOKEN']._serialized_start=1078
+  _globals['_TOPTOKEN']._serialized_end=1123
+  _globals['_GENERATION']._serialized_start=1126
+  _globals['_GENERATION']._serialized_end=1269
+  _globals['_TIMINGS']._serialized_start=1271
+  _globals['_TIMINGS']._serialized_end=1318
+  _globals['_PREFILLREQUEST']._serialized_start=1321
+  _globals['_PREFILLREQUEST']._serialized_end=1497
+  _globals['_GRAMMARFAILURE']._serialized_start=1499
+  _globals['_GRAMMARFAILURE']._serialized_end=1552
+  _globals['_PREFILLRESPONSE']._serialized_start=1555
+  _globals['_PREFILLRESPONSE']._serialized_end=1749
+  _globals['_DECODEREQUEST']._serialized_start=1751
+  _globals['_DECODEREQUEST']._serialized_end=1871
+  _globals['_DECODERESPONSE']._serialized_start=1874
+  _globals['_DECODERESPONSE']._serialized_end=2105
+  _globals['_SHARDSERVICE']._serialized_start=2108
+  _globals['_SHARDSERVICE']._serialized_end=2534
 # @@protoc_insertion_point(module_scope)

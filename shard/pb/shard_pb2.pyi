@@ -88,14 +88,14 @@ class SamplingParameters(_message.Message):
     presence_penalty: float
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., min_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
-class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "cache_len", "block_ids", "sampling", "partial", "top_n_tokens", "prompt_logprobs", "num_generated", "grammar")
+class NewRequest(_message.Message):
+    __slots__ = ("id", "input_ids", "cache_len", "block_ids", "sampling", "num_tokens", "top_n_tokens", "prompt_logprobs", "num_generated", "grammar")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
@@ -105,28 +105,22 @@ class Request(_message.Message):
     cache_len: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParameters
-    partial: bool
+    num_tokens: int
     top_n_tokens: int
     prompt_logprobs: bool
     num_generated: int
     grammar: str
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., partial: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., num_generated: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., num_tokens: _Optional[int] = ..., top_n_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., num_generated: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
-class Batch(_message.Message):
-    __slots__ = ("id", "requests")
+class CachedRequest(_message.Message):
+    __slots__ = ("id", "new_block_ids", "num_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
-    requests: _containers.RepeatedCompositeFieldContainer[Request]
-    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
-
-class CachedBatch(_message.Message):
-    __slots__ = ("id", "request_ids")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class TopToken(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -159,12 +153,16 @@ class Timings(_message.Message):
     def __init__(self, forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "step")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("finished_request_ids", "cached_requests", "new_requests", "step")
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    batch: Batch
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     step: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GrammarFailure(_message.Message):
     __slots__ = ("request_id", "message")
@@ -175,75 +173,37 @@ class GrammarFailure(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings", "grammar_failures")
+    __slots__ = ("generations", "timings", "grammar_failures")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FAILURES_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
     timings: Timings
     grammar_failures: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...
-
-class BlockAppend(_message.Message):
-    __slots__ = ("request_id", "block_ids")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "block_appends", "remove_request_ids", "step")
-    BATCHES_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_APPENDS_FIELD_NUMBER: _ClassVar[int]
-    REMOVE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("finished_request_ids", "cached_requests", "step")
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    block_appends: _containers.RepeatedCompositeFieldContainer[BlockAppend]
-    remove_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     step: int
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_appends: _Optional[_Iterable[_Union[BlockAppend, _Mapping]]] = ..., remove_request_ids: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings", "token_ids", "logprobs", "step", "grammar_failures")
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("token_ids", "logprobs", "generations", "timings", "grammar_failures", "step")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FAILURES_FIELD_NUMBER: _ClassVar[int]
-    generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
-    timings: Timings
+    STEP_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    step: int
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    timings: Timings
     grammar_failures: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., step: _Optional[int] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...
-
-class FilterBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "request_ids")
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class FilterBatchResponse(_message.Message):
-    __slots__ = ("batch",)
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
-
-class ClearCacheRequest(_message.Message):
-    __slots__ = ("batch_id",)
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
-
-class ClearCacheResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    step: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...

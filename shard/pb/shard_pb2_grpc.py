@@ -59,16 +59,6 @@ class ShardServiceStub:
                 request_serializer=shard__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=shard__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.FilterBatch = channel.unary_unary(
-                '/shardserve.shard.v1.ShardService/FilterBatch',
-                request_serializer=shard__pb2.FilterBatchRequest.SerializeToString,
-                response_deserializer=shard__pb2.FilterBatchResponse.FromString,
-                _registered_method=True)
-        self.ClearCache = channel.unary_unary(
-                '/shardserve.shard.v1.ShardService/ClearCache',
-                request_serializer=shard__pb2.ClearCacheRequest.SerializeToString,
-                response_deserializer=shard__pb2.ClearCacheResponse.FromString,
-                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -96,28 +86,17 @@ class ShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Prefill a new batch (or one chunk of it) and sample its first tokens.
+        """One step that computes prompt tokens: new requests and the next chunks of requests
+        already being prefilled; samples the first token of each request whose prompt it
+        completes (that request then decodes in every later Decode).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """One decode step over one or more cached batches, concatenated into one.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def FilterBatch(self, request, context):
-        """Keep only the listed requests of a cached batch.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ClearCache(self, request, context):
-        """Drop one cached batch, or all of them when batch_id is absent.
+        """One decode step: every request the shard holds that has finished its prefill
+        computes one token and samples the next.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,16 +129,6 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=shard__pb2.DecodeRequest.FromString,
                     response_serializer=shard__pb2.DecodeResponse.SerializeToString,
-            ),
-            'FilterBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.FilterBatch,
-                    request_deserializer=shard__pb2.FilterBatchRequest.FromString,
-                    response_serializer=shard__pb2.FilterBatchResponse.SerializeToString,
-            ),
-            'ClearCache': grpc.unary_unary_rpc_method_handler(
-                    servicer.ClearCache,
-                    request_deserializer=shard__pb2.ClearCacheRequest.FromString,
-                    response_serializer=shard__pb2.ClearCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -297,60 +266,6 @@ class ShardService:
             '/shardserve.shard.v1.ShardService/Decode',
             shard__pb2.DecodeRequest.SerializeToString,
             shard__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FilterBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardserve.shard.v1.ShardService/FilterBatch',
-            shard__pb2.FilterBatchRequest.SerializeToString,
-            shard__pb2.FilterBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ClearCache(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardserve.shard.v1.ShardService/ClearCache',
-            shard__pb2.ClearCacheRequest.SerializeToString,
-            shard__pb2.ClearCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

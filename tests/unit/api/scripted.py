@@ -23,23 +23,48 @@ class _Running:
     prompt_len: int
     generated: int
     top_n: int
+    # prefill state: tokens in the cache / all tokens sent, and the request as sent
+    computed: int = 0
+    total: int = 0
+    request: pb.NewRequest | None = None
 
 
 @dataclass
 class ScriptedShardClient:
-    """Fake shard group; ``script(prompt_ids)`` gives the ids to emit."""
+    """Fake shard group; ``script(prompt_ids)`` gives the ids to emit.
+
+    It keeps the step contract of proto/shard.proto as a shard does (requests held by
+    id, decoding rows in order, finished ids that must be held), so a router that
+    breaks it fails here with an AssertionError.
+    """
 
     script: Script
     num_blocks: int = 256
     block_size: int = 16
     requests: dict[int, _Running] = field(default_factory=dict)
-    prefilled: list[pb.Request] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    prefilled: list[pb.NewRequest] = field(default_factory=list)
+    steps: int = 0
 
     async def health(self) -> None:
         """Always healthy."""
 
     async def close(self) -> None:
         """Nothing to close."""
+
+    def restart_steps(self) -> None:
+        self.steps = 0
+
+    def _step(self, finished: Sequence[int]) -> None:
+        self.steps += 1
+        if self.steps == 1:  # a new sequence: drop what is held
+            self.requests.clear()
+            self.rows.clear()
+        for rid in finished:
+            assert rid in self.requests, f"finished request {rid} is not held"
+            del self.requests[rid]
+            if rid in self.rows:
+                self.rows.remove(rid)
 
     def _generation(self, request_id: int) -> pb.Generation:
         running = self.requests[request_id]
@@ -50,46 +75,52 @@ class ScriptedShardClient:
         return pb.Generation(request_id=request_id, token_id=token, logprob=TOKEN_LOGPROB,
                              top_tokens=tops)
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        generations, kept = [], []
-        for request in batch.requests:
+    async def prefill(self, step: pb.PrefillRequest) -> pb.PrefillResponse:
+        self._step(step.finished_request_ids)
+        computed: list[int] = []
+        for cached in step.cached_requests:
+            running = self.requests[cached.id]
+            assert cached.id not in self.rows, f"request {cached.id} already decodes"
+            running.computed = (running.total if cached.num_tokens == 0
+                                else running.computed + cached.num_tokens)
+            computed.append(cached.id)
+        for request in step.new_requests:
+            assert request.id not in self.requests, f"new request {request.id} is held"
             self.prefilled.append(request)
-            if request.partial:
-                continue
             prompt = tuple(request.input_ids[: len(request.input_ids) - request.num_generated])
+            total = len(request.input_ids)
             self.requests[request.id] = _Running(
                 list(self.script(prompt)), len(prompt), request.num_generated,
-                request.top_n_tokens,
+                request.top_n_tokens, total=total, request=request,
+                computed=(total if request.num_tokens == 0
+                          else request.cache_len + request.num_tokens),
             )
-            generation = self._generation(request.id)
+            computed.append(request.id)
+        generations = []
+        for rid in computed:
+            running = self.requests[rid]
+            if running.computed < running.total:
+                continue
+            generation = self._generation(rid)
+            request = running.request
+            assert request is not None
             if request.prompt_logprobs:
                 start = max(request.cache_len, 1)
                 generation.prompt_logprobs.extend(
                     -1.0 - i / 100 for i in range(start, len(request.input_ids))
                 )
             generations.append(generation)
-            kept.append(request.id)
-        return pb.PrefillResponse(generations=generations,
-                                  batch=pb.CachedBatch(id=batch.id, request_ids=kept))
+            self.rows.append(rid)
+        return pb.PrefillResponse(generations=generations)
 
-    async def decode(
-        self,
-        batches: list[pb.CachedBatch],
-        block_appends: dict[int, list[int]],
-        remove_request_ids: Sequence[int] = (),
-    ) -> pb.DecodeResponse:
-        removed = set(remove_request_ids)
-        ids = [rid for batch in batches for rid in batch.request_ids if rid not in removed]
-        generations = [self._generation(rid) for rid in ids]
+    async def decode(self, step: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
+        self._step(step.finished_request_ids)
+        for cached in step.cached_requests:
+            assert cached.id in self.rows, f"request {cached.id} is not a decoding row"
+        assert len(self.rows) == num_rows, f"{len(self.rows)} rows, the router says {num_rows}"
+        generations = [self._generation(rid) for rid in self.rows]
         return pb.DecodeResponse(
             generations=[g for g in generations if g.top_tokens],
-            batch=pb.CachedBatch(id=batches[0].id, request_ids=ids),
             token_ids=[g.token_id for g in generations],
             logprobs=[g.logprob for g in generations],
         )
-
-    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
-        return pb.CachedBatch(id=batch_id, request_ids=request_ids)
-
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        """Nothing cached."""

@@ -1,7 +1,7 @@
 """Overlapped scheduling: the engine sends step N+1 before it has processed step N's
 tokens, so a request that stops at step N was already sent in step N+1. Its extra token
-is computed and discarded, never streamed, and the request leaves the shards' batch in
-the next step. A request that ends by length gets no extra step at all."""
+is computed and discarded, never streamed, and the request leaves the shards with the
+next step. A request that ends by length gets no extra step at all."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ class _Recorder:
         self.removed: list[list[int]] = []
         decode = shard.decode
 
-        async def recorded(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
-            ids = [rid for b in batches for rid in b.request_ids if rid not in set(remove)]
-            self.stepped.append(ids)
-            self.removed.append(list(remove))
+        async def recorded(step: Any, num_rows: int) -> Any:
+            response = await decode(step, num_rows)  # the shard's rows change in call order
+            self.stepped.append(list(shard.rows))
+            self.removed.append(list(step.finished_request_ids))
             await asyncio.sleep(0.002)  # the shards computing
-            return await decode(batches, block_appends, remove)
+            return response
 
         shard.decode = recorded  # type: ignore[method-assign]
 
@@ -167,15 +167,15 @@ def _record_calls(shard: ScriptedShardClient) -> list[str]:
     calls: list[str] = []
     prefill, decode = shard.prefill, shard.decode
 
-    async def recorded_prefill(batch: Any) -> Any:
+    async def recorded_prefill(step: Any) -> Any:
         calls.append("prefill")
         await asyncio.sleep(0.001)
-        return await prefill(batch)
+        return await prefill(step)
 
-    async def recorded_decode(batches: Any, block_appends: Any, remove: Any = ()) -> Any:
+    async def recorded_decode(step: Any, num_rows: int) -> Any:
         calls.append("decode")
         await asyncio.sleep(0.001)
-        return await decode(batches, block_appends, remove)
+        return await decode(step, num_rows)
 
     shard.prefill = recorded_prefill  # type: ignore[method-assign]
     shard.decode = recorded_decode  # type: ignore[method-assign]

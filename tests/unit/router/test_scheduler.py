@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.request import GenerationRequest, SamplingParams, Sequence, Status, StoppingParams
@@ -164,12 +166,15 @@ def test_decoding_sequences_keep_consecutive_block_tables() -> None:
     scheduler.block_manager.check_integrity()
 
 
-def test_recompute_chunks_count_the_generated_tokens_they_hold() -> None:
+def test_a_recompute_is_sent_once_in_full_then_chunk_by_chunk() -> None:
     """A recompute after preemption is prefilled in chunks of prompt + generated tokens:
-    each chunk's request says how many of its tokens were generated (0 in a chunk that
-    ends in the prompt), which the shard checks against its input_ids."""
+    its first chunk sends every token once (saying how many were generated, which the
+    shard checks against its input_ids); the next chunks name only the request and
+    their size (0 = the rest)."""
+    import asyncio
+
     from router.shard_steps import ShardSteps
-    from shard.pb_convert import request_from_pb
+    from shard.pb_convert import new_request_from_pb
     from shard.step_checks import validate_request
 
     config = SchedulerConfig(max_input_tokens=64, max_total_tokens=128,
@@ -181,11 +186,32 @@ def test_recompute_chunks_count_the_generated_tokens_they_hold() -> None:
         prefill_all(scheduler)
     seq.output_ids.extend(range(100, 140))  # 64 tokens to recompute: 24 + 40
     scheduler._preempt(seq)
-    steps = ShardSteps(client=None, block_size=4)  # type: ignore[arg-type]
-    counted = []
-    while seq.status is not Status.RUNNING:
-        for chunk in prefill_all(scheduler):
-            request = request_from_pb(steps._request(chunk))
-            validate_request(request, block_size=4, num_blocks=100, vocab_size=1000)
-            counted.append((chunk.end, request.num_generated))
-    assert counted == [(16, 0), (32, 8), (48, 24), (64, 40)]
+
+    class Client:
+        sent: list[Any] = []
+
+        def restart_steps(self) -> None:
+            pass
+
+        async def prefill(self, request: Any) -> None:
+            self.sent.append(request)
+
+    async def recompute() -> list[Any]:
+        client = Client()
+        steps = ShardSteps(client=client, block_size=4)  # type: ignore[arg-type]
+        while seq.status is not Status.RUNNING:
+            chunks = scheduler.schedule_prefill()
+            task, _ = steps.prefill(chunks)
+            await task
+            for chunk in chunks:
+                scheduler.on_prefilled(chunk)
+        return client.sent
+
+    sent = asyncio.run(recompute())
+    first = new_request_from_pb(sent[0].new_requests[0])
+    validate_request(first, block_size=4, num_blocks=100, vocab_size=1000)
+    assert (len(first.input_ids), first.num_generated, first.num_tokens) == (64, 40, 16)
+    assert [len(step.new_requests) for step in sent] == [1, 0, 0, 0]
+    counted = [(c.id, c.num_tokens) for step in sent[1:] for c in step.cached_requests]
+    assert counted == [(0, 16), (0, 16), (0, 0)]
+

@@ -25,7 +25,7 @@ from transformers import (
 
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
-from shard.records import PrefillBatch, RequestInput
+from shard.records import CachedRequest, DecodeStep, NewRequest, PrefillStep
 from shard.sampling_types import SamplingParams
 
 # NOTE: the shard tests run on CPU; SHARD_TEST_DEVICE=cuda runs the model tests on a GPU
@@ -177,40 +177,34 @@ def request(
     ids: list[int],
     blocks: list[int],
     cache_len: int = 0,
-    partial: bool = False,
     sampling: SamplingParams | None = None,
     **kw: Any,
-) -> RequestInput:
-    return RequestInput(
-        rid,
-        tuple(ids),
-        cache_len,
-        tuple(blocks),
-        sampling or SamplingParams(),
-        partial=partial,
-        **kw,
-    )
+) -> NewRequest:
+    """A new request; ``num_tokens=n`` makes its first step a chunk of n tokens."""
+    return NewRequest(rid, tuple(ids), cache_len, tuple(blocks), sampling or SamplingParams(), **kw)
 
 
-def prefill(runner: ModelRunner, batch_id: int, *requests: RequestInput) -> dict[int, int]:
-    """Prefill and return {request_id: first token}."""
-    out = runner.prefill(PrefillBatch(batch_id, tuple(requests)))
+def prefill(
+    runner: ModelRunner, *requests: NewRequest, cached: tuple[CachedRequest, ...] = (),
+    finished: tuple[int, ...] = (),
+) -> dict[int, int]:
+    """Prefill and return {request_id: first token} of the requests it completes."""
+    out = runner.prefill(PrefillStep(requests, cached, finished))
     return {g.request_id: g.token_id for g in out.generations}
 
 
 class DecodeDriver:
-    """Decodes a batch, appending a block whenever a request crosses a block boundary
+    """Decodes every row, appending a block whenever a request crosses a block boundary
     (as the router does) and collecting tokens per request."""
 
     def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
         self.runner = runner
         self.pool = pool
 
-    def step(self, batch_ids: list[int]) -> dict[int, int]:
+    def step(self, finished: tuple[int, ...] = ()) -> dict[int, int]:
         appends = []
-        for bid in batch_ids:
-            for r in self.runner.batches.get(bid).requests:
-                if r.seq_len + 1 > len(r.block_table) * BLOCK_SIZE:
-                    appends.append((r.request_id, self.pool.take(1)))
-        out = self.runner.decode(batch_ids, appends)
+        for r in self.runner.requests.decoding:
+            if r.request_id not in finished and r.seq_len + 1 > len(r.block_table) * BLOCK_SIZE:
+                appends.append(CachedRequest(r.request_id, tuple(self.pool.take(1))))
+        out = self.runner.decode(DecodeStep(tuple(appends), finished))
         return {g.request_id: g.token_id for g in out.generations}
