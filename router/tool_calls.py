@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import unquote
 
 ToolCallFormat = Literal["hermes", "llama3_json"]
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -101,6 +102,56 @@ def rebase_refs(schema: Any, pointer: str) -> Any:
         else:
             rebased[key] = rebase_refs(value, pointer)
     return rebased
+
+
+def _references(schema: Any, at: str = "") -> list[tuple[str, Any, str]]:
+    """(keyword, value, where) of each ``$ref`` and ``$id`` of ``schema``, ``where``
+    the JSON Pointer of the schema holding it; schemas are walked as :func:`rebase_refs`
+    walks them (data keywords skipped)."""
+    if isinstance(schema, list):
+        return [ref for i, item in enumerate(schema) for ref in _references(item, f"{at}/{i}")]
+    if not isinstance(schema, dict):
+        return []
+    found: list[tuple[str, Any, str]] = []
+    for key, value in schema.items():
+        if key in ("$ref", "$id"):
+            found.append((key, value, at))
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                found += _references(sub, f"{at}/{key}/{name}")
+        elif key not in _DATA_KEYWORDS:
+            found += _references(value, f"{at}/{key}")
+    return found
+
+
+def _resolves(document: Any, pointer: str) -> bool:
+    """Whether the JSON Pointer ``pointer`` (RFC 6901, URI-encoded as in a fragment)
+    names a value of ``document``."""
+    node = document
+    for token in unquote(pointer).split("/")[1:]:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return False
+    return True
+
+
+def unresolved_ref(schema: Any) -> str | None:
+    """Why a local ``$ref`` of ``schema`` (``#/$defs/Loc``) points to nothing in it (the
+    first such), or None. References by anchor (``#name``) or to other documents are not
+    checked, nor any in a schema that sets ``$id`` below its root (a new base for the
+    references within)."""
+    found = _references(schema)
+    if any(key == "$id" and where for key, _, where in found):
+        return None
+    for key, ref, where in found:
+        if (key == "$ref" and isinstance(ref, str) and ref.startswith("#/")
+                and not _resolves(schema, ref[1:])):
+            return f"`$ref` `{ref}` (at {where or '/'}) points to nothing in the schema"
+    return None
 
 
 def _call_schema(function: dict[str, Any], pointer: str) -> dict[str, Any]:

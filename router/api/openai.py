@@ -54,8 +54,10 @@ from router.api.openai_tools import (
     RESPONSE_SCHEMA_FIELD,
     StreamedChoice,
     ToolPlan,
+    blame_tool,
     call_deltas,
     chat_messages,
+    check_messages,
     response_grammar,
     tool_calls_of,
     tool_plan,
@@ -362,22 +364,52 @@ async def _chat_request(
         top_n = _top_n(validator, body.top_logprobs or 0, "top_logprobs")
         max_tokens = (body.max_completion_tokens or body.max_tokens
                       or DEFAULT_CHAT_MAX_TOKENS)
+        check_messages(body.messages)
         plan = tool_plan(body, tokenizer)
-        names["grammar.value"] = "tools" if plan.grammar else RESPONSE_SCHEMA_FIELD
+        names["grammar.value"] = RESPONSE_SCHEMA_FIELD
         params = _parameters(body, max_tokens, top_n,
                              grammar=plan.grammar or response_grammar(body.response_format))
-        messages, tools = chat_messages(body.messages, plan, tokenizer)
-
-        def prepare() -> GenerationRequest:
-            prompt = render_chat(tokenizer, messages, tools=tools)
-            check_text("messages", prompt)
-            validator.check_chars(prompt, "messages", params.truncate)
-            prompt_ids = encode_chat_prompt(tokenizer, prompt)
-            return validator.validate(prompt_ids, params, field="messages")
-
         # Rendering and tokenizing run off the event loop: a long prompt must not
         # stop the streams.
-        return await state.offload.run(prepare), plan
+        return await state.offload.run(_prepare_chat, state, body, plan, params), plan
+
+
+def _prepare_chat(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan,
+                  params: GenerateParameters) -> GenerationRequest:
+    """The request of a chat body: its messages rendered with the chat template, then
+    tokenized and validated (blocking). A refusal that the tools cause names them: a
+    forced call's grammar that does not compile (see :func:`blame_tool`), or a prompt
+    too long with the tools that passes without them.
+
+    Raises:
+        RequestValidationError: naming the field (/generate's names for the parameters).
+    """
+    tokenizer, validator = state.engine.tokenizer, state.validator
+
+    def encode(with_tools: bool) -> list[int]:
+        messages, tools = chat_messages(
+            body.messages, plan if with_tools else ToolPlan("none", None, None, plan.fmt),
+            tokenizer)
+        prompt = render_chat(tokenizer, messages, tools=tools)
+        check_text("messages", prompt)
+        validator.check_chars(prompt, "messages", params.truncate)
+        return encode_chat_prompt(tokenizer, prompt)
+
+    try:
+        return validator.validate(encode(with_tools=True), params, field="messages")
+    except RequestValidationError as error:
+        if error.field == "grammar.value" and plan.grammar:
+            raise blame_tool(error, plan, body, validator) from None
+        if error.field != "messages" or plan.tools is None:
+            raise
+        try:
+            fits = len(encode(with_tools=False)) <= validator.budgets.max_input_tokens
+        except RequestValidationError:
+            fits = False
+        if not fits:
+            raise
+        raise RequestValidationError(
+            "tools", f"the prompt with the tools: {error.message}") from None
 
 
 class _ChatAnswer:

@@ -21,6 +21,7 @@ from router.api.openai_schemas import (
     ToolCallDelta,
 )
 from router.grammar import GrammarError, check_json_schema
+from router.parameters import GrammarParameters
 from router.tokenizer import Tokenizer
 from router.tool_calls import (
     HERMES_CLOSE,
@@ -35,8 +36,9 @@ from router.tool_calls import (
     template_renders_tools,
     tool_call_format,
     tool_system_prompt,
+    unresolved_ref,
 )
-from router.validation import RequestValidationError
+from router.validation import RequestValidationError, Validator
 
 ToolMode = Literal["none", "auto", "forced"]
 RESPONSE_SCHEMA_FIELD = "response_format.json_schema.schema"
@@ -91,9 +93,10 @@ def tool_plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan:
     """Check ``tools``, ``tool_choice`` and ``response_format`` together.
 
     Raises:
-        RequestValidationError: a tool's parameters are not a JSON schema, two tools
-            share a name, tool_choice names an unknown function or needs tools that are
-            not given, or response_format is combined with a forced call.
+        RequestValidationError: a tool's parameters are not a JSON schema (or refer
+            to a part of it that does not exist), two tools share a name, tool_choice
+            names an unknown function or needs tools that are not given, or
+            response_format is combined with a forced call.
     """
     fmt = tool_call_format(tokenizer.chat_template)
     tools = body.tools or []
@@ -113,6 +116,9 @@ def tool_plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan:
                 raise RequestValidationError(
                     f"tools[{i}].function.parameters", str(error)
                 ) from None
+            unresolved = unresolved_ref(tool.function.parameters)
+            if unresolved is not None:
+                raise RequestValidationError(f"tools[{i}].function.parameters", unresolved)
     named = None if isinstance(choice, str) else choice.function.name
     if named is not None and named not in names:
         raise RequestValidationError(
@@ -140,13 +146,50 @@ def tool_plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan:
     return ToolPlan("forced", template_tools, grammar, fmt, named)
 
 
-def _arguments(call: ToolCall) -> Any:
-    """A history call's arguments as an object when they are JSON (templates expect
-    an object), else the text."""
-    try:
-        return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        return call.function.arguments
+def blame_tool(error: RequestValidationError, plan: ToolPlan,
+               body: ChatCompletionRequest, validator: Validator) -> RequestValidationError:
+    """The error of a forced answer's grammar (``grammar.value``), named after the tool
+    whose parameters cause it: each offered function's parameters (only the named one's
+    for a named tool_choice) are compiled alone, and the first that fails is named,
+    ``tools[i].function.parameters``, with its own message; when none fails alone, the
+    error names ``tools``. Blocking (compiles; call off the event loop)."""
+    for i, tool in enumerate(body.tools or ()):
+        parameters = tool.function.parameters
+        if parameters is None or plan.named not in (None, tool.function.name):
+            continue
+        try:
+            validator.grammar(GrammarParameters(type="json", value=parameters, strict=False))
+        except RequestValidationError as own:
+            return RequestValidationError(f"tools[{i}].function.parameters", own.message)
+    return RequestValidationError("tools", error.message)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """OpenAI's rules for the messages of a conversation.
+
+    Raises:
+        RequestValidationError: naming the field (``messages[i].content``,
+            ``messages[i].tool_call_id``, ``messages[i].tool_calls[j].function.arguments``):
+            a message other than an assistant's has null content, an assistant's has
+            neither content nor tool calls, a ``tool`` message has no ``tool_call_id``,
+            or a call's ``arguments`` are not JSON text.
+    """
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            why = ("an assistant message needs content or tool_calls" if m.role == "assistant"
+                   else f"a {m.role} message needs content")
+            raise RequestValidationError(f"messages[{i}].content", f"must not be null ({why})")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise RequestValidationError(
+                f"messages[{i}].tool_call_id", "is required in a tool message (the id of the "
+                "call it answers)")
+        for j, call in enumerate(m.tool_calls or ()):
+            try:
+                json.loads(call.function.arguments)
+            except json.JSONDecodeError as error:
+                raise RequestValidationError(
+                    f"messages[{i}].tool_calls[{j}].function.arguments",
+                    f"is not valid JSON ({error.msg} at character {error.pos})") from None
 
 
 def chat_messages(
@@ -167,8 +210,10 @@ def chat_messages(
             item["name"] = m.name
         if m.tool_calls:
             calls: list[dict[str, Any]] = [
+                # checked JSON (check_messages): templates expect an object
                 {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                 "function": {"name": c.function.name,
+                              "arguments": json.loads(c.function.arguments)}}
                 for c in m.tool_calls
             ]
             if native:

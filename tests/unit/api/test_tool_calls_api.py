@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from router.tokenizer import Tokenizer
 from tests.unit.api.conftest import AppFactory, sse_data, text_script
 
@@ -106,3 +108,90 @@ async def test_tool_history_reaches_the_prompt(
     prompt = tokenizer.decode(list(shard.prefilled[0].input_ids), skip_special_tokens=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>\n21 C\n</tool_response>" in prompt
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+USER = {"role": "user", "content": "Weather in Paris?"}
+
+
+@pytest.mark.parametrize(("messages", "field"), [
+    ([USER, {"role": "user", "content": None}], "messages[1].content"),
+    ([{"role": "system", "content": None}, USER], "messages[0].content"),
+    ([USER, {"role": "assistant", "content": None}], "messages[1].content"),
+    ([USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": None,
+                                                         "tool_call_id": "call_1"}],
+     "messages[2].content"),
+    ([USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "21 C"}],
+     "messages[2].tool_call_id"),
+    ([USER, {"role": "assistant", "tool_calls": [
+        CALL, {**CALL, "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}],
+     "messages[1].tool_calls[1].function.arguments"),
+])
+async def test_bad_messages_are_400_naming_the_field(
+    make_app: AppFactory, tokenizer: Tokenizer, messages: list[dict[str, object]], field: str
+) -> None:
+    client, shard, _ = await make_app(text_script(tokenizer, "Sunny."), **BUDGETS)
+    response = await client.post("/v1/chat/completions", json={
+        "messages": messages, "tools": [WEATHER], "max_tokens": 5})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(field), error
+    assert not shard.prefilled
+
+
+async def test_assistant_calls_without_content_are_accepted(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, "Sunny."), **BUDGETS)
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    response = await client.post("/v1/chat/completions", json={
+        "messages": messages, "tools": [WEATHER], "max_tokens": 5})
+    assert response.status_code == 200, response.text
+
+
+def tool(name: str, parameters: dict[str, object], description: str = "") -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": parameters}}
+
+
+UNSATISFIABLE = {"type": "object", "required": ["n"],
+                 "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(("tools", "tool_choice", "field"), [
+    ([tool("f", {"$ref": "#/$defs/Nope"})], None, "tools[0].function.parameters"),
+    ([tool("f", CITY), tool("g", {"type": "object", "properties": {"a": {
+        "$ref": "#/$defs/Missing"}}, "$defs": {"Other": {}}})],
+     "required", "tools[1].function.parameters"),
+    # compiles alone as a schema, but no call can satisfy it: the forced grammar fails
+    ([tool("g", UNSATISFIABLE)], "required", "tools[0].function.parameters"),
+    ([tool("f", CITY), tool("g", UNSATISFIABLE)],
+     {"type": "function", "function": {"name": "g"}}, "tools[1].function.parameters"),
+    # tools that make the prompt longer than max_input_tokens
+    ([tool(f"f{i}", CITY, "word " * 60) for i in range(12)], None, "tools"),
+])
+async def test_bad_tools_are_400_naming_the_field(
+    make_app: AppFactory, tokenizer: Tokenizer, tools: list[dict[str, object]],
+    tool_choice: object, field: str
+) -> None:
+    client, shard, _ = await make_app(text_script(tokenizer, "Sunny."), **BUDGETS)
+    body = chat_body(tools=tools, **({"tool_choice": tool_choice} if tool_choice else {}))
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(field), error
+    assert "/items" not in error["message"]  # the user's pointers, not the forced schema's
+    assert not shard.prefilled
+
+
+async def test_long_messages_with_tools_still_name_messages(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    client, _, _ = await make_app(text_script(tokenizer, "Sunny."), **BUDGETS)
+    body = chat_body(tools=[WEATHER], messages=[{"role": "user", "content": "word " * 600}])
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"

@@ -24,6 +24,7 @@ from router.tool_calls import (
     parse_tool_calls,
     template_renders_tools,
     tool_call_format,
+    unresolved_ref,
 )
 
 HERMES_TEXT = (
@@ -212,3 +213,15 @@ def test_checker_time_limit(default_model_dir: Path) -> None:
     big = json_schema_grammar({"enum": [f"value {i} " * 4 for i in range(20000)]})
     with pytest.raises(GrammarError, match="did not compile within"):
         slow.check(big)
+
+
+def test_unresolved_local_refs() -> None:
+    defs = {"$defs": {"a/b": {"type": "string"}, "L": {"items": [{"type": "integer"}]}}}
+    resolving = [{"$ref": "#"}, {"$ref": "#/$defs/a~1b"}, {"$ref": "#/%24defs/L/items/0"},
+                 {"$ref": "#anchor"}, {"$ref": "other.json#/x"}, {"const": {"$ref": "#/x"}},
+                 {"properties": {"p": {"$id": "sub", "$ref": "#/x"}}}]
+    for schema in resolving:
+        assert unresolved_ref({**defs, **schema}) is None, schema
+    assert unresolved_ref({**defs, "properties": {"p": {"$ref": "#/$defs/L/items/1"}}}) == (
+        "`$ref` `#/$defs/L/items/1` (at /properties/p) points to nothing in the schema")
+    assert unresolved_ref({"anyOf": [{}, {"$ref": "#/$defs/x"}]}) is not None
