@@ -33,6 +33,7 @@ from router.api_server import ApiServers, ModelFacts, log_serving, make_state, p
 from router.config import SchedulerConfig, ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
+from router.health import NOT_ANSWERING_AFTER_S
 from router.log import STILL_WAITING_S, announce_wait
 from router.shard_client import ShardClient
 from router.status_log import StatusLogger
@@ -266,7 +267,10 @@ class Supervisor:
     """Restart the shard group when a rank dies or hangs.
 
     A rank is dead when the executor says so (process or actor gone, or no answer to a
-    liveness ping), and hung when one of its steps ran past the step deadline.
+    liveness ping), and hung when one of its steps ran past the step deadline. What it
+    sees goes to the engine's :class:`~router.health.ShardHealth`, which health probes
+    read: not answering (a ping waiting longer than ``NOT_ANSWERING_AFTER_S``),
+    restarting, down, live again.
 
     Args:
         executor: the group's executor (liveness via ``dead_rank``).
@@ -290,6 +294,7 @@ class Supervisor:
         self.step_timeout_s = config.step_timeout_s
         self.restarts = 0
         self.gave_up = False
+        self.health = engine.shard_health
 
     async def _failed_rank(self) -> tuple[int, str] | None:
         """(rank, what happened) for a rank that is dead or hung, else None."""
@@ -299,23 +304,45 @@ class Supervisor:
         rank = await self.executor.dead_rank()
         return None if rank is None else (rank, "died or stopped answering")
 
+    async def _check(self) -> tuple[int, str] | None:
+        """:meth:`_failed_rank`, recording in :attr:`health` that the group is not
+        answering once the check has waited ``NOT_ANSWERING_AFTER_S`` (the ping's own
+        timeout is longer), and that it is live when every rank answered."""
+        started = time.monotonic()
+        check = asyncio.ensure_future(self._failed_rank())
+        try:
+            done, _ = await asyncio.wait({check}, timeout=NOT_ANSWERING_AFTER_S)
+            if not done:
+                # one rank: it is the silent one; several are pinged together
+                rank = 0 if self.config.shard.world_size == 1 else None
+                self.health.not_answering(rank, started)
+            failed = await check
+        finally:
+            check.cancel()
+        if failed is None:
+            self.health.live()
+        return failed
+
     async def run(self) -> None:
         """Poll liveness every 0.5 s; restart on a dead or hung rank, until cancelled or
         out of restarts."""
         while True:
             await asyncio.sleep(LIVENESS_POLL_S)
-            failed = await self._failed_rank()
+            failed = await self._check()
             if failed is None:
                 continue
             message = "shard rank {} {}".format(*failed)
             logger.error("{}", message)
+            self.health.restarting(message)
             await self.engine.stop()
             self.engine.fail_all(message)
             if self.engine.draining:  # shutting down: no group is started again
+                self.health.down(f"{message}; the server is shutting down")
                 return
             if not await self._restart():
                 logger.error("no shard-group restart left (--max-restarts {}); exiting",
                              self.max_restarts)
+                self.health.down(f"{message}; no restart left")
                 # New requests are refused (503) while the server exits.
                 self.engine.drain()
                 self.engine.fail_all("the shard group is down", include_waiting=True)
@@ -347,6 +374,7 @@ class Supervisor:
                 continue
             self.engine.replace_shards(client, budgets, num_blocks, infos[0].block_size)
             self.engine.start()
+            self.health.live()
             logger.info("shard group restarted: {} rank(s), {} KV blocks, max_total_tokens={}",
                         len(infos), num_blocks, budgets.max_total_tokens)
             return True

@@ -3,6 +3,14 @@
 One :class:`Metrics` per engine, on its own registry (so several engines can live in
 one process, as in tests). Gauges that mirror scheduler state (queue, batch, KV blocks)
 and the prefix-cache counter are read at scrape time by a collector.
+
+Counters and histograms are this module's own (:class:`LoopCounter`,
+:class:`LoopHistogram`): changed on the event loop only, an observation is an addition
+or two where ``prometheus_client``'s take a lock, and each counts its changes, so that
+:meth:`Metrics.render` renders again only when something changed (a flood of scrapes
+costs one rendering per engine step at most, not one each). Each also writes its own
+lines of the text exposition, the same bytes ``prometheus_client.generate_latest``
+writes for the registry, in a tenth of its time.
 """
 
 from __future__ import annotations
@@ -10,8 +18,9 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -49,15 +58,29 @@ METRIC_NAMES = {
 }
 
 
+def _header(name: str, documentation: str, kind: str) -> str:
+    """The ``# HELP`` and ``# TYPE`` lines of a metric (``name`` as exposed)."""
+    escaped = documentation.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {escaped}\n# TYPE {name} {kind}\n"
+
+
 class _StateCollector(Collector):
     """Reads gauges and the prefix-cache counter from the engine at scrape time."""
 
+    GAUGES = ("queue_size", "running_batch_size", "kv_blocks_total", "kv_blocks_used")
+
     def __init__(self, read: Callable[[], dict[str, float]]) -> None:
         self._read = read
+        self._headers = {
+            name: _header(f"{PREFIX}_{name}", METRIC_NAMES[f"{PREFIX}_{name}"], "gauge")
+            for name in self.GAUGES
+        }
+        hits = f"{PREFIX}_prefix_cache_hit_tokens_total"
+        self._hits_header = _header(hits, METRIC_NAMES[hits], "counter")
 
     def collect(self) -> Iterator[Metric]:
         state = self._read()
-        for name in ("queue_size", "running_batch_size", "kv_blocks_total", "kv_blocks_used"):
+        for name in self.GAUGES:
             full = f"{PREFIX}_{name}"
             yield GaugeMetricFamily(full, METRIC_NAMES[full], value=state[name])
         full = f"{PREFIX}_prefix_cache_hit_tokens"
@@ -65,9 +88,90 @@ class _StateCollector(Collector):
             full, METRIC_NAMES[full + "_total"], value=state["prefix_cache_hit_tokens"]
         )
 
+    def expose(self, lines: list[str], state: dict[str, float]) -> None:
+        """Append the exposition of ``state`` (what ``read`` returned) to ``lines``."""
+        for name in self.GAUGES:
+            lines.append(f"{self._headers[name]}{PREFIX}_{name} "
+                         f"{floatToGoString(state[name])}\n")
+        lines.append(f"{self._hits_header}{PREFIX}_prefix_cache_hit_tokens_total "
+                     f"{floatToGoString(state['prefix_cache_hit_tokens'])}\n")
 
-class TokenHistogram(Collector):
-    """A histogram observed once per generated token, on the event loop only.
+
+class LoopCounter(Collector):
+    """A counter, optionally split by the values of one label; changed on the event loop
+    only (no lock).
+
+    Args:
+        name: Full metric name, ending in ``_total``.
+        documentation: Help text.
+        label: The label's name (``outcome``), or None for a counter without labels.
+
+    Attributes:
+        changes: How many times it changed (the render cache's key).
+    """
+
+    def __init__(self, name: str, documentation: str, label: str | None = None) -> None:
+        assert name.endswith("_total"), f"a counter's name ends in _total: {name}"
+        self.name = name
+        self.documentation = documentation
+        self.label = label
+        self.changes = 0
+        self._values: dict[str, float] = {} if label else {"": 0.0}
+        self._children: dict[str, _CounterChild] = {}
+        self._header = _header(name, documentation, "counter")
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add ``amount`` (>= 0) to the counter without labels."""
+        assert self.label is None, f"{self.name} is counted by {self.label}: use labels()"
+        self._values[""] += amount
+        self.changes += 1
+
+    def labels(self, value: str) -> _CounterChild:
+        """The counter of one value of the label (a plain word; created at 0)."""
+        child = self._children.get(value)
+        if child is None:
+            assert self.label is not None, f"{self.name} has no label"
+            assert value.isidentifier(), f"label values are plain words: {value!r}"
+            self._values[value] = 0.0
+            child = self._children[value] = _CounterChild(self, value)
+        return child
+
+    def _add(self, value: str, amount: float) -> None:
+        self._values[value] += amount
+        self.changes += 1
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation,
+                                     labels=[self.label] if self.label else None)
+        for value, count in self._values.items():
+            family.add_metric([value] if self.label else [], count)
+        yield family
+
+    def expose(self, lines: list[str]) -> None:
+        """Append this counter's exposition to ``lines``."""
+        lines.append(self._header)
+        for value, count in self._values.items():
+            labels = f'{{{self.label}="{value}"}}' if self.label else ""
+            lines.append(f"{self.name}{labels} {floatToGoString(count)}\n")
+
+
+class _CounterChild:
+    """One label value's counter of a :class:`LoopCounter`."""
+
+    __slots__ = ("_counter", "_value")
+
+    def __init__(self, counter: LoopCounter, value: str) -> None:
+        self._counter = counter
+        self._value = value
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add ``amount`` (>= 0)."""
+        self._counter._add(self._value, amount)
+
+
+class LoopHistogram(Collector):
+    """A histogram changed on the event loop only (observed up to once per generated
+    token).
 
     ``prometheus_client.Histogram.observe`` takes a lock and costs about 5 µs; with 256
     sequences that is more than a millisecond of every decode step. Here an observation
@@ -78,6 +182,9 @@ class TokenHistogram(Collector):
         name: Full metric name (without ``_bucket``/``_count``/``_sum``).
         documentation: Help text.
         buckets: Upper bounds in seconds, increasing (``+Inf`` is added).
+
+    Attributes:
+        changes: How many observations it has had (the render cache's key).
     """
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
@@ -86,11 +193,16 @@ class TokenHistogram(Collector):
         self._upper = [*buckets, math.inf]
         self._counts = [0] * len(self._upper)
         self._sum = 0.0
+        self.changes = 0
+        self._header = _header(name, documentation, "histogram")
+        self._bucket_names = [f'{name}_bucket{{le="{floatToGoString(upper)}"}} '
+                              for upper in self._upper]
 
     def observe(self, value: float) -> None:
         """Count one observation of ``value`` (seconds)."""
         self._counts[bisect.bisect_left(self._upper, value)] += 1
         self._sum += value
+        self.changes += 1
 
     def collect(self) -> Iterator[Metric]:
         cumulative, total = [], 0
@@ -100,9 +212,23 @@ class TokenHistogram(Collector):
         yield HistogramMetricFamily(self.name, self.documentation, buckets=cumulative,
                                     sum_value=self._sum)
 
+    def expose(self, lines: list[str]) -> None:
+        """Append this histogram's exposition to ``lines``."""
+        lines.append(self._header)
+        total = 0
+        for bucket, count in zip(self._bucket_names, self._counts, strict=True):
+            total += count
+            lines.append(f"{bucket}{floatToGoString(total)}\n")
+        lines.append(f"{self.name}_count {floatToGoString(total)}\n"
+                     f"{self.name}_sum {floatToGoString(self._sum)}\n")
+
+
+# one of this module's own metric types, as registered
+_Own = TypeVar("_Own", LoopCounter, LoopHistogram)
+
 
 class Metrics:
-    """The router's metrics on a private registry.
+    """The router's metrics on a private registry. Change them on the event loop only.
 
     Args:
         read_state: Returns the current ``queue_size``, ``running_batch_size``,
@@ -111,30 +237,48 @@ class Metrics:
 
     def __init__(self, read_state: Callable[[], dict[str, float]]) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._read_state = read_state
+        self._own: list[LoopCounter | LoopHistogram] = []
 
-        def histogram(name: str, buckets: tuple[float, ...]) -> Histogram:
+        def histogram(name: str, buckets: tuple[float, ...]) -> LoopHistogram:
             full = f"{PREFIX}_{name}"
-            return Histogram(full, METRIC_NAMES[full], buckets=buckets, registry=r)
+            return own(LoopHistogram(full, METRIC_NAMES[full], buckets))
 
-        def counter(name: str, labels: tuple[str, ...] = ()) -> Counter:
-            full = f"{PREFIX}_{name}"
-            return Counter(full, METRIC_NAMES[full + "_total"], labels, registry=r)
+        def counter(name: str, label: str | None = None) -> LoopCounter:
+            full = f"{PREFIX}_{name}_total"
+            return own(LoopCounter(full, METRIC_NAMES[full], label))
 
-        self.requests = counter("requests", ("outcome",))
+        def own(metric: _Own) -> _Own:
+            self.registry.register(metric)
+            self._own.append(metric)
+            return metric
+
+        self.requests = counter("requests", "outcome")
         self.prompt_tokens = counter("prompt_tokens")
         self.generation_tokens = counter("generation_tokens")
         self.time_to_first_token = histogram("time_to_first_token_seconds", _LATENCY_BUCKETS)
-        itl = f"{PREFIX}_inter_token_latency_seconds"
-        self.inter_token_latency = TokenHistogram(itl, METRIC_NAMES[itl], _STEP_BUCKETS)
-        r.register(self.inter_token_latency)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", _STEP_BUCKETS)
         self.e2e_latency = histogram("e2e_request_latency_seconds", _LATENCY_BUCKETS)
         self.queue_time = histogram("queue_time_seconds", _LATENCY_BUCKETS)
         self.prefill_step = histogram("prefill_step_duration_seconds", _STEP_BUCKETS)
         self.decode_step = histogram("decode_step_duration_seconds", _STEP_BUCKETS)
         self.decode_step_wall = histogram("decode_step_wall_seconds", _STEP_BUCKETS)
-        r.register(_StateCollector(read_state))
+        self._state = _StateCollector(read_state)
+        self.registry.register(self._state)
+        self._rendered: tuple[tuple[float, ...], bytes] | None = None
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (what ``generate_latest``
+        writes for :attr:`registry`).
+
+        Rendered again only when a metric or the engine's state changed since the last
+        rendering; otherwise the same bytes are returned (exact, never stale)."""
+        state = self._read_state()
+        key = (*(metric.changes for metric in self._own), *state.values())
+        if self._rendered is None or self._rendered[0] != key:
+            lines: list[str] = []
+            for metric in self._own:
+                metric.expose(lines)
+            self._state.expose(lines, state)
+            self._rendered = (key, "".join(lines).encode())
+        return self._rendered[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from router.metrics import TokenHistogram
+from router.metrics import LoopHistogram
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.1)
 VALUES = [0.0, 0.001, 0.0011, 0.0025, 0.004, 0.01, 0.05, 0.1, 0.2, 7.0, 0.003]
@@ -21,7 +21,7 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
 
 def test_same_exposition_as_prometheus_histogram() -> None:
     ours, reference = CollectorRegistry(), CollectorRegistry()
-    fast = TokenHistogram("itl_seconds", "help", BUCKETS)
+    fast = LoopHistogram("itl_seconds", "help", BUCKETS)
     ours.register(fast)
     slow = Histogram("itl_seconds", "help", buckets=BUCKETS, registry=reference)
     for value in VALUES:
