@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_SEED = 2**63 - 1
+# Seeds are uint64 end to end: the public gRPC ``Parameters.seed``, the shards'
+# ``SamplingParameters.seed``, and shard/sampling.py's row_seed, which mixes all 64 bits.
+MAX_SEED = 2**64 - 1
 # NOTE: sampling parameters travel to the shards as float32; these bounds keep every
 # accepted value finite and non-zero there (a penalty of 1e-300 would become 0.0).
 MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3
