@@ -83,8 +83,10 @@ class ShardClient:
         ]
         self._stubs = [shard_pb2_grpc.ShardServiceStub(channel) for channel in self._channels]
         # Prefill/Decode step numbers, in the order the calls are made (see "One key per
-        # step" in proto/shard.proto); warmup() and restart_steps() restart them.
+        # step" in proto/shard.proto); warmup() restarts them. The next step is marked
+        # restart after restart_steps().
         self._steps = itertools.count(1)
+        self._restart = False
 
     async def close(self) -> None:
         """Close every channel."""
@@ -203,20 +205,24 @@ class ShardClient:
         return responses[0]
 
     def restart_steps(self) -> None:
-        """The next step is step 1: it starts a new sequence, and every rank drops the
-        requests it holds before running it (after a failed step, whose sequence is
-        abandoned)."""
-        self._steps = itertools.count(1)
+        """Mark the next step ``restart`` (after a failed step, whose steps in flight are
+        abandoned): every rank gives up the earlier steps and drops the requests it
+        holds before running it."""
+        self._restart = True
+
+    def _number(self, request: pb.PrefillRequest | pb.DecodeRequest) -> None:
+        request.step = next(self._steps)
+        request.restart, self._restart = self._restart, False
 
     async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """Send ``request`` (its step number set here) to every rank; rank 0's response."""
-        request.step = next(self._steps)
+        self._number(request)
         return await self._step("Prefill", lambda s, timeout: s.Prefill(request, timeout=timeout))
 
     async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
         """Send ``request`` (its step number set here) to every rank; rank 0's response.
         ``num_rows``: the rows it steps, for :mod:`shard.step_trace`."""
-        request.step = next(self._steps)
+        self._number(request)
         if step_trace.enabled:
             step_trace.mark("send", request.step, num_rows)
         response = await self._step(

@@ -89,8 +89,8 @@ class ShardSteps:
         self.restart()
 
     def restart(self) -> None:
-        """Abandon the steps sent so far (after a failed step): the next one is step 1,
-        before which every rank drops what it holds."""
+        """Abandon the steps sent so far (after a failed step): before the next one,
+        every rank drops what it holds."""
         self.client.restart_steps()
         self._held.clear()
         self._rows = []

@@ -46,40 +46,42 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self.lock = asyncio.Lock()
         self.log = logger.bind(rank=runner.config.rank)
         # Prefill/Decode ordering (PrefillRequest.step): the last step let through, and
-        # how many sequences of steps have started (step 1 starts one)
+        # the first step after the router's last restart (earlier ones are abandoned)
         self._last_step = 0
-        self._sequence = 0
+        self._abandon_below = 0
         self._step_turn = asyncio.Condition()
         self._step_wait_s = step_wait_s
 
     async def _restart_steps(self) -> None:
-        """A new sequence of steps starts (Warmup, or step 1): steps still waiting for
-        their turn in the old one are abandoned."""
+        """The router's step count starts again from 1 (Warmup)."""
         async with self._step_turn:
             self._last_step = 0
-            self._sequence += 1
+            self._abandon_below = 0
             self._step_turn.notify_all()
 
-    async def _wait_turn(self, context: grpc.aio.ServicerContext, step: int) -> None:
+    async def _wait_turn(
+        self, context: grpc.aio.ServicerContext, step: int, restart: bool
+    ) -> None:
         """Hold a Prefill/Decode until every step before ``step`` has started (0 =
-        unordered). Step 1 starts a new sequence: the steps of the old one that still
-        wait are abandoned, and the runner drops the requests it holds before step 1
-        runs (see :meth:`_launch`).
+        unordered). A ``restart`` step runs without waiting for the steps before it:
+        those that still wait, or arrive later, are abandoned (and the runner drops the
+        requests it holds before it runs, see :meth:`_launch`).
 
         Aborts with FAILED_PRECONDITION when an earlier step never arrives within
-        ``step_wait_s`` seconds (the router lost it, e.g. after a failure), or when a
-        new sequence started while this step waited.
+        ``step_wait_s`` seconds (the router lost it, e.g. after a failure), or when the
+        step was abandoned.
         """
         if step == 0:
             return
-        if step == 1:
-            await self._restart_steps()
         async with self._step_turn:
-            sequence = self._sequence
+            if restart:
+                self._abandon_below = step
+                self._last_step = max(self._last_step, step - 1)
+                self._step_turn.notify_all()
             try:
                 await asyncio.wait_for(
                     self._step_turn.wait_for(
-                        lambda: self._sequence != sequence or self._last_step >= step - 1
+                        lambda: step < self._abandon_below or self._last_step >= step - 1
                     ),
                     self._step_wait_s,
                 )
@@ -88,12 +90,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"step {step} waited {self._step_wait_s:.0f} s for step {step - 1}",
                 )
-            if self._sequence != sequence:
+            if step < self._abandon_below or step <= self._last_step:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"step {step} was abandoned: the router started a new sequence of steps",
+                    f"step {step} was abandoned: the router restarted at step "
+                    f"{self._abandon_below}",
                 )
-            self._last_step = max(self._last_step, step)
+            self._last_step = step
             self._step_turn.notify_all()
 
     async def _run(
@@ -202,12 +205,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     ) -> pb.PrefillResponse:
         t0 = time.perf_counter_ns()
         step = request.step
-        await self._wait_turn(context, step)
+        await self._wait_turn(context, step, request.restart)
         out = await self._launch_then_finish(
             context,
             "Prefill",
             step,
-            self._launch(step, lambda: self.runner.launch_prefill(
+            self._launch(request.restart, lambda: self.runner.launch_prefill(
                 pb_convert.prefill_step_from_pb(request), step)),
         )
         step_trace.mark("prefill", step, out.forward_ns // 1000)
@@ -223,12 +226,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         t0 = time.perf_counter_ns()
         step = request.step
         step_trace.mark("arrive", step)
-        await self._wait_turn(context, step)
+        await self._wait_turn(context, step, request.restart)
         out = await self._launch_then_finish(
             context,
             "Decode",
             step,
-            self._launch(step, lambda: self.runner.launch_decode(
+            self._launch(request.restart, lambda: self.runner.launch_decode(
                 pb_convert.decode_step_from_pb(request))),
         )
         response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
@@ -237,11 +240,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return response
 
     def _launch(
-        self, step: int, launch: Callable[[], PendingStep | StepOutput]
+        self, restart: bool, launch: Callable[[], PendingStep | StepOutput]
     ) -> Callable[[], PendingStep | StepOutput]:
-        """``launch``, after dropping every request held when ``step`` is 1 (the first
-        of a new sequence: what an abandoned sequence left is gone)."""
-        if step != 1:
+        """``launch``, after dropping every request held when the step is a ``restart``
+        (what the abandoned steps left is gone)."""
+        if not restart:
             return launch
 
         def first() -> PendingStep | StepOutput:

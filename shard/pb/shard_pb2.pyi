@@ -153,16 +153,18 @@ class Timings(_message.Message):
     def __init__(self, forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("finished_request_ids", "cached_requests", "new_requests", "step")
+    __slots__ = ("finished_request_ids", "cached_requests", "new_requests", "step", "restart")
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     step: int
-    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    restart: bool
+    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., step: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class GrammarFailure(_message.Message):
     __slots__ = ("request_id", "message")
@@ -183,14 +185,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("finished_request_ids", "cached_requests", "step")
+    __slots__ = ("finished_request_ids", "cached_requests", "step", "restart")
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     step: int
-    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    restart: bool
+    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., step: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "generations", "timings", "grammar_failures", "step")

@@ -44,7 +44,7 @@ class ScriptedShardClient:
     requests: dict[int, _Running] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)
     prefilled: list[pb.NewRequest] = field(default_factory=list)
-    steps: int = 0
+    restart: bool = False
 
     async def health(self) -> None:
         """Always healthy."""
@@ -53,11 +53,11 @@ class ScriptedShardClient:
         """Nothing to close."""
 
     def restart_steps(self) -> None:
-        self.steps = 0
+        self.restart = True
 
     def _step(self, finished: Sequence[int]) -> None:
-        self.steps += 1
-        if self.steps == 1:  # a new sequence: drop what is held
+        if self.restart:  # the first step after a failed one: drop what is held
+            self.restart = False
             self.requests.clear()
             self.rows.clear()
         for rid in finished:
