@@ -67,6 +67,7 @@ def make_state(engine: EngineApi, budgets: Budgets, tokenizer: Tokenizer,
         max_request_bytes=config.max_request_bytes,
         model_aliases=config.served_model_names[1:],
         api_key=config.api_key,
+        metrics_require_api_key=config.metrics_require_api_key,
     )
 
 

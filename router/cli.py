@@ -129,6 +129,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer <key>` on every HTTP route but "
                         "/health and /metrics, and the same gRPC metadata on every public gRPC "
                         "call but health checks; none = the APIs are open")
+    server.add_argument("--metrics-require-api-key", default="off", choices=["on", "off"],
+                        help="on: /metrics needs the --api-key too (off: open to scrapers, "
+                        "as in vLLM and TGI)")
     server.add_argument("--api-server-count", type=int, default=None, metavar="N",
                         help="processes serving the HTTP and gRPC APIs beside the engine's "
                         "process, which then only schedules and steps the shards; 0 = the "
@@ -378,6 +381,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
         max_request_bytes=args.max_request_bytes, served_model_names=names,
         api_key=args.api_key, header_timeout_s=args.header_timeout,
+        metrics_require_api_key=args.metrics_require_api_key == "on",
         status_interval_s=args.status_interval, step_timeout_s=args.step_timeout,
         api_server_count=args.api_server_count,
     )

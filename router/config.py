@@ -184,6 +184,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()
     # Bearer key HTTP (but /health, /metrics) and public gRPC calls need; None = open.
     api_key: str | None = field(default=None, repr=False)
+    metrics_require_api_key: bool = False  # /metrics needs the api_key too
     header_timeout_s: float = 10.0  # to receive a request's headers (and its body), seconds
     status_interval_s: float = 5.0  # between status lines of a busy server; 0 = none
     # API processes beside the engine's (router/api_process.py); 0 = the APIs run in the
@@ -211,6 +212,8 @@ class ServerConfig:
             raise ValueError("--grpc-port must be in [0, 65535] (0 = no gRPC API)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
+        if self.metrics_require_api_key and self.api_key is None:
+            raise ValueError("--metrics-require-api-key on needs --api-key")
         if self.header_timeout_s <= 0:
             raise ValueError("--header-timeout must be positive")
         if self.api_server_count is not None and self.api_server_count < 0:

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api import openai as openai_api
 from router.api import tgi
-from router.api.auth import ApiKeyAuth
+from router.api.auth import OPEN_PATHS, ApiKeyAuth
 from router.api.errors import error_body
 from router.api.generation import ClientDisconnected, GenerationFailed, GrammarFailed
 from router.api.limits import BodySizeLimit
@@ -218,8 +218,10 @@ service = APIRouter(tags=["TGI"])
 
 @service.get("/health")
 async def health(request: Request, state: State) -> JSONResponse:
-    """200 when every shard answers, the last step succeeded and the server is not
-    shutting down, else 503 (the gRPC health service answers the same)."""
+    """200 when the shard group serves (every rank answers the supervisor's liveness
+    pings), the last step succeeded and the server is not shutting down, else 503
+    naming why; the gRPC health service answers the same. Answered at once from the
+    known state (:mod:`router.health`), never by calling a shard."""
     problem = await state.engine.health_problem()
     if problem is not None:
         return _error(request, 503, problem, "unhealthy")
@@ -228,7 +230,8 @@ async def health(request: Request, state: State) -> JSONResponse:
 
 @service.get("/metrics", response_class=PlainTextResponse)
 async def metrics(state: State) -> PlainTextResponse:
-    """Prometheus text exposition (names listed in the README)."""
+    """Prometheus text exposition (names listed in the README); open unless
+    ``--metrics-require-api-key on``."""
     return PlainTextResponse(await state.engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -274,7 +277,9 @@ def create_app(state: ServerState) -> FastAPI:
                        on_reject=lambda: _count_rejected(state))
     app.add_middleware(CancelledAsError)
     if state.api_key:
-        app.add_middleware(ApiKeyAuth, api_key=state.api_key)  # outermost: checked first
+        open_paths = OPEN_PATHS - {"/metrics"} if state.metrics_require_api_key else OPEN_PATHS
+        # outermost: checked first
+        app.add_middleware(ApiKeyAuth, api_key=state.api_key, open_paths=open_paths)
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
     app.include_router(service)

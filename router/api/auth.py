@@ -1,5 +1,6 @@
 """``--api-key``: every HTTP route but ``/health`` and ``/metrics`` needs
-``Authorization: Bearer <key>`` (what the ``openai`` package sends for ``api_key``).
+``Authorization: Bearer <key>`` (what the ``openai`` package sends for ``api_key``);
+``/metrics`` too with ``--metrics-require-api-key on``.
 
 An ASGI middleware, so it answers before a body is read or a route runs. Keys are
 compared in constant time. A refusal is 401 with ``WWW-Authenticate: Bearer`` and an
@@ -14,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api.errors import send_error
 
-# Probes and scrapers must work without the key.
+# Probes and scrapers must work without the key (by default: as in vLLM and TGI).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -30,14 +31,17 @@ def bearer_matches(header: str | bytes | None, api_key: str) -> bool:
 
 
 class ApiKeyAuth:
-    """Refuse HTTP requests without ``Authorization: Bearer <api_key>`` (401)."""
+    """Refuse HTTP requests without ``Authorization: Bearer <api_key>`` (401), but
+    those of ``open_paths``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.api_key = api_key
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])

@@ -23,6 +23,7 @@ class ServerState:
         model_aliases: Further names the OpenAI routes accept in ``model``
             (``--served-model-name`` after the first).
         api_key: Bearer key every call needs (see router/api/auth.py); None = open.
+        metrics_require_api_key: ``/metrics`` needs the key too (open by default).
         max_request_bytes: Largest HTTP body and public gRPC message, bytes.
         offload: Threads that tokenize and render chat templates off the event loop.
     """
@@ -38,6 +39,7 @@ class ServerState:
     max_request_bytes: int = 1 << 20
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)
+    metrics_require_api_key: bool = False
     offload: Offload = field(default_factory=Offload)
 
     @property
