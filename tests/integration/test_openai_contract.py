@@ -12,10 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from router.pb import generate_pb2, generate_pb2_grpc
+from router.tokenizer import Tokenizer
+from tests.byte_tokens import byte_tokens
 from tests.integration.live_server import LiveServer, launch_tiny
 
 NAMES = ["tiny-a", "tiny-b"]
@@ -293,3 +297,39 @@ def test_stream_choices_carry_finish_reason_and_logprobs_null_until_set(
     if "chat" in path:
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}
         assert all(None not in c["delta"].values() for c in choices)
+
+
+def test_prompt_ids_ending_inside_a_character_stream_as_whole(
+        server: LiveServer, tokenizer: Tokenizer) -> None:
+    """A token-id prompt cut inside an emoji: the greedy answer streamed equals the
+    answer sent whole, and no delta carries the prompt's text."""
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False) + byte_tokens(tokenizer, "🙂")[:2]
+    body: dict[str, Any] = {"model": NAMES[0], "prompt": prompt, "max_tokens": 12,
+                            "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    whole = response.json()["choices"][0]["text"]
+    deltas = [c["choices"][0]["text"] for c in
+              _sse_chunks(server, "/v1/completions", {**body, "stream": True}) if c["choices"]]
+    assert "".join(deltas) == whole
+    assert not any("capital" in delta for delta in deltas), deltas
+
+
+def test_grpc_takes_every_uint64_seed_as_http_does(server: LiveServer) -> None:
+    """Seeds above 2^63 - 1 (the proto's uint64) sample as on /generate with that seed."""
+    texts = {}
+    for seed in (2**63 + 7, 2**64 - 1):
+        params = generate_pb2.Parameters(max_new_tokens=8, do_sample=True, seed=seed,
+                                         ignore_eos=True)
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            reply = stub.Generate(generate_pb2.GenerateRequest(inputs=PROMPT, parameters=params),
+                                  timeout=60)
+        assert reply.sequence.seed == seed
+        http = httpx.post(f"{server.url}/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 8, "do_sample": True, "seed": seed, "ignore_eos": True,
+            "details": True}}, timeout=60).json()
+        assert http["details"]["seed"] == seed
+        assert reply.sequence.generated_text == http["generated_text"]
+        texts[seed] = http["generated_text"]
+    assert len(set(texts.values())) == 2, texts  # the high bits of the seed count
