@@ -333,3 +333,28 @@ def test_grpc_takes_every_uint64_seed_as_http_does(server: LiveServer) -> None:
         assert reply.sequence.generated_text == http["generated_text"]
         texts[seed] = http["generated_text"]
     assert len(set(texts.values())) == 2, texts  # the high bits of the seed count
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+BAD_CHATS = [
+    ({"messages": [*MESSAGES, {"role": "user", "content": None}]}, "messages[1].content"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [CALL]},
+                   {"role": "tool", "content": "ok"}]}, "messages[2].tool_call_id"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"$ref": "#/$defs/Missing"}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": f"f{i}", "description": "word " * 100}} for i in range(8)]}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_CHATS)
+def test_bad_chat_fields_are_400_naming_the_field(
+        server: LiveServer, body: dict[str, Any], field: str) -> None:
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"model": NAMES[0], "max_tokens": 2, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field, response.text
