@@ -7,6 +7,11 @@ Subcommands:
 Every flag can come from an environment variable, ``SHARDSERVE_<FLAG>``
 (``--kv-cache-bytes`` ← ``SHARDSERVE_KV_CACHE_BYTES``): :func:`apply_env_defaults`
 walks the parser, so a new flag needs no code for it. Sizes take units (``1GiB``).
+The flags and their defaults are defined once, with the config dataclasses' fields
+(:mod:`router.config`, :class:`shard.config.ShardConfig`).
+
+Subcommand ``client`` asks a running server's public gRPC API for a completion
+(:mod:`router.grpc_api.client`).
 """
 
 from __future__ import annotations
@@ -16,15 +21,23 @@ import difflib
 import os
 import shlex
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from loguru import logger
 
-from router.config import SchedulerConfig, ServerConfig, ValidationLimits, derive_budgets
+from router.config import (
+    SchedulerConfig,
+    ServerConfig,
+    ValidationLimits,
+    config_flags,
+    derive_budgets,
+)
+from router.grpc_api.client import DEFAULT_TEXTS as CLIENT_DEFAULT_TEXTS
+from router.grpc_api.client import add_client_flags, run_client
 from router.log import setup_logging
 from router.model_files import prepare_default_model, resolve_model
-from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool, size_arg
+from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool
 from shard.layers.tp_layout import check_tp_size_for_folder
 
 # The shard flags of ``launch``, defined with ShardConfig's fields (defaults, help, types).
@@ -37,128 +50,102 @@ _SHARD_FLAGS = ("attention_backend", "cuda_graphs", "pdl", "gemm_tuning", "gemm_
 SHARD_FLAG_SPELLINGS = {"world_size": "--num-shard", "json_logs": "--json-output"}
 
 
+def _dest(spelling: str) -> str:
+    """argparse's name of a flag's value: ``--placement-timeout`` → ``placement_timeout``."""
+    return spelling.removeprefix("--").replace("-", "_")
+
+
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    """Every ``launch`` flag. Each needs help text; the formatter adds its default,
+    """Every ``launch`` flag: those of config fields (:func:`add_config_flags`,
+    :func:`shard.config.add_shard_flags`) and ``--model``. Each needs help text and, if
+    it takes a value, a metavar naming its unit or kind; the formatter adds its default,
     choices and environment variable (tests/unit/router/test_cli.py checks them all)."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", "--model-id", dest="model", default=None, metavar="PATH",
                        help="the model to serve: a Hugging Face model folder, or ORG/NAME "
                        "already in the local Hugging Face cache; --model-id is TGI's name "
-                       "for it (default: SmolLM2-135M-Instruct, converted once)")
-    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="names the model answers to in the OpenAI `model` field (another "
-                       "is a 404); the first is reported by /info, /v1/models and responses "
-                       "(default: the folder's name or the repository id)")
+                       "for it")
+    add_config_flags(model, ServerConfig, ("served_model_names",))
     add_shard_flags(model, _MODEL_SHARD_FLAGS)
 
     shards = parser.add_argument_group("shards")
     add_shard_flags(shards, {"world_size": SHARD_FLAG_SPELLINGS["world_size"]})
-    shards.add_argument("--executor", default="ray", choices=["ray", "local"],
-                        help="start shards as Ray actors or local processes")
-    shards.add_argument("--ray-address", default=None,
-                        help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) "
-                        "(default: start a local Ray instance)")
-    shards.add_argument("--placement", default="pack", choices=["pack", "spread"],
-                        help="Ray placement of the ranks: pack onto few nodes, or one per node")
-    shards.add_argument("--placement-timeout", type=float, default=300.0,
-                        help="seconds to wait for the Ray placement group (what is missing "
-                        "is logged every 10 s), then exit with an error")
-    shards.add_argument("--max-restarts", type=int, default=3,
-                        help="restarts of the shard group after a rank dies, then exit")
-    shards.add_argument("--step-timeout", type=float, default=0.0,
-                        help="seconds a prefill or decode step may take before its shard "
-                        "group counts as hung and is restarted (0 = adaptive: max(30, "
-                        "10 x the slowest step seen, Warmup included))")
-    shards.add_argument("--master-port", type=int, default=0,
-                        help="torch.distributed rendezvous port on rank 0 (0 = a free one)")
+    add_config_flags(shards, ServerConfig, ("executor", "ray_address", "placement",
+                                            "placement_timeout_s", "max_restarts",
+                                            "step_timeout_s", "master_port"))
     add_shard_flags(shards, _SHARD_FLAGS)
 
-    budgets = parser.add_argument_group("scheduling")
-    for name in _DERIVED_BUDGETS:
-        budgets.add_argument(_flag(name), *_PEER_SPELLINGS.get(name, ()), type=int, default=None,
-                             help=_DERIVED_HELP[name])
-    defaults = SchedulerConfig()
-    budgets.add_argument("--max-batch-size", *_PEER_SPELLINGS["max_batch_size"], type=int,
-                         default=defaults.max_batch_size, help="requests in the running batch")
-    budgets.add_argument("--max-concurrent-requests", type=int,
-                         default=defaults.max_concurrent_requests,
-                         help="queued + running requests; more are refused with 429")
-    budgets.add_argument("--waiting-served-ratio", type=float,
-                         default=defaults.waiting_served_ratio,
-                         help="while a batch runs, prefill newcomers once there are this many "
-                         "per running request ...")
-    budgets.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens,
-                         help="... or after this many decode steps since the last prefill")
-    budgets.add_argument("--prefix-caching", default="on", choices=["on", "off"],
-                         help="reuse KV blocks of identical prompt prefixes")
-    budgets.add_argument("--chunked-prefill", default="on", choices=["on", "off"],
-                         help="split long prompts over steps shared with decodes")
-    budgets.add_argument("--decode-during-prefill", default="on", choices=["on", "off"],
-                         help="on: a step that prefills newcomers also decodes the running "
-                         "batch; off: prefill first, the running batch decodes when nothing "
-                         "more can be admitted or after --max-waiting-tokens prefill steps "
-                         "in a row (running streams pause during prefills)")
-    budgets.add_argument("--steps-in-flight", type=int, default=defaults.steps_in_flight,
-                         choices=[1, 2],
-                         help="shard steps sent ahead of the one being read: 1, or 2 for "
-                         "more slack on a busy router (a stopped request then computes two "
-                         "discarded tokens instead of one)")
-    limits = ValidationLimits()
-    budgets.add_argument("--max-stop-sequences", type=int, default=limits.max_stop_sequences,
-                         help="stop strings per request")
-    budgets.add_argument("--max-top-n-tokens", type=int, default=limits.max_top_n_tokens,
-                         help="alternatives per token (top_n_tokens, logprobs, top_logprobs)")
-    budgets.add_argument("--max-best-of", type=int, default=limits.max_best_of,
-                         help="sequences per request (best_of, n)")
+    scheduling = parser.add_argument_group("scheduling")
+    add_config_flags(scheduling, SchedulerConfig)
+    add_config_flags(scheduling, ValidationLimits)
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="0.0.0.0", help="interface of the HTTP and gRPC APIs")
-    server.add_argument("--port", type=int, default=3000, help="HTTP port")
-    server.add_argument("--grpc-port", type=int, default=3001,
-                        help="port of the public gRPC API (0 = off)")
-    server.add_argument("--json-output", action="store_true", help="log JSON lines")
-    server.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS",
-                        help="while busy, log throughput, running/waiting requests and KV "
-                        "cache use this often (0 = never)")
-    server.add_argument("--max-request-bytes", type=size_arg, default="1MiB", metavar="SIZE",
-                        help="largest HTTP request body and public gRPC message: bytes or with "
-                        "a unit (413 / RESOURCE_EXHAUSTED beyond)")
-    server.add_argument("--graceful-timeout", type=int, default=30, metavar="SECONDS",
-                        help="seconds running requests may take to finish after SIGTERM")
-    server.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require `Authorization: Bearer <key>` on every HTTP route but "
-                        "/health and /metrics, and the same gRPC metadata on every public gRPC "
-                        "call but health checks; none = the APIs are open")
-    server.add_argument("--metrics-require-api-key", default="off", choices=["on", "off"],
-                        help="on: /metrics needs the --api-key too (off: open to scrapers, "
-                        "as in vLLM and TGI)")
-    server.add_argument("--api-server-count", type=int, default=None, metavar="N",
-                        help="processes serving the HTTP and gRPC APIs beside the engine's "
-                        "process, which then only schedules and steps the shards; 0 = the "
-                        "APIs run in the engine's process (default: 1 when the shards run on "
-                        "a GPU, 0 on CPU)")
-    server.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="seconds a client has to send a request's headers, and again "
-                        "its body; slower or idle connections are closed")
+    add_config_flags(server, ServerConfig, ("host", "port", "grpc_port"))
+    add_shard_flags(server, {"json_logs": SHARD_FLAG_SPELLINGS["json_logs"]})
+    add_config_flags(server, ServerConfig, ("status_interval_s", "max_request_bytes",
+                                            "graceful_timeout_s", "api_key",
+                                            "metrics_require_api_key",
+                                            "api_server_count", "header_timeout_s"))
+    # ShardConfig's flags name no unit (shard/config.py serves python -m shard.server
+    # too): launch's --help names them here.
+    for action in parser._actions:
+        action.metavar = _SHARD_METAVARS.get(action.dest, action.metavar)
 
 
-_DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
-# Flags whose value the help never shows (it may come from the environment).
-_SECRET_DESTS = frozenset({"api_key"})
-_DERIVED_HELP = {
-    "max_batch_prefill_tokens": "prompt tokens per prefill step, the chunk of chunked prefill "
-    "(default: 512 on CPU, 2048 on GPU; max-input-tokens with --chunked-prefill off)",
-    "max_input_tokens": "longest prompt (default: max-total-tokens - 1)",
-    "max_total_tokens": "longest prompt + output (default: min(context, 4096, KV capacity))",
+# Units of the shard flags of launch that take a number or a free text.
+_SHARD_METAVARS = {"num_shard": "N", "block_size": "TOKENS", "gpu_memory_fraction": "FRACTION",
+                   "device": "DEVICE"}
+# Defaults in words: of --model, and of config fields derived at start-up.
+_DEFAULT_TEXTS = {"model": "SmolLM2-135M-Instruct, converted once"} | CLIENT_DEFAULT_TEXTS | {
+    _dest(flag.spelling(name)): flag.default_text
+    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig)
+    for name, (flag, _) in config_flags(config_class).items() if flag.default_text
 }
+# Flags whose value the help never shows (it may come from the environment).
+_SECRET_DESTS = frozenset(
+    _dest(flag.spelling(name))
+    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig)
+    for name, (flag, _) in config_flags(config_class).items() if flag.secret
+)
+_DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
 
 
-# vLLM's names of the same budgets, accepted as they are.
-_PEER_SPELLINGS = {"max_total_tokens": ("--max-model-len",), "max_batch_size": ("--max-num-seqs",)}
+def add_config_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type,
+    names: Sequence[str] | None = None,
+) -> None:
+    """Add the flags of ``config_class``'s fields ``names`` (all its fields that are
+    flags when None) to ``parser``, each with its field's default: ``on`` / ``off`` for
+    a bool field, none for a field whose :class:`~router.config.Flag` has a
+    ``default_text`` (the value is derived at start-up).
+
+    Raises:
+        KeyError: a name is not a field with a flag.
+    """
+    flags = config_flags(config_class)
+    for name in flags if names is None else names:
+        flag, default = flags[name]
+        options: dict[str, Any] = {"help": flag.help, "metavar": flag.metavar}
+        if flag.type is bool:
+            options.update(choices=("on", "off"), default="on" if default else "off")
+        else:
+            options.update(type=flag.type, choices=flag.choices, nargs=flag.nargs,
+                           default=None if flag.default_text else default)
+        parser.add_argument(flag.spelling(name), *flag.aliases, **options)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def config_values(config_class: type, args: argparse.Namespace) -> dict[str, Any]:
+    """Field name → parsed value, for each field of ``config_class`` that is a flag
+    (``on`` / ``off`` as bools, lists as tuples)."""
+    values: dict[str, Any] = {}
+    for name, (flag, _) in config_flags(config_class).items():
+        value = getattr(args, _dest(flag.spelling(name)))
+        if flag.type is bool:
+            value = value == "on"
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return values
 
 
 def env_names(action: argparse.Action) -> list[str]:
@@ -253,7 +240,7 @@ def unknown_env_names(
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Each flag's help ends with its default, its choices and its variables."""
+    """Each flag's help ends the same way: ``[choices: …; default: …; env: …]``."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -263,25 +250,30 @@ class _HelpFormatter(argparse.HelpFormatter):
         extras = []
         if action.choices is not None:
             extras.append("choices: " + ", ".join(map(str, action.choices)))
-        if "(default:" not in text:
-            extras.append(f"default: {_shown_default(action)}")
+        extras.append(f"default: {_shown_default(action)}")
         extras.append("env: " + ", ".join(names))
         # The flag's own help may use argparse's %(default)s; what is added here is literal.
         return f"{text} [{'; '.join(extras).replace('%', '%%')}]"
 
 
 def _shown_default(action: argparse.Action) -> str:
+    """The default of ``action`` as ``--help`` writes it: a size with its unit, a float
+    without a trailing ``.0``, a switch as on/off, a derived default in words."""
     value = action.default
     if action.dest in _SECRET_DESTS:
         return "set (hidden)" if value else "none"
     if action.nargs == 0:
         return "on" if value else "off"
     if value is None:
-        return "none"
-    if isinstance(value, list):
+        return _DEFAULT_TEXTS.get(action.dest, "none")
+    if value == "":
+        return "empty"
+    if isinstance(value, list | tuple):
         return " ".join(map(str, value))
     if action.metavar == "SIZE" and isinstance(value, int):
         return _size_text(value)
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value)
 
 
@@ -308,12 +300,17 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                                      "gRPC APIs. Every flag can also come from the environment "
                                      "variable shown with it; the command line wins."))
     sub.add_parser("prepare", help="convert the default model into the cache folder")
+    add_client_flags(sub.add_parser("client", help="ask a running server for a completion "
+                                    "through its public gRPC API",
+                                    formatter_class=_HelpFormatter,
+                                    description="Continue PROMPT (greedy) through a running "
+                                    "server's public gRPC API and write the text to stdout."))
     apply_env_defaults(parser, os.environ if environ is None else environ)
     return parser
 
 
 def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The parser of ``command`` (``launch``, ``prepare``) under ``parser``."""
+    """The parser of ``command`` (``launch``, ``prepare``, ``client``) under ``parser``."""
     for action in parser._actions:  # argparse names no public way to its subparsers
         if isinstance(action, argparse._SubParsersAction):
             return action.choices[command]
@@ -353,37 +350,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         json_logs=args.json_output,
         **{name: getattr(args, name) for name in (*_MODEL_SHARD_FLAGS, *_SHARD_FLAGS)},
     )
-    budget_flags = {name: getattr(args, name) for name in _DERIVED_BUDGETS}
+    scheduling = config_values(SchedulerConfig, args)
+    budget_flags = {name: scheduling.pop(name) for name in _DERIVED_BUDGETS}
     # Validate the given budgets now (placeholders for the derived ones).
-    chunked = args.chunked_prefill == "on"
-    placeholders = derive_budgets(budget_flags, max_position_embeddings=1 << 30,
-                                  chunked_prefill=chunked)
-    scheduler = SchedulerConfig(
-        **placeholders,
-        max_batch_size=args.max_batch_size,
-        max_concurrent_requests=args.max_concurrent_requests,
-        waiting_served_ratio=args.waiting_served_ratio,
-        max_waiting_tokens=args.max_waiting_tokens,
-        prefix_caching=args.prefix_caching == "on",
-        chunked_prefill=chunked,
-        decode_during_prefill=args.decode_during_prefill == "on",
-        steps_in_flight=args.steps_in_flight,
-    )
-    limits = ValidationLimits(
-        max_stop_sequences=args.max_stop_sequences, max_top_n_tokens=args.max_top_n_tokens,
-        max_best_of=args.max_best_of,
-    )
+    placeholders: dict[str, Any] = derive_budgets(
+        budget_flags, max_position_embeddings=1 << 30,
+        chunked_prefill=scheduling["chunked_prefill"])
+    server = config_values(ServerConfig, args) | {"served_model_names": names}
     return ServerConfig(
-        shard=shard, scheduler=scheduler, limits=limits, host=args.host, port=args.port,
-        grpc_port=args.grpc_port, executor=args.executor, ray_address=args.ray_address,
-        placement=args.placement, placement_timeout_s=args.placement_timeout,
-        max_restarts=args.max_restarts, master_port=args.master_port,
-        graceful_timeout_s=args.graceful_timeout, budget_flags=budget_flags,
-        max_request_bytes=args.max_request_bytes, served_model_names=names,
-        api_key=args.api_key, header_timeout_s=args.header_timeout,
-        metrics_require_api_key=args.metrics_require_api_key == "on",
-        status_interval_s=args.status_interval, step_timeout_s=args.step_timeout,
-        api_server_count=args.api_server_count,
+        shard=shard, scheduler=SchedulerConfig(**placeholders, **scheduling),
+        limits=ValidationLimits(**config_values(ValidationLimits, args)),
+        budget_flags=budget_flags, **server,
     )
 
 
@@ -399,14 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         files = prepare_default_model()
         logger.info("default model at {}", files.path)
         return 0
+    if args.command == "client":
+        return run_client(args)
     try:
         config = config_from_args(args)
     except (ValueError, FileNotFoundError) as error:
         logger.error("{}", error)
         return 2
-    from router.executors import StartupError
     from router.launcher import run
     from router.shard_client import ShardError
+    from router.startup_errors import StartupError
 
     try:
         return run(config)

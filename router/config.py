@@ -1,18 +1,24 @@
-"""Router and launcher configuration: frozen dataclasses validated at construction.
+"""Router and launcher configuration: frozen dataclasses validated at construction,
+and the one definition of the router's flags.
 
-Command-line flags (``router/cli.py``) map onto these; the shards' flags and their
-defaults are defined once, with :class:`shard.config.ShardConfig`. Environment variables with the
-``SHARDSERVE_`` prefix are read in two places only, both at call time: every flag's
+A field that ``shardserve launch`` sets carries its flag (:class:`Flag`: help, unit,
+type, choices) in its metadata; ``router/cli.py`` builds the flags from them, each with
+its field's default, as the shards' flags come from :class:`shard.config.ShardConfig`. So
+every default is written once, here. Environment variables with the ``SHARDSERVE_``
+prefix are read in two places only, both at call time: every flag's
 ``SHARDSERVE_<FLAG>`` by ``router.cli.apply_env_defaults``, and the cache folder by
 :func:`shard.config.default_cache_dir`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from shard.config import ENV_PREFIX, ShardConfig
+from shard.config import ENV_PREFIX, ShardConfig, size_arg
 
 
 def env_default(name: str, default: str | None = None) -> str | None:
@@ -22,6 +28,61 @@ def env_default(name: str, default: str | None = None) -> str | None:
     depends on it.
     """
     return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The ``shardserve launch`` flag of one config field (``router/cli.py`` adds it,
+    with the field's default).
+
+    Attributes:
+        help: What the flag sets; ``--help`` appends the default, the choices and the
+            environment variable.
+        metavar: The value's unit or kind in ``--help``: SECONDS, TOKENS, N, PORT, SIZE
+            (bytes, or with a unit) ...; none for flags with choices.
+        name: The flag's spelling; default ``--`` and the field's name with ``-`` for
+            ``_``, less a ``_s`` unit suffix (``placement_timeout_s`` →
+            ``--placement-timeout``).
+        aliases: Other spellings of the flag (vLLM's names of the same setting).
+        type: Converts the command line's text; ``bool``: the flag takes ``on`` / ``off``.
+        choices: The values allowed.
+        nargs: argparse's ``nargs`` (``"+"``: one or more values, a tuple in the field).
+        default_text: The default in words, for a flag that defaults to none, the value
+            then being derived at start-up (from the model, the device, the KV cache).
+        secret: ``--help`` says whether it is set, never its value.
+    """
+
+    help: str
+    metavar: str | None = None
+    name: str | None = None
+    aliases: tuple[str, ...] = ()
+    type: Callable[[str], Any] = str
+    choices: tuple[Any, ...] | None = None
+    nargs: str | None = None
+    default_text: str | None = None
+    secret: bool = False
+
+    def spelling(self, field_name: str) -> str:
+        """The flag's main spelling for field ``field_name``."""
+        return self.name or "--" + field_name.removesuffix("_s").replace("_", "-")
+
+
+def _flag(help: str, **kwargs: Any) -> Any:
+    """Metadata of a config field that ``shardserve launch`` sets: its :class:`Flag`."""
+    return {"flag": Flag(help, **kwargs)}
+
+
+def config_flags(config_class: type) -> dict[str, tuple[Flag, Any]]:
+    """Field name → (its :class:`Flag`, its default) for each field of ``config_class``
+    (a config dataclass) that is a flag, in the order of the fields."""
+    flags: dict[str, tuple[Flag, Any]] = {}
+    for spec in dataclasses.fields(config_class):
+        if "flag" in spec.metadata:
+            default = spec.default
+            if default is dataclasses.MISSING and spec.default_factory is not dataclasses.MISSING:
+                default = spec.default_factory()
+            flags[spec.name] = (spec.metadata["flag"], default)
+    return flags
 
 
 @dataclass(frozen=True)
@@ -54,17 +115,40 @@ class SchedulerConfig:
             the router a whole step of slack at the cost of a second discarded token.
     """
 
-    max_batch_prefill_tokens: int = 4096
-    max_batch_size: int = 64
-    max_input_tokens: int = 2048
-    max_total_tokens: int = 4096
-    max_concurrent_requests: int = 128
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
-    prefix_caching: bool = True
-    chunked_prefill: bool = True
-    decode_during_prefill: bool = True
-    steps_in_flight: int = 1
+    # The three token budgets' flags default to none: derive_budgets fills them in from
+    # the model and the KV cache at start-up; these defaults serve code and tests.
+    max_batch_prefill_tokens: int = field(default=4096, metadata=_flag(
+        "prompt tokens per prefill step, the chunk of chunked prefill", type=int,
+        metavar="TOKENS",
+        default_text="512 on CPU, 2048 on GPU; max-input-tokens with --chunked-prefill off"))
+    max_batch_size: int = field(default=64, metadata=_flag(
+        "requests in the running batch", type=int, metavar="N", aliases=("--max-num-seqs",)))
+    max_input_tokens: int = field(default=2048, metadata=_flag(
+        "longest prompt", type=int, metavar="TOKENS", default_text="max-total-tokens - 1"))
+    max_total_tokens: int = field(default=4096, metadata=_flag(
+        "longest prompt + output", type=int, metavar="TOKENS", aliases=("--max-model-len",),
+        default_text="min(context, 4096, KV capacity)"))
+    max_concurrent_requests: int = field(default=128, metadata=_flag(
+        "queued + running requests; more are refused with 429", type=int, metavar="N"))
+    waiting_served_ratio: float = field(default=0.3, metadata=_flag(
+        "while a batch runs, prefill newcomers once there are this many per running "
+        "request ...", type=float, metavar="RATIO"))
+    max_waiting_tokens: int = field(default=20, metadata=_flag(
+        "... or after this many decode steps since the last prefill", type=int,
+        metavar="STEPS"))
+    prefix_caching: bool = field(default=True, metadata=_flag(
+        "reuse KV blocks of identical prompt prefixes", type=bool))
+    chunked_prefill: bool = field(default=True, metadata=_flag(
+        "split long prompts over steps shared with decodes", type=bool))
+    decode_during_prefill: bool = field(default=True, metadata=_flag(
+        "on: a step that prefills newcomers also decodes the running batch; off: prefill "
+        "first, the running batch decodes when nothing more can be admitted or after "
+        "--max-waiting-tokens prefill steps in a row (running streams pause during "
+        "prefills)", type=bool))
+    steps_in_flight: int = field(default=1, metadata=_flag(
+        "shard steps sent ahead of the one being read: 1, or 2 for more slack on a busy "
+        "router (a stopped request then computes two discarded tokens instead of one)",
+        type=int, choices=(1, 2)))
 
     def __post_init__(self) -> None:
         for name in (
@@ -145,12 +229,28 @@ def derive_budgets(
 
 @dataclass(frozen=True)
 class ValidationLimits:
-    """Limits on request parameters, enforced before a request reaches a shard."""
+    """Limits on request parameters, enforced before a request reaches a shard.
 
-    max_stop_sequences: int = 4
+    Attributes:
+        max_stop_sequences: Stop strings per request (OpenAI's limit, 4).
+        max_stop_sequence_chars: Characters per stop string.
+        max_top_n_tokens: Alternatives per generated token (``top_n_tokens``,
+            ``logprobs``, ``top_logprobs``): OpenAI's limit, 20. The shard's sampler
+            takes the top k of the step's logprobs, any k.
+        max_best_of: Sequences per request (``best_of``, ``n``). Each decodes as a row of
+            the running batch, so 16 lets one request take at most a quarter of the
+            default batch (64 rows); OpenAI accepts up to 128 and vLLM sets no limit,
+            TGI's default is 2.
+    """
+
+    max_stop_sequences: int = field(default=4, metadata=_flag(
+        "stop strings per request", type=int, metavar="N"))
     max_stop_sequence_chars: int = 256
-    max_top_n_tokens: int = 5
-    max_best_of: int = 2
+    max_top_n_tokens: int = field(default=20, metadata=_flag(
+        "alternatives per token (top_n_tokens, logprobs, top_logprobs)", type=int,
+        metavar="N"))
+    max_best_of: int = field(default=16, metadata=_flag(
+        "sequences per request (best_of, n)", type=int, metavar="N"))
 
 
 @dataclass(frozen=True)
@@ -164,32 +264,65 @@ class ServerConfig:
     shard: ShardConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: ValidationLimits = field(default_factory=ValidationLimits)
-    host: str = "0.0.0.0"
-    port: int = 3000
-    grpc_port: int = 3001  # public gRPC API; 0 = off
-    executor: str = "ray"
-    ray_address: str | None = None
-    placement: str = "pack"
-    placement_timeout_s: float = 300.0  # wait for the Ray placement group, then fail
-    graceful_timeout_s: int = 30
-    max_request_bytes: int = 1 << 20
-    max_restarts: int = 3  # shard-group restarts after a rank dies, then the server exits
-    # Deadline of Prefill/Decode calls, seconds; 0 = adaptive (router/step_deadline.py).
-    step_timeout_s: float = 0.0
-    master_port: int = 0  # rank 0's torch.distributed port; 0 = a free one
+    host: str = field(default="0.0.0.0", metadata=_flag(
+        "interface of the HTTP and gRPC APIs", metavar="HOST"))
+    port: int = field(default=3000, metadata=_flag("HTTP port", type=int, metavar="PORT"))
+    grpc_port: int = field(default=3001, metadata=_flag(
+        "port of the public gRPC API (0 = off)", type=int, metavar="PORT"))
+    executor: str = field(default="ray", metadata=_flag(
+        "start shards as Ray actors or local processes", choices=("ray", "local")))
+    ray_address: str | None = field(default=None, metadata=_flag(
+        "join this Ray cluster (e.g. auto, or HEAD_IP:6379)", metavar="ADDRESS",
+        default_text="start a local Ray instance"))
+    placement: str = field(default="pack", metadata=_flag(
+        "Ray placement of the ranks: pack onto few nodes, or one per node",
+        choices=("pack", "spread")))
+    placement_timeout_s: float = field(default=300.0, metadata=_flag(
+        "seconds to wait for the Ray placement group (what is missing is logged every "
+        "10 s), then exit with an error", type=float, metavar="SECONDS"))
+    graceful_timeout_s: int = field(default=30, metadata=_flag(
+        "seconds running requests may take to finish after SIGTERM", type=int,
+        metavar="SECONDS"))
+    max_request_bytes: int = field(default=1 << 20, metadata=_flag(
+        "largest HTTP request body and public gRPC message: bytes or with a unit (413 / "
+        "RESOURCE_EXHAUSTED beyond)", type=size_arg, metavar="SIZE"))
+    max_restarts: int = field(default=3, metadata=_flag(
+        "restarts of the shard group after a rank dies, then exit", type=int, metavar="N"))
+    # Deadline of Prefill/Decode calls; 0 = adaptive (router/step_deadline.py).
+    step_timeout_s: float = field(default=0.0, metadata=_flag(
+        "seconds a prefill or decode step may take before its shard group counts as hung "
+        "and is restarted (0 = adaptive: max(30, 10 x the slowest step seen, Warmup "
+        "included))", type=float, metavar="SECONDS"))
+    master_port: int = field(default=0, metadata=_flag(
+        "torch.distributed rendezvous port on rank 0 (0 = a free one)", type=int,
+        metavar="PORT"))
     # Token budgets as given on the command line (None = derive; see derive_budgets).
     budget_flags: dict[str, int | None] = field(default_factory=dict)
     # Names the model answers to (OpenAI ``model``); the first is the reported one.
     # Empty = the shard's model id.
-    served_model_names: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = field(default=(), metadata=_flag(
+        "names the model answers to in the OpenAI `model` field (another is a 404); the "
+        "first is reported by /info, /v1/models and responses", name="--served-model-name",
+        nargs="+", metavar="NAME", default_text="the folder's name or the repository id"))
     # Bearer key HTTP (but /health, /metrics) and public gRPC calls need; None = open.
-    api_key: str | None = field(default=None, repr=False)
-    metrics_require_api_key: bool = False  # /metrics needs the api_key too
-    header_timeout_s: float = 10.0  # to receive a request's headers (and its body), seconds
-    status_interval_s: float = 5.0  # between status lines of a busy server; 0 = none
-    # API processes beside the engine's (router/api_process.py); 0 = the APIs run in the
-    # engine's process; None = 1 when the shards run on a GPU, else 0.
-    api_server_count: int | None = None
+    api_key: str | None = field(default=None, repr=False, metadata=_flag(
+        "require `Authorization: Bearer <key>` on every HTTP route but /health and "
+        "/metrics, and the same gRPC metadata on every public gRPC call but health "
+        "checks; none = the APIs are open", metavar="KEY", secret=True))
+    metrics_require_api_key: bool = field(default=False, metadata=_flag(
+        "on: /metrics needs the --api-key too (off: open to scrapers, as in vLLM and TGI)",
+        type=bool))
+    header_timeout_s: float = field(default=10.0, metadata=_flag(
+        "seconds a client has to send a request's headers, and again its body; slower or "
+        "idle connections are closed", type=float, metavar="SECONDS"))
+    status_interval_s: float = field(default=5.0, metadata=_flag(
+        "while busy, log throughput, running/waiting requests and KV cache use this often "
+        "(0 = never)", type=float, metavar="SECONDS"))
+    # API processes beside the engine's (router/api_process.py); None = derived.
+    api_server_count: int | None = field(default=None, metadata=_flag(
+        "processes serving the HTTP and gRPC APIs beside the engine's process, which then "
+        "only schedules and steps the shards; 0 = the APIs run in the engine's process",
+        type=int, metavar="N", default_text="1 when the shards run on a GPU, 0 on CPU"))
 
     def __post_init__(self) -> None:
         if self.executor not in ("ray", "local"):

@@ -1,6 +1,7 @@
 """The README and the Makefile say what the code does: the flag table's defaults are
-the parser's, the GPU and Ray-authentication sections exist, and ``make test`` prints
-why tests were skipped."""
+the parser's (whose are the config classes'), the request limits are in it, the GPU and
+Ray-authentication sections exist, and ``make test`` prints why tests were skipped.
+(tests/integration/test_readme_grpc.py runs the README's gRPC examples.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 from pathlib import Path
 
 from router.cli import build_parser
+from router.config import ValidationLimits
 from shard.config import parse_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +51,18 @@ def test_flag_table_defaults_are_the_parsers() -> None:
             assert flag in actions, f"README lists {flag}, which launch does not know"
             value = defaults[actions[flag].dest]
             assert agrees(cell, value), f"README: {flag} defaults to {cell}; parser: {value}"
+
+
+def test_flag_table_lists_the_request_limits() -> None:
+    """The limits a newcomer's first requests meet (OpenAI's n, top_logprobs, stop)."""
+    table = README[README.index("Main flags"):README.index("## Running on a GPU")]
+    limits = ValidationLimits()
+    for flag, value in (("--max-stop-sequences", limits.max_stop_sequences),
+                        ("--max-top-n-tokens", limits.max_top_n_tokens),
+                        ("--max-best-of", limits.max_best_of)):
+        rows = [line for line in table.splitlines() if line.startswith(f"| `{flag}` |")]
+        assert len(rows) == 1, f"the flag table has no row of {flag}"
+        assert rows[0].split("|")[2].strip() == str(value), rows[0]
 
 
 def test_readme_explains_gpus_and_ray_authentication() -> None:

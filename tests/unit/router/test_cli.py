@@ -5,6 +5,7 @@ parser, so a flag added later is held to the same rules."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,14 @@ from typing import Any
 import pytest
 
 from router.cli import (
+    SHARD_FLAG_SPELLINGS,
     build_parser,
     command_parser,
     config_from_args,
     env_names,
     parse_command_line,
 )
+from router.config import SchedulerConfig, ServerConfig, ValidationLimits, config_flags
 from shard.config import (
     ATTENTION_BACKENDS,
     ShardConfig,
@@ -213,3 +216,57 @@ def test_unknown_shardserve_variables_are_named_with_the_setting_meant() -> None
         "SHARDSERVE_MAX_BATCH_SIZ": "SHARDSERVE_MAX_BATCH_SIZE",  # a typo
         "SHARDSERVE_NOTHING_LIKE_IT": None,
     }
+
+
+# What a flag's metavar may say: its unit, or the kind of text it takes.
+UNIT_METAVARS = {"SECONDS", "TOKENS", "STEPS", "N", "SIZE", "SIZES", "PORT", "RATIO", "FRACTION",
+                 "PATH", "DIR", "NAME", "HOST", "ADDRESS", "KEY", "DEVICE"}
+
+
+@pytest.mark.parametrize("action", flags(), ids=lambda a: a.option_strings[0])
+def test_every_flag_help_reads_the_same_way(action: argparse.Action) -> None:
+    """One format: the help, then ``[choices: …; default: …; env: …]``; a value is named
+    by its unit (SECONDS, TOKENS, N ...) or by its choices, never by argparse's
+    upper-cased flag name (STEP_TIMEOUT)."""
+    block = help_blocks(launch_parser())[action.option_strings[0]]
+    assert "(default" not in block and block.count("default:") == 1, block
+    assert re.search(r" \[(choices: [^;\]]+; )?default: [^\]]+; env: [A-Z_, ]+\]$", block), block
+    if action.nargs != 0 and action.choices is None:
+        assert action.metavar in UNIT_METAVARS, (action.option_strings, action.metavar)
+    if action.type is float:
+        assert not re.search(r"default: \d+\.0;", block), block  # 300, not 300.0
+
+
+def test_launch_flags_are_the_config_fields_flags() -> None:
+    """Each launch flag but --model is defined once, by a config field's metadata
+    (router.config for the router's, ShardConfig for the shards'), and defaults to that
+    field's default (derived ones to none; on/off for bools)."""
+    by_dest = {action.dest: action for action in flags()}
+    shard_fields = {field.name for field in dataclasses.fields(ShardConfig)}
+    covered = {"model"} | {dest for dest in by_dest if dest in shard_fields}
+    covered |= {SHARD_FLAG_SPELLINGS[name][2:].replace("-", "_") for name in SHARD_FLAG_SPELLINGS}
+    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig):
+        for name, (flag, default) in config_flags(config_class).items():
+            action = by_dest[flag.spelling(name)[2:].replace("-", "_")]
+            if flag.default_text:
+                assert action.default is None, name
+            elif flag.type is bool:
+                assert action.default == ("on" if default else "off"), name
+            else:
+                assert action.default == default, name
+            covered.add(action.dest)
+    assert set(by_dest) == covered, set(by_dest) - covered
+
+
+def test_default_config_is_the_config_classes_defaults(default_model_dir: Path) -> None:
+    config = config_from_args(launch_parser().parse_args(["--model", str(default_model_dir)]))
+    assert config.limits == ValidationLimits()
+    scheduler = dataclasses.replace(config.scheduler, max_batch_prefill_tokens=4096,
+                                    max_input_tokens=2048, max_total_tokens=4096)
+    assert scheduler == SchedulerConfig()
+    assert config.budget_flags == dict.fromkeys(
+        ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens"))
+    expected = ServerConfig(shard=config.shard, budget_flags=config.budget_flags,
+                            served_model_names=(default_model_dir.name,))
+    assert dataclasses.replace(config, scheduler=SchedulerConfig(),
+                               limits=ValidationLimits()) == expected
