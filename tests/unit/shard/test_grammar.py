@@ -1,5 +1,5 @@
 """Grammar-constrained decoding in the model runner (tiny random Llama with the default
-model's tokenizer): outputs follow the grammar, unconstrained rows of the same batch are
+model's tokenizer): outputs follow the grammar, unconstrained rows of the same step are
 untouched, logprobs stay the model's, and the state survives a recompute."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from router.grammar import json_schema_grammar, regex_grammar
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
 from shard.model_runner import ModelRunner
-from shard.records import PrefillBatch, RequestInput
+from shard.records import NewRequest, PrefillStep
 from shard.sampling_types import SamplingParams
 from tests.unit.shard.helpers import BLOCK_SIZE, BlockPool, DecodeDriver, make_runner, request
 
@@ -53,18 +53,18 @@ def text_of(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
 
 
 def run(
-    runner: ModelRunner, requests: list[RequestInput], steps: int, pool: BlockPool,
-    batch_id: int = 1,
+    runner: ModelRunner, requests: list[NewRequest], steps: int, pool: BlockPool
 ) -> dict[int, list[int]]:
     """Prefill ``requests`` then decode ``steps`` times; tokens per request (stopping
-    a request after EOS is the router's job, so later tokens are kept here)."""
-    out = runner.prefill(PrefillBatch(batch_id, tuple(requests)))
+    a request after EOS is the router's job, so later tokens are kept here). The
+    runner holds no request afterwards."""
+    out = runner.prefill(PrefillStep(tuple(requests)))
     tokens = {g.request_id: [g.token_id] for g in out.generations}
     driver = DecodeDriver(runner, pool)
     for _ in range(steps):
-        for rid, token in driver.step([batch_id]).items():
+        for rid, token in driver.step().items():
             tokens[rid].append(token)
-    runner.clear_cache()
+    runner.reset()
     return tokens
 
 
@@ -72,7 +72,7 @@ def until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS)] if EOS in tokens else tokens
 
 
-def new_request(rid: int, pool: BlockPool, grammar: str = "", **sampling: object) -> RequestInput:
+def new_request(rid: int, pool: BlockPool, grammar: str = "", **sampling: object) -> NewRequest:
     blocks = pool.for_tokens(len(PROMPT) + 80)
     return request(rid, PROMPT, blocks, sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
                    grammar=grammar)
@@ -109,7 +109,7 @@ def test_unconstrained_rows_are_unchanged_and_logprobs_unmasked(runner) -> None:
         new_request(3, pool, regex_grammar(REGEX), do_sample=True, seed=3),
         new_request(4, pool, do_sample=True, seed=7),
     ]
-    out = runner.prefill(PrefillBatch(1, tuple(mixed_reqs)))
+    out = runner.prefill(PrefillStep(tuple(mixed_reqs)))
     mixed = {g.request_id: [g.token_id] for g in out.generations}
     # the constrained row's logprob is under the model's (unmasked) distribution
     with torch.inference_mode():
@@ -123,13 +123,13 @@ def test_unconstrained_rows_are_unchanged_and_logprobs_unmasked(runner) -> None:
     assert out.generations[0].token_id != int(logits.argmax()), "the mask changed the pick"
     driver = DecodeDriver(runner, pool)
     for _ in range(12):
-        for rid, token in driver.step([1]).items():
+        for rid, token in driver.step().items():
             mixed[rid].append(token)
-    runner.clear_cache()
+    runner.reset()
     assert mixed[2] == alone[2] and mixed[4] == alone[4]
 
 
-def _prompt_inputs(runner: ModelRunner, r: RequestInput) -> ModelInputs:
+def _prompt_inputs(runner: ModelRunner, r: NewRequest) -> ModelInputs:
     """Model inputs of ``r``'s whole prompt (its blocks are already written)."""
     return build_inputs([SeqChunk(r.input_ids, 0, r.block_ids, write_from=len(r.input_ids))],
                         BLOCK_SIZE, True, runner.device)
@@ -148,7 +148,7 @@ def test_recompute_rebuilds_the_grammar_state(runner, do_sample: bool) -> None:
     again = request(1, ids, pool.for_tokens(len(ids) + 80),
                     sampling=SamplingParams(do_sample=do_sample, seed=5), grammar=grammar,
                     num_generated=k)
-    rest = run(runner, [again], 25 - k, pool, batch_id=2)[1]
+    rest = run(runner, [again], 25 - k, pool)[1]
     assert full[k:] == rest
 
 
@@ -175,16 +175,16 @@ def test_grammar_that_fails_while_generating_is_reported(runner) -> None:
     # limit on constructed expressions): every step reports it until the router drops it.
     pool = BlockPool(runner.num_blocks, seed=7)
     failing = regex_grammar("a{1000000}")
-    out = runner.prefill(PrefillBatch(1, (new_request(1, pool, failing), new_request(2, pool))))
+    out = runner.prefill(PrefillStep((new_request(1, pool, failing), new_request(2, pool))))
     assert [rid for rid, _ in out.grammar_failures] == [1]
     assert "too many expressions" in out.grammar_failures[0][1]
-    step = runner.decode([1])
+    step = runner.decode()
     assert [rid for rid, _ in step.grammar_failures] == [1]
-    runner.clear_cache()
+    runner.reset()
     pool = BlockPool(runner.num_blocks, seed=7)
-    ok = runner.prefill(PrefillBatch(1, (new_request(3, pool, regex_grammar(REGEX)),)))
+    ok = runner.prefill(PrefillStep((new_request(3, pool, regex_grammar(REGEX)),)))
     assert ok.grammar_failures == ()
-    runner.clear_cache()
+    runner.reset()
 
 
 def test_matcher_templates_are_cached(runner) -> None:
@@ -199,13 +199,13 @@ def test_matcher_templates_are_cached(runner) -> None:
 def test_pipelined_like_the_servicer_equals_one_step_at_a_time(runner) -> None:
     """Steps launched in one thread and each read in a thread of its own, as the
     servicer does (the next step launched before the previous is read): a prefill of
-    grammar-constrained, penalized and seeded sampled rows joins a running batch, and
+    grammar-constrained, penalized and seeded sampled rows joins running rows, and
     every token equals one step at a time."""
     import threading
 
     from shard.pending_step import PendingStep
 
-    def reqs(pool: BlockPool) -> tuple[list[RequestInput], list[RequestInput]]:
+    def reqs(pool: BlockPool) -> tuple[list[NewRequest], list[NewRequest]]:
         first = [new_request(1, pool), new_request(2, pool, do_sample=True, seed=5)]
         second = [
             new_request(3, pool, json_schema_grammar(SCHEMA)),
@@ -235,15 +235,14 @@ def test_pipelined_like_the_servicer_equals_one_step_at_a_time(runner) -> None:
             else:
                 finish(p)
 
-        launch(lambda: runner.launch_prefill(PrefillBatch(1, tuple(first))))
-        launch(lambda: runner.launch_decode([1]))
-        launch(lambda: runner.launch_prefill(PrefillBatch(2, tuple(second))))
+        launch(lambda: runner.launch_prefill(PrefillStep(tuple(first))))
+        launch(lambda: runner.launch_decode())
+        launch(lambda: runner.launch_prefill(PrefillStep(tuple(second))))
         for _ in range(15):
-            launch(lambda: runner.launch_decode([1, 2]) if 2 in runner.batches
-                   else runner.launch_decode([1]))
+            launch(lambda: runner.launch_decode())
         for t in threads:
             t.join()
-        runner.clear_cache()
+        runner.reset()
         return got
 
     assert steps(True) == steps(False)

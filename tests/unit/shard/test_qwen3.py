@@ -74,11 +74,11 @@ def test_greedy_alone_matches_transformers(
     runner = make_runner(tiny_models(variant)[0])
     for index, prompt in enumerate(PROMPTS):
         pool = BlockPool(runner.num_blocks, seed=index)
-        tokens = [prefill(runner, 1, request(10, prompt, pool.for_tokens(len(prompt))))[10]]
+        tokens = [prefill(runner, request(10, prompt, pool.for_tokens(len(prompt))))[10]]
         driver = DecodeDriver(runner, pool)
         while len(tokens) < NEW_TOKENS:
-            tokens.append(driver.step([1])[10])
-        runner.clear_cache(1)
+            tokens.append(driver.step()[10])
+        assert driver.step(finished=(10,)) == {} and len(runner.requests) == 0
         assert tokens == expected[variant][index], f"prompt {index}"
 
 
@@ -89,10 +89,10 @@ def test_greedy_batched_matches_transformers(
     runner = make_runner(tiny_models(variant)[0])
     pool = BlockPool(runner.num_blocks, seed=3)
     reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(PROMPTS)]
-    got = {rid: [tok] for rid, tok in prefill(runner, 5, *reqs).items()}
+    got = {rid: [tok] for rid, tok in prefill(runner, *reqs).items()}
     driver = DecodeDriver(runner, pool)
     for _ in range(NEW_TOKENS - 1):
-        for rid, tok in driver.step([5]).items():
+        for rid, tok in driver.step().items():
             got[rid].append(tok)
     assert [got[i] for i in range(len(PROMPTS))] == expected[variant]
 
@@ -131,5 +131,5 @@ def test_dummy_weights_from_config_alone(tiny_models: TinyModels, tmp_path: Path
     # KV blocks sized by head_dim 32: 1 MiB / (2 layers * K,V * 4 tokens * 2 heads * 32 * 4 B)
     assert runner.warmup(32, 64) == 256
     pool = BlockPool(runner.num_blocks)
-    first = prefill(runner, 1, request(1, PROMPTS[2], pool.for_tokens(len(PROMPTS[2]))))
+    first = prefill(runner, request(1, PROMPTS[2], pool.for_tokens(len(PROMPTS[2]))))
     assert 0 <= first[1] < 256

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shard.errors import KVCacheTooSmallError, NotWarmedUpError
-from shard.records import PrefillBatch
+from shard.records import PrefillStep
 from shard.sampling_types import SamplingParams
 from tests.unit.shard.helpers import (
     PROMPTS,
@@ -31,11 +31,12 @@ def test_prompt_logprobs_match_transformers(runner, llama, cache_len: int) -> No
     prompt = PROMPTS[2]
     pool = BlockPool(runner.num_blocks, seed=2)
     blocks = pool.for_tokens(len(prompt))
-    if cache_len:
-        runner.prefill(PrefillBatch(9, (request(1, prompt[:cache_len], blocks, partial=True),)))
-    out = runner.prefill(
-        PrefillBatch(1, (request(1, prompt, blocks, cache_len=cache_len, prompt_logprobs=True),))
-    )
+    if cache_len:  # the prefix's K/V, written by a first chunk of a request that leaves
+        assert prefill(runner, request(9, prompt, blocks, num_tokens=cache_len)) == {}
+    out = runner.prefill(PrefillStep(
+        (request(1, prompt, blocks, cache_len=cache_len, prompt_logprobs=True),),
+        finished_request_ids=(9,) if cache_len else (),
+    ))
     lps = torch.tensor(out.generations[0].prompt_logprobs)
     ref = hf_logits(llama[1], prompt).log_softmax(-1)
     start = max(cache_len, 1)
@@ -49,7 +50,7 @@ def test_prompt_logprobs_match_transformers(runner, llama, cache_len: int) -> No
 def test_top_n_tokens(runner, llama) -> None:
     prompt = PROMPTS[1]
     out = runner.prefill(
-        PrefillBatch(1, (request(1, prompt, [0, 1], top_n_tokens=4), request(2, prompt, [2, 3])))
+        PrefillStep((request(1, prompt, [0, 1], top_n_tokens=4), request(2, prompt, [2, 3])))
     )
     ref_lp, ref_ids = hf_logits(llama[1], prompt)[-1].log_softmax(-1).topk(4)
     top = out.generations[0].top_tokens
@@ -60,7 +61,7 @@ def test_top_n_tokens(runner, llama) -> None:
 
 def _sampled_run(runner, others: int, seed: int, steps: int = 8) -> list[int]:
     """Sample PROMPTS[2] with ``seed`` next to ``others`` unrelated requests."""
-    runner.clear_cache()
+    runner.reset()
     pool = BlockPool(runner.num_blocks, seed=others)
     params = SamplingParams(do_sample=True, seed=seed, temperature=1.5, top_k=50)
     reqs = [
@@ -73,10 +74,10 @@ def _sampled_run(runner, others: int, seed: int, steps: int = 8) -> list[int]:
         for i in range(others)
     ]
     target = request(1, PROMPTS[2], pool.for_tokens(len(PROMPTS[2])), sampling=params)
-    tokens = [prefill(runner, 1, *reqs, target)[1]]
+    tokens = [prefill(runner, *reqs, target)[1]]
     driver = DecodeDriver(runner, pool)
     for _ in range(steps - 1):
-        tokens.append(driver.step([1])[1])
+        tokens.append(driver.step()[1])
     return tokens
 
 
@@ -103,11 +104,11 @@ def test_repetition_penalty_matches_transformers(runner, llama) -> None:
     pool = BlockPool(runner.num_blocks)
     params = SamplingParams(repetition_penalty=1.8)
     tokens = [
-        prefill(runner, 1, request(1, prompt, pool.for_tokens(len(prompt)), sampling=params))[1]
+        prefill(runner, request(1, prompt, pool.for_tokens(len(prompt)), sampling=params))[1]
     ]
     driver = DecodeDriver(runner, pool)
     while len(tokens) < 12:
-        tokens.append(driver.step([1])[1])
+        tokens.append(driver.step()[1])
     assert tokens == expected
 
 
@@ -115,7 +116,7 @@ def test_repetition_penalty_matches_transformers(runner, llama) -> None:
 def test_warmup_sizes_cache_and_names_flags(llama) -> None:
     runner = make_runner(llama[0], kv_cache_bytes=64 * 1024, warmup=False)
     with pytest.raises(NotWarmedUpError):
-        runner.prefill(PrefillBatch(1, (request(1, [5], [0]),)))
+        runner.prefill(PrefillStep((request(1, [5], [0]),)))
     # 64 KiB / 2 KiB per block = 32 blocks of 4 tokens = 128 tokens
     assert runner.warmup(max_batch_prefill_tokens=100, max_total_tokens=40) == 32
     with pytest.raises(

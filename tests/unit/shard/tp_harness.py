@@ -23,8 +23,8 @@ def greedy_scenario(
     runner: ModelRunner, prompts: list[list[int]], new_tokens: int
 ) -> dict[str, Any]:
     """Full-prompt logits of all prompts in one forward, then greedy tokens for three
-    batch compositions: each prompt alone, all in one batch, and prompts joining a
-    running batch at different steps."""
+    batch compositions: each prompt alone, all in one step, and prompts joining the
+    running rows at different steps (and leaving once they have ``new_tokens``)."""
     pool = BlockPool(POOL_BLOCKS, seed=7)
     chunks = [SeqChunk(p, 0, pool.for_tokens(len(p))) for p in prompts]
     with torch.inference_mode():
@@ -33,30 +33,30 @@ def greedy_scenario(
     driver = DecodeDriver(runner, pool)
     alone = []
     for i, p in enumerate(prompts):
-        tokens = [prefill(runner, 10 + i, request(i, p, pool.for_tokens(len(p))))[i]]
+        tokens = [prefill(runner, request(i, p, pool.for_tokens(len(p))))[i]]
         while len(tokens) < new_tokens:
-            tokens.append(driver.step([10 + i])[i])
-        runner.clear_cache(10 + i)
+            tokens.append(driver.step()[i])
+        assert driver.step(finished=(i,)) == {}
         alone.append(tokens)
     reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(prompts)]
-    together = {rid: [tok] for rid, tok in prefill(runner, 50, *reqs).items()}
+    together = {rid: [tok] for rid, tok in prefill(runner, *reqs).items()}
     for _ in range(new_tokens - 1):
-        for rid, tok in driver.step([50]).items():
+        for rid, tok in driver.step().items():
             together[rid].append(tok)
-    runner.clear_cache(50)
+    assert driver.step(finished=tuple(together)) == {}
     joined: dict[int, list[int]] = {}
-    running: list[int] = []
+    leaving: tuple[int, ...] = ()
     for step in range(new_tokens + len(prompts)):
         if step < len(prompts):
             p = prompts[step]
-            first = prefill(runner, 100 + step, request(step, p, pool.for_tokens(len(p))))
+            first = prefill(runner, request(step, p, pool.for_tokens(len(p))), finished=leaving)
+            leaving = ()
             joined[step] = [first[step]]
-            running.append(100 + step)
-        out = driver.step(running)
-        running = running[:1]
+        out = driver.step(finished=leaving)
         for rid, tok in out.items():
-            if len(joined[rid]) < new_tokens:
-                joined[rid].append(tok)
+            joined[rid].append(tok)
+        leaving = tuple(rid for rid in out if len(joined[rid]) == new_tokens)
+    assert len(runner.requests) == 0
     return {
         "logits": logits,
         "alone": alone,
@@ -66,7 +66,7 @@ def greedy_scenario(
 
 
 def grammar_scenario(runner: ModelRunner, grammars: list[str], new_tokens: int) -> list[list[int]]:
-    """One batch of a greedy request per grammar, the same grammars sampled, and one
+    """One step of a greedy request per grammar, the same grammars sampled, and one
     unconstrained request; the tokens of each (rank-local masks and matchers)."""
     from shard.sampling_types import SamplingParams
 
@@ -77,12 +77,12 @@ def grammar_scenario(runner: ModelRunner, grammars: list[str], new_tokens: int) 
              ("", SamplingParams())]
     reqs = [request(i, prompt, pool.for_tokens(len(prompt) + new_tokens), sampling=sampling,
                     grammar=grammar) for i, (grammar, sampling) in enumerate(specs)]
-    tokens = {rid: [tok] for rid, tok in prefill(runner, 1, *reqs).items()}
+    tokens = {rid: [tok] for rid, tok in prefill(runner, *reqs).items()}
     driver = DecodeDriver(runner, pool)
     for _ in range(new_tokens - 1):
-        for rid, tok in driver.step([1]).items():
+        for rid, tok in driver.step().items():
             tokens[rid].append(tok)
-    runner.clear_cache()
+    runner.reset()
     return [tokens[i] for i in range(len(specs))]
 
 
