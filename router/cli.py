@@ -3,15 +3,14 @@
 Subcommands:
     launch   start the shards (Ray by default) and serve the HTTP and gRPC APIs
     prepare  convert the default model into the cache folder (done by ``launch`` too)
+    client   ask a running server's public gRPC API for a completion
+             (:mod:`router.grpc_api.client`)
 
 Every flag can come from an environment variable, ``SHARDSERVE_<FLAG>``
 (``--kv-cache-bytes`` ← ``SHARDSERVE_KV_CACHE_BYTES``): :func:`apply_env_defaults`
 walks the parser, so a new flag needs no code for it. Sizes take units (``1GiB``).
 The flags and their defaults are defined once, with the config dataclasses' fields
 (:mod:`router.config`, :class:`shard.config.ShardConfig`).
-
-Subcommand ``client`` asks a running server's public gRPC API for a completion
-(:mod:`router.grpc_api.client`).
 """
 
 from __future__ import annotations
