@@ -74,10 +74,12 @@ class ApiProcesses:
         config: The server's flags.
         facts: What the shards reported.
         count: How many to start.
+        http_socket: The HTTP socket they share (bound before the shards started);
+            None = bind ``config.host:config.port`` in :meth:`start`.
     """
 
     def __init__(self, engine: Engine, config: ServerConfig, facts: ModelFacts,
-                 count: int) -> None:
+                 count: int, http_socket: socket.socket | None = None) -> None:
         self.engine = engine
         self.config = config
         self.facts = facts
@@ -89,19 +91,21 @@ class ApiProcesses:
         # makes it the drain a SIGTERM starts, so the other processes' requests end
         # with an error that says why instead of a cut connection
         self.on_failure: Callable[[], None] = self.request_exit
-        self._http: socket.socket | None = None
+        self._http = http_socket
         self._processes: list[asyncio.subprocess.Process] = []
         self._connections: list[asyncio.Future[None]] = []
         self._exiting = False
 
     async def start(self) -> None:
-        """Bind the HTTP port, start every API process and wait until each serves.
+        """Bind the HTTP port (unless given), start every API process and wait until
+        each serves.
 
         Raises:
             StartupError: the HTTP port cannot be bound.
             StartupError: an API process exited or did not answer during start-up.
         """
-        self._http = listen_http(self.config)
+        if self._http is None:
+            self._http = listen_http(self.config)
         self.http_port = int(self._http.getsockname()[1])
         try:
             await asyncio.gather(*(self._start_one(index) for index in range(self.count)))

@@ -1,6 +1,7 @@
 """``shardserve launch``: start the shard group, warm it up, then serve HTTP and gRPC.
 
-Order: resolve the model (converting the default one once) → start one shard per rank
+Order: resolve the model (converting the default one once) → bind the HTTP and gRPC
+ports (a port in use ends the launch at once) → start one shard per rank
 (Ray actors, or local processes) → wait for every gRPC server → ``Info`` and ``Warmup``
 (KV blocks = minimum over ranks) → build the engine → serve HTTP (uvicorn) and the
 public gRPC API (``--grpc-port``) until SIGINT/SIGTERM → stop the engine and the shards.
@@ -29,7 +30,14 @@ from loguru import logger
 
 from router.api.state import ServerState
 from router.api_process import ApiProcesses
-from router.api_server import ApiServers, ModelFacts, log_serving, make_state, package_version
+from router.api_server import (
+    ApiServers,
+    ModelFacts,
+    ServerPorts,
+    log_serving,
+    make_state,
+    package_version,
+)
 from router.config import SchedulerConfig, ServerConfig, derive_budgets
 from router.engine import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
@@ -43,9 +51,6 @@ from shard.pb.shard_pb2 import InfoResponse
 
 SHARD_START_TIMEOUT_S = 1800.0
 LIVENESS_POLL_S = 0.5
-# Seconds before --graceful-timeout runs out at which the requests still unfinished are
-# failed, so that their clients get an error saying why before the connections are cut.
-SHUTDOWN_MARGIN_S = 1.0
 SHUTDOWN_MESSAGE = "the server shut down before the request finished (--graceful-timeout)"
 
 
@@ -198,7 +203,21 @@ def api_server_count(config: ServerConfig, facts: ModelFacts) -> int:
 
 async def serve(config: ServerConfig) -> int:
     """Run the whole server until interrupted; return the exit code (1 when the shard
-    group died with no restart left, or an API process failed, else 0)."""
+    group died with no restart left, or an API process failed, else 0).
+
+    Raises:
+        StartupError: a port is in use (before any shard starts), or the group or an
+            API process could not be started.
+    """
+    ports = ServerPorts(config)
+    try:
+        return await _serve(config, ports)
+    finally:
+        ports.close()
+
+
+async def _serve(config: ServerConfig, ports: ServerPorts) -> int:
+    """:func:`serve` on the bound ``ports``."""
     executor = make_executor(config)
     client: ShardClient | None = None
     supervisor: Supervisor | None = None
@@ -208,14 +227,15 @@ async def serve(config: ServerConfig) -> int:
                     config.executor)
         client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
         engine, facts, warmup = await build_engine(config, client)
+        http_socket = ports.listen()
         engine.start()
         count = api_server_count(config, facts)
         if count:
             logger.info("starting {} API process(es) beside the engine", count)
-            frontend = ApiProcesses(engine, config, facts, count)
+            frontend = ApiProcesses(engine, config, facts, count, http_socket)
         else:
             state = make_state(engine, engine.scheduler, engine.tokenizer, facts, config)
-            frontend = ApiServers(state, config)
+            frontend = ApiServers(state, config, http_socket=http_socket)
         try:
             await frontend.start()
             # NOTE: start-up objects (tokenizer, modules) never become garbage; taken out
@@ -382,14 +402,14 @@ class Supervisor:
 
 
 class ShutdownDeadline:
-    """Fails the requests still unfinished ``SHUTDOWN_MARGIN_S`` seconds before the
-    graceful timeout ends (at once when it is shorter than that).
+    """Fails the requests still unfinished when the graceful timeout ends.
 
-    Past the graceful timeout uvicorn cancels the handlers still running: a
+    The HTTP and gRPC servers wait ``ANSWER_MARGIN_S`` seconds longer
+    (:mod:`router.api_server`) before they cancel the handlers still running (a
     non-streaming client would get a plain-text 500, a stream would be cut without a
-    word, and each would log a traceback. Failed a little earlier, every request ends
-    the way a failed generation does: a JSON error, or an error event ending the stream
-    (gRPC: INTERNAL), each naming the shutdown.
+    word, and each would log a traceback), so every request failed here ends the way a
+    failed generation does: a JSON error, or an error event ending the stream (gRPC:
+    UNAVAILABLE, which tells the client to retry), each naming the shutdown.
 
     Args:
         engine: The engine whose requests are failed.
@@ -405,8 +425,7 @@ class ShutdownDeadline:
     def start(self) -> None:
         """Arm the deadline (no-op once armed)."""
         if self._timer is None:
-            delay = max(0.0, self.grace_s - SHUTDOWN_MARGIN_S)
-            self._timer = asyncio.get_running_loop().call_later(delay, self._expire)
+            self._timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire)
 
     def _expire(self) -> None:
         self._task = asyncio.ensure_future(self._fail_unfinished())
@@ -432,8 +451,8 @@ def _request_exit(
 ) -> None:
     """Stop admission: the engine refuses new requests, the API servers (or processes)
     stop accepting and wait up to ``--graceful-timeout`` for open requests (streams
-    included) to finish, and requests still running shortly before it ends are failed
-    (see :class:`ShutdownDeadline`)."""
+    included) to finish, and requests still running when it ends are failed (see
+    :class:`ShutdownDeadline`)."""
     logger.info("received {}, draining (graceful timeout {} s)", signal.Signals(signum).name,
                 grace_s)
     _stop_serving(frontend, engine, deadline)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -69,12 +70,15 @@ class HealthServicer(health.aio.HealthServicer):
 
 
 async def start_grpc_server(
-    state: ServerState, host: str, port: int, reuse_port: bool = False
+    state: ServerState, host: str, port: int, reuse_port: bool = False,
+    draining: Callable[[], bool] = lambda: False,
 ) -> tuple[grpc.aio.Server, int]:
     """Serve the public gRPC API on ``host:port`` (port 0 = any free port).
 
     ``reuse_port``: bind with ``SO_REUSEPORT``, so that several API processes serve the
     port; off, a port another process holds is an error (gRPC's default would share it).
+    ``draining``: whether the server is shutting down; a generation that fails then is
+    answered UNAVAILABLE (retry elsewhere), not INTERNAL.
 
     Returns:
         The started server and the port it listens on.
@@ -91,7 +95,8 @@ async def start_grpc_server(
         options=[("grpc.max_receive_message_length", state.max_request_bytes),
                  ("grpc.so_reuseport", int(reuse_port))],
     )
-    generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state), server)
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(
+        TextGenerationServicer(state, draining), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(state), server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

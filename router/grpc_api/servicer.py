@@ -4,12 +4,13 @@ Parameters mean what they mean on the HTTP API: a proto ``Parameters`` becomes t
 :class:`~router.api.schemas.GenerateParameters` and goes through the same validator.
 One place (:func:`_call`) maps exceptions to status codes: bad input INVALID_ARGUMENT
 naming the field, a draining server UNAVAILABLE, a full queue RESOURCE_EXHAUSTED, a
-failed generation INTERNAL.
+failed generation INTERNAL, or UNAVAILABLE when the shutdown cut it (past
+``--graceful-timeout``), so that the client retries.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -55,8 +56,11 @@ def parameters_dict(message: pb.Parameters) -> dict[str, Any]:
 
 
 async def _call(
-    context: grpc.aio.ServicerContext, work: Awaitable[T], state: ServerState
+    context: grpc.aio.ServicerContext, work: Awaitable[T], state: ServerState,
+    draining: Callable[[], bool],
 ) -> T:
+    """``work``'s result, or the call aborted with the status its exception maps to
+    (``draining``: whether the server is shutting down)."""
     try:
         return await work
     except RequestValidationError as error:
@@ -69,15 +73,21 @@ async def _call(
     except GrammarFailed as error:  # the request's own grammar: its input
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     except GenerationFailed as error:
-        await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        # failed while the server shuts down (cut at --graceful-timeout, or its shards
+        # failed and are not restarted): another replica can serve it
+        code = grpc.StatusCode.UNAVAILABLE if draining() else grpc.StatusCode.INTERNAL
+        await context.abort(code, str(error))
     raise AssertionError("context.abort returns only by raising")
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    """Serves ``shardserve.generate.v1.TextGeneration`` over ``state``."""
+    """Serves ``shardserve.generate.v1.TextGeneration`` over ``state``; ``draining``
+    says whether the server is shutting down."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self.state = state
+        self.draining = draining
         self.tokenizer = state.engine.tokenizer
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[GenerationRequest, int]:
@@ -151,7 +161,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 best_of_sequences=[self._sequence(c, prefix) for c in done[1:]],
             )
 
-        return await _call(context, work(), self.state)
+        return await _call(context, work(), self.state, self.draining)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -164,12 +174,14 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                                              "best_of > 1 is not supported when streaming")
             return validated, best_of
 
-        validated, _ = await _call(context, self.state.offload.run(validate), self.state)
+        validated, _ = await _call(context, self.state.offload.run(validate), self.state,
+                                   self.draining)
         prefix = request.inputs if request.parameters.return_full_text else ""
         completion = Completion(validated)
         async with MergedStream(self.state.engine, [validated]) as stream:
             events = aiter(stream)
-            while (item := await _call(context, anext(events, None), self.state)) is not None:
+            while (item := await _call(context, anext(events, None), self.state,
+                                       self.draining)) is not None:
                 event = item[1]
                 completion.tokens.append(event)
                 completion.finish = event.finish
@@ -195,7 +207,8 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             )
 
         # Tokenizing and building the answer (one entry per token) run off the event loop.
-        return await _call(context, self.state.offload.run(answer), self.state)
+        return await _call(context, self.state.offload.run(answer), self.state,
+                           self.draining)
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext

@@ -6,12 +6,14 @@ public gRPC API, the launcher, a shard process) with real clients.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,18 @@ class LiveServer:
     def kill_shard(self, rank: int = 0) -> None:
         """SIGKILL one shard process (a crash, as the router sees it)."""
         os.kill(self.shard_pids()[rank], signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def shard_stopped(self, rank: int = 0) -> Iterator[None]:
+        """The shard process stopped (SIGSTOP) inside the block, so that no request
+        makes progress, and resumed (SIGCONT) on leaving it. Keep it shorter than the
+        liveness ping's timeout (5 s), after which the shard counts as dead."""
+        pid = self.shard_pids()[rank]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Poll ``/health`` until 200; fail early if the server exits."""

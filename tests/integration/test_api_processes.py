@@ -7,6 +7,7 @@ Real server (``shardserve launch`` on the tiny model, local executor), real clie
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -198,14 +199,16 @@ def test_when_an_api_process_dies_the_others_streams_end_with_a_reason(
         pids = list(api_pids(server).values())
         body = {"inputs": "a b", "parameters": {"max_new_tokens": 480, "ignore_eos": True}}
         last = ""
-        with httpx.stream("POST", f"{server.url}/generate_stream", json=body,
-                          timeout=120) as stream:
+        with contextlib.ExitStack() as stopped, httpx.stream(
+                "POST", f"{server.url}/generate_stream", json=body, timeout=120) as stream:
             client_port = stream.extensions["network_stream"].get_extra_info("client_addr")[1]
             port = int(server.url.rsplit(":", 1)[1])
             serving = _owner_of_connection(pids, port, client_port)
             for line in stream.iter_lines():
                 if line.startswith("data:"):
                     if not last:  # the first token: kill the other process
+                        # (the shard stopped: the stream cannot finish before the drain ends)
+                        stopped.enter_context(server.shard_stopped())
                         os.kill(next(pid for pid in pids if pid != serving), signal.SIGKILL)
                     last = line
         # the stream on the surviving process ends with an error event saying why
@@ -227,24 +230,21 @@ def _listening(reuse_port: bool) -> socket.socket:
 
 
 @pytest.mark.parametrize("api_servers", ["0", "1"])
-def test_ports_in_use_are_start_up_errors(tiny_model_dir: Path, tmp_path: Path,
-                                          api_servers: str) -> None:
-    """A gRPC port another server holds is not silently shared (SO_REUSEPORT only with
-    several API processes); an HTTP port in use is a one-line start-up error, with the
-    APIs in the engine's process or beside it, and nothing claims to serve."""
-    with _listening(reuse_port=True) as grpc_taken, _listening(reuse_port=False) as http_taken:
-        grpc_port = grpc_taken.getsockname()[1]
-        server = launch_tiny(tiny_model_dir, tmp_path / "grpc.log",
-                             ["--api-server-count", api_servers, "--grpc-port", str(grpc_port)],
-                             wait=False)
-        assert server.process.wait(timeout=120) != 0
-        assert f"cannot bind the gRPC port 127.0.0.1:{grpc_port}" in server.log()
-        http_port = http_taken.getsockname()[1]
-        server = launch_tiny(tiny_model_dir, tmp_path / "http.log",
-                             ["--api-server-count", api_servers, "--port", str(http_port)],
-                             wait=False)
+@pytest.mark.parametrize(("api", "flag"), [("HTTP", "--port"), ("gRPC", "--grpc-port")])
+def test_ports_in_use_end_the_launch_before_any_shard_starts(
+    tiny_model_dir: Path, tmp_path: Path, api_servers: str, api: str, flag: str
+) -> None:
+    """An HTTP or gRPC port in use is one start-up error line naming the flag and the
+    address, before any shard starts (no model load, no warm-up, no line of gRPC's
+    core), with the APIs in the engine's process or beside it. A gRPC port another
+    server holds with SO_REUSEPORT is not silently shared either."""
+    with _listening(reuse_port=api == "gRPC") as taken:
+        port = taken.getsockname()[1]
+        server = launch_tiny(tiny_model_dir, tmp_path / "server.log",
+                             ["--api-server-count", api_servers, flag, str(port)], wait=False)
         assert server.process.wait(timeout=120) == 1
-        log = server.log()
-        assert (f"start-up failed: cannot bind the HTTP port 127.0.0.1:{http_port}: Address "
-                "already in use (--host, --port)" in log), log
-        assert "serving" not in log and "Errno" not in log, log
+        lines = server.log().splitlines()
+        assert len(lines) == 1, lines  # no shard, no warm-up, no gRPC core line
+        assert lines[0].endswith(
+            f"start-up failed: cannot bind the {api} port 127.0.0.1:{port}: Address already "
+            f"in use (--host, {flag})"), lines
