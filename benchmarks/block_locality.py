@@ -128,7 +128,8 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
     from shard.attention import torch_backend
     from shard.config import ShardConfig
     from shard.model_runner import ModelRunner
-    from shard.records import PrefillBatch, RequestInput
+    from shard.records import NewRequest, PrefillStep
+    from shard.requests import RequestTable
 
     logger.remove()
     torch.set_num_threads(1)
@@ -137,19 +138,22 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
     runner.warmup(4096, 4096, len(prompt_lens))
     rng = random.Random(0)
     growth = -(-(steps + 24) // BLOCK_SIZE) + 1
-    layouts = {}
+    # NOTE: a decode step steps every request the runner holds; each layout's requests
+    # are kept in a table of their own, put in place for its steps (no block is shared)
+    layouts: dict[str, RequestTable] = {}
     next_block = 0
     for batch_id, name in enumerate(("consecutive", "interleaved"), start=1):
         tables, next_block = _tables(prompt_lens, next_block, growth, name == "interleaved")
         requests = tuple(
-            RequestInput(100 * batch_id + i, tuple(rng.randrange(3, 40000) for _ in range(n)),
-                         0, tuple(table), SamplingParams())
+            NewRequest(100 * batch_id + i, tuple(rng.randrange(3, 40000) for _ in range(n)),
+                       0, tuple(table), SamplingParams())
             for i, (n, table) in enumerate(zip(prompt_lens, tables, strict=True)))
-        runner.prefill(PrefillBatch(batch_id, requests))
-        layouts[name] = batch_id
+        runner.requests = layouts[name] = RequestTable()
+        runner.prefill(PrefillStep(requests))
     for _ in range(BLOCK_SIZE + 4):  # past the prompts' last blocks: decode blocks in use
-        for batch_id in layouts.values():
-            runner.decode([batch_id])
+        for held in layouts.values():
+            runner.requests = held
+            runner.decode()
     gather_s = 0.0
     buffers = torch_backend.SequenceContexts.buffers
 
@@ -165,10 +169,11 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
     gathers: dict[str, float] = dict.fromkeys(layouts, 0.0)
     try:
         for _ in range(steps):
-            for name, batch_id in layouts.items():
+            for name, held in layouts.items():
+                runner.requests = held
                 gather_before = gather_s
                 started = time.perf_counter()
-                runner.decode([batch_id])
+                runner.decode()
                 walls[name].append((time.perf_counter() - started) * 1e3)
                 gathers[name] += (gather_s - gather_before) * 1e3
     finally:

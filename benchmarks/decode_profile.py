@@ -42,7 +42,7 @@ from shard.layers import fused
 from shard.layers.linear import SKINNY
 from shard.model_runner import ModelRunner
 from shard.pending_step import PendingStep
-from shard.records import PrefillBatch, RequestInput
+from shard.records import NewRequest, PrefillStep
 from shard.sampling_types import SamplingParams
 
 QWEN3_8B_SHAPE = {**LLAMA3_8B, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -54,19 +54,17 @@ def prefill_requests(runner: ModelRunner, batch: int, prompt_len: int, steps: in
                      per: int = 0) -> list[int]:
     """Prefill ``batch`` greedy requests of ``prompt_len`` random tokens with blocks for
     ``steps`` more tokens, ``per`` prompts per Prefill (default: ~8192 tokens each);
-    returns the cached batch ids (decode them together to merge them)."""
+    returns their request ids, in row order (every later decode step steps them all)."""
     rng = random.Random(0)
     blocks = Blocks(runner.block_size)
     vocab = runner.model_config.vocab_size
-    reqs = [RequestInput(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)), 0,
-                         blocks.take(prompt_len + steps + 8), SamplingParams())
+    reqs = [NewRequest(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)), 0,
+                       blocks.take(prompt_len + steps + 8), SamplingParams())
             for i in range(batch)]
     per = per or max(1, 8192 // prompt_len)
-    ids = []
     for start in range(0, batch, per):
-        runner.prefill(PrefillBatch(10 + start, tuple(reqs[start:start + per])))
-        ids.append(10 + start)
-    return ids
+        runner.prefill(PrefillStep(tuple(reqs[start:start + per])))
+    return [r.request_id for r in reqs]
 
 
 def _kernel_table(prof: torch.profiler.profile, steps: int, top: int,
@@ -97,20 +95,19 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
     the device, then the replay alone over as many replays, each with the GPU's clocks
     and power while it ran (:class:`benchmarks.gpu_power.PowerLog`)."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    ids = prefill_requests(runner, batch, prompt_len, steps * 2 + 6 + pipelined)
-    runner.decode(ids)  # merges the prefill batches into one
-    for _ in range(3):
-        runner.decode(ids[:1])
+    prefill_requests(runner, batch, prompt_len, steps * 2 + 6 + pipelined)
+    for _ in range(4):
+        runner.decode()
     walls = []
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
-        runner.decode(ids[:1])
+        runner.decode()
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
     with torch.profiler.profile(activities=_ACTIVITIES) as prof:
         for _ in range(steps):
-            runner.decode(ids[:1])
+            runner.decode()
         sync()
     replay = replay_ms(runner, batch)
     extra: list[str] = []
@@ -120,7 +117,7 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
                  "|---|---:|---:|---:|---:|---:|"]
         with PowerLog(torch.cuda.current_device()) as log:
             t0 = time.time()
-            mean, timers = pipelined_steps(runner, ids[0], pipelined)
+            mean, timers = pipelined_steps(runner, pipelined)
             t1 = time.time()
             again = replay_ms(runner, batch, reps=pipelined)
             t2 = time.time()
@@ -129,7 +126,7 @@ def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
                      f"{deciles[4]:.3f} / {deciles[8]:.3f} | {_power_cells(log.window(t0, t1))} |")
         extra.append(f"| graph replay alone (final contexts) | {again:.3f} | — | "
                      f"{_power_cells(log.window(t1, t2))} |")
-    runner.clear_cache()
+    runner.reset()
     title = (f"decode, batch {batch}: step {statistics.median(walls):.3f} ms wall, "
              f"graph replay {replay:.3f} ms")
     return "\n".join(_kernel_table(prof, steps, top, title) + extra) + "\n"
@@ -142,17 +139,17 @@ def _power_cells(stats: PowerStats | None) -> str:
             f"({stats.max_w:.0f}) | {stats.capped:.0%}")
 
 
-def pipelined_steps(runner: ModelRunner, batch_id: int, steps: int) -> tuple[float, list[float]]:
+def pipelined_steps(runner: ModelRunner, steps: int) -> tuple[float, list[float]]:
     """``steps`` decode steps launched as the shard's servicer launches them (step k+1
     before step k's tokens are read, so the device never waits for the host): device ms
     per step from CUDA events around the loop, and each step's own timer (ms)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    pending = runner.launch_decode([batch_id])
+    pending = runner.launch_decode()
     timers = []
     for _ in range(steps - 1):
-        following = runner.launch_decode([batch_id])
+        following = runner.launch_decode()
         assert isinstance(pending, PendingStep)
         timers.append(runner.finish_step(pending).forward_ns / 1e6)
         pending = following
@@ -191,11 +188,11 @@ def profile_prefill(runner: ModelRunner, seqs: int, prompt_len: int, top: int,
         prefill_requests(runner, seqs, prompt_len, 8, per=seqs)
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
-        runner.clear_cache()
+        runner.reset()
     with torch.profiler.profile(activities=_ACTIVITIES) as prof:
         prefill_requests(runner, seqs, prompt_len, 8, per=seqs)
         sync()
-    runner.clear_cache()
+    runner.reset()
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     tokens = seqs * prompt_len

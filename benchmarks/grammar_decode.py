@@ -34,7 +34,8 @@ from router.grammar import json_schema_grammar
 from router.model_files import prepare_default_model
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
-from shard.records import PrefillBatch, RequestInput
+from shard.records import NewRequest, PrefillStep
+from shard.requests import RequestTable
 from shard.sampling_types import SamplingParams
 
 # Long-running JSON: an array of records, so constrained requests stay constrained for
@@ -61,14 +62,14 @@ def make_runner(model: Path, device: str, dtype: str) -> ModelRunner:
     return runner
 
 
-def _batch(batch: int, constrained: int, first_block: int, blocks_each: int) -> list[RequestInput]:
+def _batch(batch: int, constrained: int, first_block: int, blocks_each: int) -> list[NewRequest]:
     grammar = json_schema_grammar(SCHEMA)
     requests = []
     for i in range(batch):
         prompt = tuple(int(t) for t in torch.randint(100, 40000, (PROMPT_LEN,)))
         start = first_block + i * blocks_each
-        requests.append(RequestInput(i, prompt, 0, tuple(range(start, start + blocks_each)),
-                                     SamplingParams(), grammar=grammar if i < constrained else ""))
+        requests.append(NewRequest(i, prompt, 0, tuple(range(start, start + blocks_each)),
+                                   SamplingParams(), grammar=grammar if i < constrained else ""))
     return requests
 
 
@@ -84,9 +85,14 @@ def run(
         medians: on CPU the steps' process CPU time, on a GPU their wall time.
     """
     blocks_each = -(-(PROMPT_LEN + steps + 8) // BLOCK_SIZE)
-    runner.prefill(PrefillBatch(1, tuple(_batch(batch, 0, 0, blocks_each))))
-    runner.prefill(PrefillBatch(2, tuple(_batch(batch, constrained, batch * blocks_each,
-                                                 blocks_each))))
+    # NOTE: a decode step steps every request the runner holds; each batch is kept in a
+    # table of its own, put in place for its steps (their KV blocks do not overlap)
+    tables = {1: RequestTable(), 2: RequestTable()}
+    runner.requests = tables[1]
+    runner.prefill(PrefillStep(tuple(_batch(batch, 0, 0, blocks_each))))
+    runner.requests = tables[2]
+    runner.prefill(PrefillStep(tuple(_batch(batch, constrained, batch * blocks_each,
+                                            blocks_each))))
     masks: list[float] = []
     token_mask = runner._token_mask
 
@@ -103,15 +109,16 @@ def run(
     try:
         for _ in range(steps):
             for batch_id in (1, 2):
+                runner.requests = tables[batch_id]
                 t0, c0 = time.perf_counter(), time.process_time()
-                runner.decode([batch_id])
+                runner.decode()
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize()
                 times[batch_id].append(time.perf_counter() - t0)
                 cpu[batch_id].append(time.process_time() - c0)
     finally:
         runner._token_mask = token_mask  # type: ignore[method-assign]
-        runner.clear_cache()
+        runner.requests = RequestTable()
     if runner.device.type == "cpu":
         # NOTE: CPU time of the process (all its threads) is what a step costs; with one
         # torch thread (no idle threads spinning) it barely moves when other processes

@@ -63,38 +63,71 @@ TEXT = " The quick brown fox jumps over the lazy dog, and then it runs away."
 @dataclass
 class InstantShards:
     """A shard group that answers every call at once: each request emits ``ids``
-    cyclically."""
+    cyclically. It keeps the step contract (requests held by id until finished, chunks
+    by id, every decoding row in each Decode, in row order)."""
 
     ids: list[int]
     num_blocks: int
     block_size: int = 16
     generated: dict[int, int] = field(default_factory=dict)
+    held: dict[int, list[int]] = field(default_factory=dict)  # id -> [cached, total]
+    rows: list[int] = field(default_factory=list)  # decoding rows, in row order
+    restart: bool = False
+    hung_rank: int | None = None
 
     def _next(self, request_id: int) -> int:
         count = self.generated.get(request_id, 0)
         self.generated[request_id] = count + 1
         return self.ids[count % len(self.ids)]
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        kept = [r.id for r in batch.requests if not r.partial]
-        generations = [pb.Generation(request_id=rid, token_id=self._next(rid), logprob=-0.5)
-                       for rid in kept]
-        return pb.PrefillResponse(generations=generations,
-                                  batch=pb.CachedBatch(id=batch.id, request_ids=kept))
+    def restart_steps(self) -> None:
+        self.restart = True
 
-    async def decode(self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]],
-                     remove_request_ids: Seq[int] = ()) -> pb.DecodeResponse:
-        removed = set(remove_request_ids)
-        ids = [rid for b in batches for rid in b.request_ids if rid not in removed]
-        return pb.DecodeResponse(batch=pb.CachedBatch(id=batches[0].id, request_ids=ids),
-                                 token_ids=[self._next(rid) for rid in ids],
-                                 logprobs=[-0.5] * len(ids))
+    def _finish(self, finished: Seq[int]) -> None:
+        if self.restart:  # the first step after a failed one: drop what is held
+            self.restart = False
+            self.held.clear()
+            self.rows.clear()
+        leaving = set(finished)
+        unknown = sorted(leaving - self.held.keys())
+        assert not unknown, f"finished request ids {unknown} are not held"
+        for rid in leaving:
+            del self.held[rid]
+            self.generated.pop(rid, None)
+        self.rows = [rid for rid in self.rows if rid not in leaving]
 
-    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
-        return pb.CachedBatch(id=batch_id, request_ids=request_ids)
+    def _prefill_tokens(self, request: pb.PrefillRequest) -> tuple[int, list[int]]:
+        """Apply ``request``: tokens it computes, and the ids whose prompt it completes."""
+        self._finish(request.finished_request_ids)
+        tokens, completed = 0, []
+        for c in request.cached_requests:
+            held = self.held[c.id]
+            end = held[1] if c.num_tokens == 0 else held[0] + c.num_tokens
+            tokens, held[0] = tokens + end - held[0], end
+            if end == held[1]:
+                completed.append(c.id)
+        for r in request.new_requests:
+            assert r.id not in self.held, f"new request {r.id} is held"
+            total = len(r.input_ids)
+            end = total if r.num_tokens == 0 else min(r.cache_len + r.num_tokens, total)
+            self.held[r.id] = [end, total]
+            tokens += end - r.cache_len
+            if end == total:
+                completed.append(r.id)
+        self.rows.extend(completed)
+        return tokens, completed
 
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        return None
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        _, completed = self._prefill_tokens(request)
+        return pb.PrefillResponse(generations=[
+            pb.Generation(request_id=rid, token_id=self._next(rid), logprob=-0.5)
+            for rid in completed])
+
+    async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
+        self._finish(request.finished_request_ids)
+        assert len(self.rows) == num_rows, f"{len(self.rows)} rows, the router says {num_rows}"
+        return pb.DecodeResponse(token_ids=[self._next(rid) for rid in self.rows],
+                                 logprobs=[-0.5] * len(self.rows), step=request.step)
 
     async def health(self) -> None:
         return None
@@ -119,15 +152,16 @@ class TimedShards(InstantShards):
         self.busy_until = max(now, self.busy_until) + seconds
         await asyncio.sleep(self.busy_until - now)
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        response = await super().prefill(batch)
-        tokens = sum(len(r.input_ids) - r.cache_len for r in batch.requests)
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        tokens, completed = self._prefill_tokens(request)
+        response = pb.PrefillResponse(generations=[
+            pb.Generation(request_id=rid, token_id=self._next(rid), logprob=-0.5)
+            for rid in completed])
         await self._occupy(self.step_s + tokens * self.prefill_token_s)
         return response
 
-    async def decode(self, batches: list[pb.CachedBatch], block_appends: dict[int, list[int]],
-                     remove_request_ids: Seq[int] = ()) -> pb.DecodeResponse:
-        response = await super().decode(batches, block_appends, remove_request_ids)
+    async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
+        response = await super().decode(request, num_rows)
         await self._occupy(self.step_s)
         return response
 

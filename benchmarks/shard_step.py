@@ -1,6 +1,6 @@
 """The shard's host work per decode step: :meth:`ModelRunner.launch_decode` then
 :meth:`ModelRunner.finish_step`, with the forward replaced by a fixed logits tensor,
-so that what is timed is the Python around the forward (batch checks, sampling choice,
+so that what is timed is the Python around the forward (step checks, sampling choice,
 block appends, token bookkeeping, the results), not the model.
 
 On a GPU this work overlaps the previous step's compute only while it is shorter than
@@ -38,8 +38,8 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
 def host_step_s(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
                 repeats: int) -> float:
     """Best mean seconds per launch + finish over ``repeats`` runs of ``steps`` steps."""
-    ids = prefill_requests(runner, batch, prompt_len, steps * repeats + 8)
-    runner.decode(ids)  # merges the prefill batches into one
+    prefill_requests(runner, batch, prompt_len, steps * repeats + 8)
+    runner.decode()
     logits = torch.randn(batch, runner.model_config.vocab_size)
     runner._decode_logits = lambda rows, max_seqlen_k: logits  # type: ignore[method-assign]
     try:
@@ -47,11 +47,11 @@ def host_step_s(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(steps):
-                runner.finish_step(runner.launch_decode(ids[:1]))
+                runner.finish_step(runner.launch_decode())
             best = min(best, (time.perf_counter() - started) / steps)
     finally:
         del runner._decode_logits
-        runner.clear_cache()
+        runner.reset()
     return best
 
 

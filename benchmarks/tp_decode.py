@@ -38,7 +38,7 @@ from benchmarks.harness import free_port
 from shard.config import ShardConfig
 from shard.distributed import destroy_distributed
 from shard.model_runner import ModelRunner
-from shard.records import PrefillBatch, RequestInput
+from shard.records import NewRequest, PrefillStep
 from shard.sampling_types import SamplingParams
 
 LLAMA3_8B = dict(
@@ -79,15 +79,15 @@ def _runner(args: argparse.Namespace, model: str, rank: int, tp: int, port: int,
 def _greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     blocks = Blocks()
     reqs = tuple(
-        RequestInput(i, tuple(p), 0, blocks.take(len(p) + new_tokens), SamplingParams())
+        NewRequest(i, tuple(p), 0, blocks.take(len(p) + new_tokens), SamplingParams())
         for i, p in enumerate(prompts)
     )
-    out = runner.prefill(PrefillBatch(1, reqs))
+    out = runner.prefill(PrefillStep(reqs))
     tokens = {g.request_id: [g.token_id] for g in out.generations}
     for _ in range(new_tokens - 1):
-        for g in runner.decode([1]).generations:
+        for g in runner.decode().generations:
             tokens[g.request_id].append(g.token_id)
-    runner.clear_cache()
+    runner.reset()
     return [tokens[i] for i in range(len(prompts))]
 
 
@@ -97,23 +97,21 @@ def _time_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
     blocks = Blocks()
     total = prompt_len + steps + 4
     vocab = runner.model_config.vocab_size
-    reqs = [RequestInput(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)),
-                         0, blocks.take(total), SamplingParams()) for i in range(batch)]
+    reqs = [NewRequest(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)),
+                       0, blocks.take(total), SamplingParams()) for i in range(batch)]
     per = max(1, 4096 // prompt_len)
-    ids = []
     for start in range(0, batch, per):
-        runner.prefill(PrefillBatch(10 + start, tuple(reqs[start:start + per])))
-        ids.append(10 + start)
+        runner.prefill(PrefillStep(tuple(reqs[start:start + per])))
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     times = []
     for step in range(steps + 3):
         sync()
         t0 = time.perf_counter()
-        runner.decode(ids if step == 0 else ids[:1])
+        runner.decode()
         sync()
         if step >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
-    runner.clear_cache()
+    runner.reset()
     return statistics.median(times)
 
 

@@ -3,10 +3,11 @@
 a fixed time per step, so that the router's period over gRPC can be measured against
 a known device step without a GPU (``benchmarks/router_step.py --shards grpc``).
 
-The runner keeps the shard's protocol (cached batches, concatenation, removals, step
-order, launch while the previous step computes) and emits each request's ids from a
-fixed cycle. Its device runs steps one after another, each from the later of its
-launch and the previous step's end; ``finish_step`` sleeps until the step's end.
+The runner keeps the shard's protocol (requests held by id from their first Prefill
+until finished, chunks, every decoding row in each Decode, step order, launch while the
+previous step computes) and emits each request's ids from a fixed cycle. Its device runs
+steps one after another, each from the later of its launch and the previous step's end;
+``finish_step`` sleeps until the step's end.
 
     python -m benchmarks.virtual_shard --port 50071 --step-ms 10
 """
@@ -27,10 +28,11 @@ from shard import step_trace
 from shard.config import ShardConfig
 from shard.pb import shard_pb2_grpc
 from shard.pending_step import PendingStep
-from shard.records import CachedBatchInfo, Generation, PrefillBatch, ShardInfo, StepOutput
+from shard.records import DecodeStep, Generation, PrefillStep, ShardInfo, StepOutput
 from shard.servicer import ShardServicer
 
 IDS = tuple(range(1000, 1050))
+NO_CHANGE = DecodeStep()
 
 
 @dataclass
@@ -44,7 +46,9 @@ class _VirtualPending(PendingStep):
 class VirtualRunner:
     """The :class:`~shard.model_runner.ModelRunner` surface the servicer uses, over a
     virtual device: a Decode takes ``step_s``, a Prefill ``step_s`` plus
-    ``prefill_token_s`` per prompt token; ``num_blocks`` KV blocks of ``block_size``."""
+    ``prefill_token_s`` per prompt token computed; ``num_blocks`` KV blocks of
+    ``block_size``. Requests are held by id (the step contract): new ones, chunks of
+    held ones, finished ones leaving before the step; every decoding row decodes."""
 
     def __init__(self, step_s: float, prefill_token_s: float = 0.0, num_blocks: int = 1 << 20,
                  block_size: int = 16) -> None:
@@ -52,7 +56,8 @@ class VirtualRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.step_s, self.prefill_token_s = step_s, prefill_token_s
-        self._batches: dict[int, list[int]] = {}
+        self._held: dict[int, list[int]] = {}  # request id -> [tokens cached, prompt length]
+        self._rows: list[int] = []  # decoding rows, in row order
         self._generated: dict[int, int] = {}
         self._busy_until = 0.0
         self._clock = threading.Lock()
@@ -71,6 +76,17 @@ class VirtualRunner:
         self._generated[request_id] = count + 1
         return Generation(request_id, IDS[count % len(IDS)], -0.5)
 
+    def _finish(self, request_ids: Sequence[int]) -> None:
+        """Drop the finished requests (ValueError for an id not held, as the runner)."""
+        unknown = [rid for rid in request_ids if rid not in self._held]
+        if unknown:
+            raise ValueError(f"finished_request_ids {sorted(unknown)[:5]} are not held")
+        leaving = set(request_ids)
+        for rid in leaving:
+            del self._held[rid]
+            self._generated.pop(rid, None)
+        self._rows = [rid for rid in self._rows if rid not in leaving]
+
     def info(self) -> ShardInfo:
         return ShardInfo(model_id="virtual", dtype="bfloat16", device="cpu", rank=0,
                          world_size=1, block_size=self.block_size, num_blocks=self.num_blocks,
@@ -79,38 +95,49 @@ class VirtualRunner:
 
     def warmup(self, max_batch_prefill_tokens: int, max_total_tokens: int,
                max_batch_size: int, hold_total: bool = True) -> int:
+        self.reset()
         return self.num_blocks
 
-    def prefill(self, batch: PrefillBatch, trace_step: int = -1) -> StepOutput:
-        launched = self.launch_prefill(batch, trace_step)
+    def prefill(self, step: PrefillStep, trace_step: int = -1) -> StepOutput:
+        launched = self.launch_prefill(step, trace_step)
         return launched if isinstance(launched, StepOutput) else self.finish_step(launched)
 
-    def launch_prefill(self, batch: PrefillBatch,
+    def launch_prefill(self, step: PrefillStep,
                        trace_step: int = -1) -> PendingStep | StepOutput:
-        tokens = sum(len(r.input_ids) - r.cache_len for r in batch.requests)
+        self._finish(step.finished_request_ids)
+        tokens = 0
+        completed = []
+        for c in step.cached_requests:
+            held = self._held[c.request_id]
+            end = held[1] if c.num_tokens == 0 else held[0] + c.num_tokens
+            tokens += end - held[0]
+            held[0] = end
+            if end == held[1]:
+                completed.append(c.request_id)
+        for r in step.new_requests:
+            if r.request_id in self._held:
+                raise ValueError(f"request {r.request_id} is already held by this shard")
+            self._held[r.request_id] = [r.end, len(r.input_ids)]
+            tokens += r.end - r.cache_len
+            if not r.partial:
+                completed.append(r.request_id)
         seconds = self.step_s + tokens * self.prefill_token_s
-        final = [r.request_id for r in batch.requests if not r.partial]
-        if not final:
+        if not completed:
             _, idle_s = self._occupy(seconds)
             step_trace.mark("device_gap", trace_step, int(idle_s * 1e6))
-            return StepOutput((), CachedBatchInfo(batch.batch_id, ()), int(seconds * 1e9))
-        self._batches[batch.batch_id] = final
-        return self._pending(batch.batch_id, final, seconds)
+            return StepOutput((), int(seconds * 1e9))
+        self._rows.extend(completed)
+        return self._pending(completed, seconds)
 
-    def launch_decode(self, batch_ids: Sequence[int],
-                      block_appends: Sequence[tuple[int, Sequence[int]]] = (),
-                      remove_request_ids: Sequence[int] = ()) -> PendingStep | StepOutput:
-        removed = set(remove_request_ids)
-        ids = [rid for bid in batch_ids for rid in self._batches.pop(bid)
-               if rid not in removed]
-        if not ids:
-            return StepOutput((), CachedBatchInfo(batch_ids[0], ()), 0)
-        self._batches[batch_ids[0]] = ids
-        return self._pending(batch_ids[0], ids, self.step_s)
+    def launch_decode(self, step: DecodeStep = NO_CHANGE) -> PendingStep | StepOutput:
+        self._finish(step.finished_request_ids)
+        if not self._rows:
+            return StepOutput((), 0)
+        return self._pending(list(self._rows), self.step_s)
 
-    def _pending(self, batch_id: int, ids: list[int], seconds: float) -> _VirtualPending:
+    def _pending(self, ids: list[int], seconds: float) -> _VirtualPending:
         """A step of ``seconds`` queued on the virtual device, its tokens chosen now."""
-        pending = _VirtualPending(batch_id, [], None, None)  # type: ignore[arg-type]
+        pending = _VirtualPending([], None, None)  # type: ignore[arg-type]
         pending.ends_at, pending.idle_s = self._occupy(seconds)
         pending.seconds = seconds
         pending.tokens = tuple(self._next(rid) for rid in ids)
@@ -121,24 +148,13 @@ class VirtualRunner:
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
         step_trace.mark("ready", pending.trace_step)
         step_trace.mark("device_gap", pending.trace_step, int(pending.idle_s * 1e6))
-        ids = tuple(g.request_id for g in pending.tokens)
-        return StepOutput(pending.tokens, CachedBatchInfo(pending.batch_id, ids),
-                          int(pending.seconds * 1e9))
+        return StepOutput(pending.tokens, int(pending.seconds * 1e9))
 
-    def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> CachedBatchInfo:
-        keep = set(request_ids)
-        kept = [rid for rid in self._batches.get(batch_id, []) if rid in keep]
-        if kept:
-            self._batches[batch_id] = kept
-        else:
-            self._batches.pop(batch_id, None)
-        return CachedBatchInfo(batch_id, tuple(kept))
-
-    def clear_cache(self, batch_id: int | None = None) -> None:
-        if batch_id is None:
-            self._batches.clear()
-        else:
-            self._batches.pop(batch_id, None)
+    def reset(self) -> None:
+        """Drop every request held (a restart step, or Warmup)."""
+        self._held.clear()
+        self._rows = []
+        self._generated.clear()
 
 
 async def serve(port: int, step_s: float, prefill_token_s: float) -> None:

@@ -45,18 +45,18 @@ def _runner(folder: Path, dtype: str, graphs: str, max_batch_size: int = 8) -> M
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """Decode ``prompts``; after ``steps // 2`` steps the first request leaves the batch
-    (the batch shrinks into a padded bucket)."""
+    """Decode ``prompts``; after ``steps // 2`` steps the first request leaves
+    (finished_request_ids; the rows shrink into a padded bucket)."""
     from tests.unit.shard.helpers import BlockPool, DecodeDriver, prefill, request
 
     pool = BlockPool(min(runner.num_blocks, 4096), seed=5)
     reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(prompts)]
-    got = {rid: [tok] for rid, tok in prefill(runner, 1, *reqs).items()}
+    got = {rid: [tok] for rid, tok in prefill(runner, *reqs).items()}
     driver = DecodeDriver(runner, pool)
     for step in range(steps):
-        if step == steps // 2:
-            runner.filter_batch(1, list(range(1, len(prompts))))
-        for rid, tok in driver.step([1]).items():
+        out = driver.step(finished=(0,) if step == steps // 2 else ())
+        assert list(out) == list(range(0 if step < steps // 2 else 1, len(prompts)))
+        for rid, tok in out.items():
             got[rid].append(tok)
     return [got[i] for i in range(len(prompts))]
 
@@ -89,8 +89,8 @@ def _graph_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
 
     pool = BlockPool(min(runner.num_blocks, 4096), seed=5)
     tables = [pool.for_tokens(len(p) + steps) for p in prompts]
-    last = prefill(runner, 1, *(request(i, p, t) for i, (p, t) in
-                                enumerate(zip(prompts, tables, strict=True))))
+    last = prefill(runner, *(request(i, p, t) for i, (p, t) in
+                             enumerate(zip(prompts, tables, strict=True))))
     tokens = [last[i] for i in range(len(prompts))]
     steps_logits = []
     with torch.inference_mode():

@@ -66,10 +66,10 @@ def _greedy(folder: Path, backend: str, dtype: str, prompts: list[list[int]]) ->
     runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512)
     pool = BlockPool(min(runner.num_blocks, 4096), seed=5)
     reqs = [request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(prompts)]
-    got = {rid: [tok] for rid, tok in prefill(runner, 1, *reqs).items()}
+    got = {rid: [tok] for rid, tok in prefill(runner, *reqs).items()}
     driver = DecodeDriver(runner, pool)
     for _ in range(29):
-        for rid, tok in driver.step([1]).items():
+        for rid, tok in driver.step().items():
             got[rid].append(tok)
     return [got[i] for i in range(len(prompts))]
 

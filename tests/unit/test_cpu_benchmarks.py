@@ -33,16 +33,27 @@ def test_the_router_period_follows_a_virtual_device(tokenizer: Tokenizer, grpc: 
 
 def test_a_prefill_takes_its_tokens_time() -> None:
     shards = router_step.TimedShards([7], num_blocks=8, step_s=0.0, prefill_token_s=0.01)
-    batch = router_step.pb.Batch(id=1, requests=[
-        router_step.pb.Request(id=1, input_ids=list(range(10)), cache_len=4, block_ids=[0])])
+    pb = router_step.pb
+    first = pb.PrefillRequest(new_requests=[
+        pb.NewRequest(id=1, input_ids=list(range(10)), cache_len=4, block_ids=[0])])
+    # a chunk of 3 tokens of a held request, then the rest (5) by id
+    chunked = pb.NewRequest(id=2, input_ids=list(range(8)), block_ids=[1], num_tokens=3)
+    rest = pb.PrefillRequest(cached_requests=[pb.CachedRequest(id=2)])
 
-    async def timed() -> float:
+    async def timed(request: pb.PrefillRequest) -> tuple[float, list[int]]:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await shards.prefill(batch)
-        return loop.time() - started
+        response = await shards.prefill(request)
+        return loop.time() - started, [g.request_id for g in response.generations]
 
-    assert asyncio.run(timed()) >= 0.059  # six tokens computed, the cached four not
+    async def run() -> list[tuple[float, list[int]]]:
+        return [await timed(first), await timed(pb.PrefillRequest(new_requests=[chunked])),
+                await timed(rest)]
+
+    (whole_s, whole), (chunk_s, chunk), (rest_s, done) = asyncio.run(run())
+    assert whole_s >= 0.059 and whole == [1]  # six tokens computed, the cached four not
+    assert chunk_s >= 0.029 and chunk == []  # a first chunk samples nothing
+    assert rest_s >= 0.049 and done == [2] and shards.rows == [1, 2]
 
 
 def test_the_schedule_simulation_serves_a_workload(tokenizer: Tokenizer) -> None:
@@ -70,7 +81,7 @@ def test_the_shard_host_step_runs_without_a_forward(tmp_path) -> None:  # type: 
                                      dtype="float32", load_format="dummy"))
     runner.warmup(1024, 1024, 8)
     assert 0 < shard_step.host_step_s(runner, 8, 16, steps=3, repeats=2) < 1.0
-    assert not runner.batches  # the run cleared its batches
+    assert len(runner.requests) == 0  # the run dropped its requests
 
 
 def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: ignore[no-untyped-def]
