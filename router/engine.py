@@ -172,10 +172,8 @@ class _InFlight:
 
 
 def _sampled(sequences: list[Sequence]) -> list[tuple[Sequence, int]]:
-    """Count one token in flight for each of ``sequences``; (sequence, epoch) pairs to
-    match the results against."""
-    for seq in sequences:
-        seq.pending_tokens += 1
+    """(sequence, epoch) pairs to match a call's results against (the scheduler counted
+    their tokens in flight)."""
     return [(seq, seq.epoch) for seq in sequences]
 
 
@@ -240,7 +238,6 @@ class Engine(EventSource):
         self._inflight: collections.deque[list[_InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result
         self._prefill_since_decode = False  # a prefill result came after it
-        self._held_decodes = 0  # prefill steps in a row that held the running batch
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -473,26 +470,14 @@ class Engine(EventSource):
         """
         self._reap_cancelled()
         sent: list[_InFlight] = []
-        chunks = self.scheduler.schedule_prefill()
-        if chunks:
-            sent.append(self._send_prefill(chunks))
-        decoding = [seq for seq in self.scheduler.running if self._needs_step(seq)]
-        if (chunks and decoding and not self.config.decode_during_prefill
-                and self._held_decodes < self.config.max_waiting_tokens):
-            # prefill first: the running batch waits for this prefill, up to
-            # max_waiting_tokens prefill steps in a row (newcomers that finish at their
-            # prefill would otherwise hold it forever)
-            decoding = []
-            self._held_decodes += 1
-        if decoding:
-            self._held_decodes = 0
-            plan = self.scheduler.plan_decode(decoding)
-            for seq in plan.preempted:
-                logger.info("preempted request {} (out of KV blocks)", seq.id)
-                self.shards.release(seq.id)
-            step = self._send_decode(decoding, plan.block_appends)
-            if step is not None:
-                sent.append(step)
+        plan = self.scheduler.schedule()
+        if plan.chunks:
+            sent.append(self._send_prefill(plan.chunks))
+        for seq in plan.preempted:
+            logger.info("preempted request {} (out of KV blocks)", seq.id)
+            self.shards.release(seq.id)
+        if plan.decoding:
+            sent.append(self._send_decode(plan.decoding, plan.block_appends))
         if sent:
             self._inflight.append(sent)
         elif not self._inflight:
@@ -506,34 +491,20 @@ class Engine(EventSource):
         self._failed_at = None
         return True
 
-    def _needs_step(self, seq: Sequence) -> bool:
-        """Whether ``seq`` still needs a decode step: not when the tokens in flight
-        already reach its ``max_new_tokens`` or ``max_total_tokens`` (its last token is
-        being computed; another step would compute a token that is always discarded)."""
-        generated = len(seq.output_ids) + seq.pending_tokens
-        return (
-            generated < seq.request.stopping.max_new_tokens
-            and len(seq.request.input_ids) + generated < self.config.max_total_tokens
-        )
-
     def _send_prefill(self, chunks: list[PrefillChunk]) -> _InFlight:
         self._on_admitted([chunk.seq for chunk in chunks])
         task, final = self.shards.prefill(chunks)
         by_id = {chunk.seq.id: chunk.seq for chunk in chunks}
-        for chunk in chunks:
-            self.scheduler.on_prefilled(chunk)
         return _InFlight(task, "prefill", _sampled([by_id[rid] for rid in final]),
                          time.perf_counter())
 
     def _send_decode(
         self, decoding: list[Sequence], block_appends: dict[int, list[int]]
-    ) -> _InFlight | None:
-        """One Decode for ``decoding`` (those of them still running after the plan's
-        preemptions); None when no request is left to step."""
-        stepping = {seq.id: seq for seq in decoding if seq.status == Status.RUNNING}
+    ) -> _InFlight:
+        """One Decode stepping ``decoding``, every one of them a row on the shards."""
+        stepping = {seq.id: seq for seq in decoding}
         sent = self.shards.decode(stepping, block_appends)
-        if sent is None:
-            return None
+        assert sent is not None, "running requests that are not rows on the shards"
         task, kept = sent
         return _InFlight(
             task, "decode", _sampled([stepping[rid] for rid in kept]), time.perf_counter()

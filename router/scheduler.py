@@ -52,6 +52,24 @@ class DecodePlan:
     preempted: list[Sequence] = field(default_factory=list)
 
 
+@dataclass
+class SchedulerOutput:
+    """What one engine iteration sends: a prefill of ``chunks`` (when any), then a
+    decode step of ``decoding`` (when any) after appending ``block_appends``.
+
+    Attributes:
+        chunks: Prompt chunks to prefill, continuing ones first.
+        decoding: Running sequences to step by one token, in admission order.
+        block_appends: Sequence id → new block ids, appended before the decode step.
+        preempted: Sequences that lost their blocks to make room (queued again).
+    """
+
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    decoding: list[Sequence] = field(default_factory=list)
+    block_appends: dict[int, list[int]] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
 class Scheduler:
     """Owns the waiting queue (FIFO), the prefilling sequences and the running ones
     (in admission order)."""
@@ -63,6 +81,48 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.steps_since_prefill = 0
+        self._held_decodes = 0  # prefill steps in a row that held the running batch
+
+    def schedule(self) -> SchedulerOutput:
+        """This iteration's work: prompt chunks within the prefill budget, then the
+        running sequences that still need a token, with their new blocks. The state is
+        updated as if the work were sent (chunks recorded as prefilled, one more token
+        in flight for each sequence sampled): the engine sends all of it.
+
+        Policy (TGI's prefill-first, unless ``decode_during_prefill``): an iteration
+        that prefills holds the running batch, up to ``max_waiting_tokens`` such
+        iterations in a row (newcomers that finish at their prefill could otherwise hold
+        it forever). A sequence whose tokens in flight already reach its limit is not
+        stepped (its last token is being computed).
+        """
+        chunks = self.schedule_prefill()
+        for chunk in chunks:  # sent before the decode: a completed prompt decodes too
+            self.on_prefilled(chunk)
+            if not chunk.partial:
+                chunk.seq.pending_tokens += 1  # its first token
+        decoding = [seq for seq in self.running if self._needs_step(seq)]
+        if (chunks and decoding and not self.config.decode_during_prefill
+                and self._held_decodes < self.config.max_waiting_tokens):
+            self._held_decodes += 1
+            return SchedulerOutput(chunks)
+        if not decoding:
+            return SchedulerOutput(chunks)
+        self._held_decodes = 0
+        plan = self.plan_decode(decoding)
+        decoding = [seq for seq in decoding if seq.status is Status.RUNNING]
+        for seq in decoding:
+            seq.pending_tokens += 1
+        return SchedulerOutput(chunks, decoding, plan.block_appends, plan.preempted)
+
+    def _needs_step(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still needs a decode step: not when the tokens in flight
+        already reach its ``max_new_tokens`` or ``max_total_tokens`` (another step would
+        compute a token that is always discarded)."""
+        generated = len(seq.output_ids) + seq.pending_tokens
+        return (
+            generated < seq.request.stopping.max_new_tokens
+            and len(seq.request.input_ids) + generated < self.config.max_total_tokens
+        )
 
     @property
     def num_requests(self) -> int:
