@@ -18,7 +18,7 @@ from loguru import logger
 from router.api.app import ServerState, create_app
 from router.api.http_server import HTTP_BACKLOG, bind_http, make_http_server
 from router.config import ServerConfig
-from router.engine import EngineApi
+from router.engine_api import EngineApi
 from router.executors import StartupError
 from router.grpc_api.server import start_grpc_server
 from router.tokenizer import Tokenizer

@@ -17,7 +17,7 @@ from typing import Any
 from loguru import logger
 
 from router.config import SchedulerConfig
-from router.engine import EngineStatus, EventSource
+from router.engine_api import EngineStatus, EventSource
 from router.engine_ipc import BudgetsUpdate, EventItem, event_of, messages, send
 from router.request import ErrorEvent, EventStream, GenerationRequest, HeldAnswer
 from router.tokenizer import Tokenizer

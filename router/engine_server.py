@@ -15,7 +15,8 @@ from typing import Any
 
 from loguru import logger
 
-from router.engine import Engine, QueueFullError
+from router.engine import Engine
+from router.engine_api import QueueFullError
 from router.engine_ipc import BudgetsUpdate, EventItem, messages, send, token_item
 from router.request import (
     ErrorEvent,

@@ -14,6 +14,7 @@ once, however many probes read it.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Callable
@@ -21,11 +22,15 @@ from dataclasses import dataclass
 
 from loguru import logger
 
+from router.shard_client import ShardClient, ShardError
+
 # Seconds a liveness ping may wait before the group counts as not answering. A rank
 # answers a ping within milliseconds, even during a step (the shard's model work runs
 # in a thread); the supervisor declares the rank dead after the ping's own timeout
 # (router.executors.LIVENESS_TIMEOUT_S, 5 s) and restarts the group.
 NOT_ANSWERING_AFTER_S = 1.0
+# After a failed step, how often the engine asks the shards whether they answer, seconds.
+SHARD_RECHECK_S = 0.1
 
 
 class GroupState(enum.Enum):
@@ -112,3 +117,36 @@ class ShardHealth:
         else:
             logger.warning("health: {}; /health answers 503 and gRPC health NOT_SERVING",
                            self.problem())
+
+
+def describe(shard_health: ShardHealth, draining: bool, steps_healthy: bool) -> str | None:
+    """Why the server is not healthy, in plain words, or None when it is (``GET
+    /health``, the gRPC health service and the API processes ask this).
+
+    Answers at once from the known state, without a shard call: the shard group's health
+    as the supervisor last saw it (a rank not answering, the group restarting or down),
+    then draining (SIGTERM), then a recent failed step (``steps_healthy`` False).
+    """
+    problem = shard_health.problem()
+    if problem is not None:
+        return problem
+    if draining:
+        return "shutting down"
+    if not steps_healthy:
+        return "the last generation step failed"
+    return None
+
+
+async def until_shards_answer(client: ShardClient) -> None:
+    """After a failed step, return once every rank answers ``Health`` (polled every
+    ``SHARD_RECHECK_S``): the engine sends nothing meanwhile. A dead or hung rank is
+    the supervisor's to find, and it stops the engine's loop to restart the group, so
+    requests that arrive meanwhile wait in the queue for the new group instead of
+    failing on the old one; a rank that answers again (a transient failure) lets the
+    loop go on."""
+    while True:
+        try:
+            await client.health()
+            return
+        except ShardError:
+            await asyncio.sleep(SHARD_RECHECK_S)

@@ -267,7 +267,7 @@ async def _serve(config: ServerConfig, ports: ServerPorts) -> int:
                 await deadline.cancel()
         finally:
             await engine.stop()
-            await engine.close_shards()  # the group's client now (after restarts)
+            await engine.shards.client.close()  # the group's client now (after restarts)
             client = None
     finally:
         if client is not None:
@@ -318,7 +318,7 @@ class Supervisor:
 
     async def _failed_rank(self) -> tuple[int, str] | None:
         """(rank, what happened) for a rank that is dead or hung, else None."""
-        hung = self.engine.hung_rank
+        hung = self.engine.shards.client.hung_rank
         if hung is not None:
             return hung, "is hung (a step ran past the step deadline)"
         rank = await self.executor.dead_rank()
@@ -376,7 +376,7 @@ class Supervisor:
             self.restarts += 1
             logger.info("restarting the shard group ({}/{})", self.restarts, self.max_restarts)
             await self.executor.stop_group(grace_s=3.0)
-            await self.engine.close_shards()
+            await self.engine.shards.client.close()
             client: ShardClient | None = None
             try:
                 client = await start_group(self.executor, SHARD_START_TIMEOUT_S,

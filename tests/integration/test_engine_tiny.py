@@ -90,21 +90,21 @@ async def test_one_at_a_time(
     tiny_shard_address: str, tiny_model_dir: Path, expected: list[list[int]]
 ) -> None:
     engine = await make_engine(tiny_shard_address, tiny_model_dir)
-    baseline = engine.kv_blocks_free
+    baseline = engine.block_manager.num_free
     try:
         for prompt, n, want in zip(PROMPTS, MAX_NEW_TOKENS, expected, strict=True):
             assert await collect(engine, greedy_request(engine.tokenizer, prompt, n)) == want
-        assert engine.kv_blocks_free == baseline
+        assert engine.block_manager.num_free == baseline
     finally:
         await engine.stop()
-        await engine.close_shards()
+        await engine.shards.client.close()
 
 
 async def test_joining_the_running_batch_at_different_steps(
     tiny_shard_address: str, tiny_model_dir: Path, expected: list[list[int]]
 ) -> None:
     engine = await make_engine(tiny_shard_address, tiny_model_dir)
-    baseline = engine.kv_blocks_free
+    baseline = engine.block_manager.num_free
     try:
         tasks = []
         # Request i+1 is submitted once request i has produced (2 + i) tokens.
@@ -115,10 +115,10 @@ async def test_joining_the_running_batch_at_different_steps(
             await asyncio.wait_for(started.wait(), timeout=60)
         results = await asyncio.gather(*tasks)
         assert results == expected
-        assert engine.kv_blocks_free == baseline
+        assert engine.block_manager.num_free == baseline
     finally:
         await engine.stop()
-        await engine.close_shards()
+        await engine.shards.client.close()
 
 
 @pytest.mark.parametrize("steps_in_flight", [1, 2])
@@ -145,10 +145,10 @@ async def test_all_together_with_preemption(
         results = await asyncio.gather(*(collect(engine, r) for r in requests))
         assert results == [expected[i] for i in order]
         assert preempted, "the tiny KV budget should have forced a preemption"
-        assert engine.kv_blocks_free == 4
+        assert engine.block_manager.num_free == 4
     finally:
         await engine.stop()
-        await engine.close_shards()
+        await engine.shards.client.close()
 
 
 SHARED = (
@@ -179,10 +179,10 @@ async def test_prefix_cache_hits_and_eviction_give_identical_tokens(
                 assert hits >= 48 * (len(got) - 1), "the shared prefix should be reused"
             else:
                 assert hits == 0
-            assert engine.kv_blocks_free == 6
+            assert engine.block_manager.num_free == 6
         finally:
             await engine.stop()
-            await engine.close_shards()
+            await engine.shards.client.close()
 
 
 async def test_chunked_prefill_gives_identical_tokens(
@@ -199,10 +199,10 @@ async def test_chunked_prefill_gives_identical_tokens(
         ]
         results = await asyncio.gather(*(collect(engine, r) for r in requests))
         assert results == expected
-        assert engine.kv_blocks_free == engine.block_manager.num_blocks
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
     finally:
         await engine.stop()
-        await engine.close_shards()
+        await engine.shards.client.close()
 
 
 async def test_same_prompt_alone_and_in_batches_of_any_size_m6(
@@ -222,4 +222,4 @@ async def test_same_prompt_alone_and_in_batches_of_any_size_m6(
             assert results[len(neighbours)] == expected[1], f"batch of {2 * batch_size - 1}"
     finally:
         await engine.stop()
-        await engine.close_shards()
+        await engine.shards.client.close()

@@ -219,7 +219,7 @@ async def test_an_idle_engine_reads_its_last_step_at_once(tokenizer: Tokenizer) 
                 GenerationRequest((5, 6, 7), SamplingParams(), stopping))]
             assert events[-1].finish is not None and len(events) == 3
             await asyncio.sleep(0.3)
-            assert not engine._inflight
+            assert not engine.inflight
     finally:
         await engine.stop()
     assert walls and max(walls) < 0.2, walls

@@ -89,7 +89,7 @@ async def test_eos_stops_the_stream_and_the_extra_token_is_discarded(
     assert recorder.steps_of(first_id) == 2 + depth
     step_without = next(i for i, ids in enumerate(recorder.stepped) if first_id not in ids)
     assert first_id in recorder.removed[step_without]
-    assert engine.kv_blocks_free == engine.block_manager.num_blocks
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
 async def test_stop_sequence_ends_the_stream_at_its_step(tokenizer: Tokenizer) -> None:
@@ -108,7 +108,7 @@ async def test_stop_sequence_ends_the_stream_at_its_step(tokenizer: Tokenizer) -
     assert [e.id for e in events] == ids[:3]
     assert events[-1].finish is not None
     assert events[-1].finish.reason == FinishReason.STOP_SEQUENCE
-    assert engine.kv_blocks_free == engine.block_manager.num_blocks
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -156,7 +156,7 @@ async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer, dept
         assert [e for e in leftovers if isinstance(e, TokenEvent)] == []
         # at most the steps already sent ran with it; then it left the batch
         assert recorder.steps_of(seq.id) <= steps_at_cancel + depth
-        assert engine.kv_blocks_free == engine.block_manager.num_blocks
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
     finally:
         await engine.stop()
 
