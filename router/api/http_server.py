@@ -6,10 +6,10 @@ request: a fresh connection that sends nothing, headers trickled in byte by byte
 body that stops short of its ``Content-Length`` stays open for ever, holds a file
 descriptor and (a body) a handler waiting for it, which also holds up a graceful
 shutdown. :class:`HeaderTimeoutProtocol` gives every request ``header_timeout_s``
-seconds, from the moment the connection is ready for it, to deliver its complete
-headers, then as long again for its body; past either the connection is closed (the
-handler sees the client gone). A request that has arrived whole is never cut by it,
-however long its answer streams.
+seconds, from the connection's opening (or, on a keep-alive connection, the request's
+first byte), to deliver its complete headers, then as long again for its body; past
+either the connection is closed (the handler sees the client gone). A request that has
+arrived whole is never cut by it, however long its answer streams.
 
 Requests are parsed by httptools (llhttp, in C), uvicorn's fast parser: a burst of 256
 requests reached a minimal app's handlers in half the time h11's pure-Python parser took
@@ -29,8 +29,12 @@ from loguru import logger
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-# Seconds an idle keep-alive connection stays open after a response (uvicorn's default).
-KEEP_ALIVE_S = 5
+# Seconds an idle keep-alive connection stays open after a response (nginx's default).
+# NOTE: it must outlast the idle time of the clients' pools (httpx and the openai package
+# keep a connection 5 s, aiohttp 15 s): a server that closes first races the client's
+# next request on that connection, which then gets a reset, not an answer, and never
+# reaches the app (nothing logged). uvicorn's default, 5 s, is httpx's.
+KEEP_ALIVE_S = 75
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 # Pending connections the listening socket queues (uvicorn's default).
 HTTP_BACKLOG = 2048
@@ -49,10 +53,10 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with deadlines on receiving each request's headers
     and body.
 
-    The header deadline is armed when the connection opens and again when a response
-    ends with no pipelined request waiting (the connection then waits for the next
-    request); once a request's headers are complete the body deadline replaces it, and
-    it is disarmed when the whole request has arrived.
+    The header deadline is armed when the connection opens and when the first byte of a
+    later request arrives; once a request's headers are complete the body deadline
+    replaces it, and it is disarmed when the whole request has arrived. A keep-alive
+    connection idle between requests is uvicorn's to close (``KEEP_ALIVE_S``).
     """
 
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
@@ -65,6 +69,11 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._arm_deadline()
 
+    def on_message_begin(self) -> None:
+        if self._deadline is None:  # a request after a response (a new connection's is armed)
+            self._arm_deadline()
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
         self._disarm_deadline()
         super().on_headers_complete()
@@ -75,13 +84,6 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._disarm_deadline()
         super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        # A pipelined request waiting here has its headers already; uvicorn starts it
-        # inside the call below.
-        if not self.transport.is_closing() and not self.pipeline:
-            self._arm_deadline()
-        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_deadline()
