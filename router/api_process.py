@@ -148,7 +148,9 @@ class ApiProcesses:
         assert kind == "ready", kind
         self.grpc_port = grpc_port  # type: ignore[assignment]
         connection = ApiConnection(self.engine, reader, writer, name)
-        self._connections.append(asyncio.ensure_future(connection.serve()))
+        serving = asyncio.ensure_future(connection.serve())
+        serving.add_done_callback(lambda task: _log_failure(task, f"serving {name}"))
+        self._connections.append(serving)
         logger.info("{} serving", name)
 
     def request_exit(self) -> None:
@@ -221,7 +223,8 @@ async def _serve(ipc_fd: int, http_fd: int) -> int:
     loop.add_signal_handler(signal.SIGINT, lambda: None)
     listening = asyncio.ensure_future(client.run())
 
-    def engine_gone(_: object) -> None:
+    def engine_gone(task: asyncio.Future[None]) -> None:
+        _log_failure(task, f"API process {setup.index}: reading the engine's messages")
         if not exiting:
             logger.error("API process {}: the engine process went away; exiting", setup.index)
             servers.failed = True
@@ -237,6 +240,12 @@ async def _serve(ipc_fd: int, http_fd: int) -> int:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await asyncio.wait_for(listening, timeout=5.0)
     return 1 if servers.failed else 0
+
+
+def _log_failure(task: asyncio.Future[None], what: str) -> None:
+    """Log the exception ``task`` ended with, if any (no one else awaits it in time)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.opt(exception=task.exception()).error("{} failed", what)
 
 
 def main(argv: list[str] | None = None) -> int:

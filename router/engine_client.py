@@ -5,6 +5,10 @@
 sends the request and returns at once; its events arrive in one message per engine
 step and are put on the request's stream here, so the HTTP handlers read them as they
 would read a local engine's. A refusal (429, 503) is the stream's only event.
+
+Nothing is dropped without a word: when the socket fails or closes, every open request
+ends with an error its client reads, and the log says why and how many; an event that
+fails here fails its own request.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from loguru import logger
 
 from router.config import SchedulerConfig
 from router.engine_api import EngineStatus, EventSource
-from router.engine_ipc import BudgetsUpdate, EventItem, event_of, messages, send
+from router.engine_ipc import BudgetsUpdate, EventItem, IpcError, event_of, messages, send
 from router.request import ErrorEvent, EventStream, GenerationRequest, HeldAnswer
 from router.tokenizer import Tokenizer
 
@@ -151,13 +155,23 @@ class EngineClient(EventSource):
         return text
 
     async def run(self) -> None:
-        """Dispatch the engine's messages until it closes the socket; then every
-        request still open ends with an :class:`ErrorEvent`."""
+        """Dispatch the engine's messages until it closes the socket or the socket fails
+        (logged); then every request still open ends with an :class:`ErrorEvent`
+        (logged)."""
         try:
             async for message in messages(self._reader):
-                self._apply(message)
+                try:
+                    self._apply(message)
+                except Exception as error:
+                    logger.opt(exception=error).error("a {!r} message from the engine "
+                                                      "failed", message[0])
+        except IpcError as error:
+            logger.error("the connection to the engine process failed: {}", error)
         finally:
             self.gone = True
+            if self._streams:
+                logger.error("the engine process is gone: failing {} open request(s)",
+                             len(self._streams))
             for events in self._streams.values():
                 events.put_nowait(ErrorEvent(ENGINE_GONE))
             self._streams.clear()
@@ -191,15 +205,28 @@ class EngineClient(EventSource):
             events = streams.get(rid)  # type: ignore[call-overload]
             if events is None:  # cancelled meanwhile
                 continue
-            if len(item) == 2 and isinstance(item[1], HeldAnswer):  # a whole answer
-                events.put_answer(item[1])
-                del streams[rid]  # type: ignore[arg-type]
-                continue
-            event = event_of(item)
-            events.put_nowait(event)
-            if isinstance(event, ErrorEvent) or event.finish is not None:
+            try:
+                ended = _put(events, item)
+            except Exception as error:  # fails this request, not those after it
+                logger.opt(exception=error).error("an event of request {} failed", rid)
+                events.put_nowait(ErrorEvent(f"internal error: {type(error).__name__}: "
+                                             f"{error}"))
+                self._send(("cancel", rid))
+                ended = True
+            if ended:
                 del streams[rid]  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Close the socket (the engine then cancels this process's open requests)."""
         self._writer.close()
+
+
+def _put(events: EventStream, item: EventItem) -> bool:
+    """Put the event (or whole answer) of ``item`` on ``events``; whether it ends the
+    request."""
+    if len(item) == 2 and isinstance(item[1], HeldAnswer):  # a whole answer
+        events.put_answer(item[1])
+        return True
+    event = event_of(item)
+    events.put_nowait(event)
+    return isinstance(event, ErrorEvent) or event.finish is not None

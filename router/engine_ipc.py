@@ -25,6 +25,10 @@ Engine → API process:
         the call raised there.
 
 Token events travel as tuples of plain values, cheaper to pickle than the event objects.
+
+A socket closed between two messages is the other end leaving; one reset, or closed in
+the middle of a message, or a message that does not unpickle, is a failure
+(:class:`IpcError`), which each end logs with the requests it fails.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class BudgetsUpdate:
     block_size: int
 
 
+class IpcError(RuntimeError):
+    """The socket to the other process failed: reset, cut in the middle of a message, or
+    a message that does not unpickle."""
+
+
 def encode(message: tuple[object, ...]) -> bytes:
     """``message`` as one frame: its pickled length, then the pickle."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -71,17 +80,29 @@ def encode(message: tuple[object, ...]) -> bytes:
 
 
 def send(writer: asyncio.StreamWriter, message: tuple[object, ...]) -> None:
-    """Write ``message`` without waiting (a no-op once the socket is closing)."""
+    """Write ``message`` without waiting (a no-op once the socket is closing).
+
+    Raises:
+        Exception: what pickling ``message`` raises (nothing is written then).
+    """
     if not writer.is_closing():
         writer.write(encode(message))
 
 
 async def messages(reader: asyncio.StreamReader) -> AsyncIterator[tuple[object, ...]]:
-    """The messages of ``reader`` until the other end closes the socket."""
+    """The messages of ``reader`` until the other end closes the socket between two
+    messages.
+
+    Raises:
+        IpcError: the socket failed (see :func:`read_message`).
+    """
     while True:
         try:
             yield await read_message(reader)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except asyncio.IncompleteReadError as error:
+            if error.partial:
+                raise IpcError(f"the socket closed in the middle of a message "
+                               f"({len(error.partial)} of {error.expected} bytes)") from error
             return
 
 
@@ -89,11 +110,29 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[object, ...]:
     """The next message of ``reader``.
 
     Raises:
-        asyncio.IncompleteReadError: the other end closed the socket.
+        asyncio.IncompleteReadError: the other end closed the socket (``partial`` empty
+            when it did so between two messages).
+        IpcError: the socket was reset, or the message does not unpickle.
     """
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    message: tuple[object, ...] = pickle.loads(await reader.readexactly(length))
+    header = await _read(reader, _LENGTH.size)
+    (length,) = _LENGTH.unpack(header)
+    try:
+        body = await _read(reader, length)
+    except asyncio.IncompleteReadError as error:  # count the header's bytes too
+        raise asyncio.IncompleteReadError(header + error.partial,
+                                          _LENGTH.size + length) from error
+    try:
+        message: tuple[object, ...] = pickle.loads(body)
+    except Exception as error:
+        raise IpcError(f"a message of {length} bytes does not unpickle: {error!r}") from error
     return message
+
+
+async def _read(reader: asyncio.StreamReader, size: int) -> bytes:
+    try:
+        return await reader.readexactly(size)
+    except OSError as error:  # a reset, or a failed write (asyncio logs it in debug mode only)
+        raise IpcError(f"the socket failed: {error!r}") from error
 
 
 def token_item(rid: int, event: Event) -> EventItem:

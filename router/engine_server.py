@@ -5,19 +5,25 @@ forwards their events back: each request's event stream is a :class:`ForwardedEv
 which the engine fills as it would fill a local reader's, and every event delivered in
 one engine iteration leaves in one message, written without waiting (the socket's
 buffer absorbs an API process that falls behind; the engine loop never waits for it).
+
+Failures are logged and stay as small as they can: a message that fails here fails its
+own request (the API process's client reads the error), an event that does not pickle
+fails its own request, and a connection that fails or closes with requests open is
+logged with how many requests it cancels.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+import pickle
+from typing import Any, cast
 
 from loguru import logger
 
 from router.engine import Engine
 from router.engine_api import QueueFullError
-from router.engine_ipc import BudgetsUpdate, EventItem, messages, send, token_item
+from router.engine_ipc import BudgetsUpdate, EventItem, IpcError, messages, send, token_item
 from router.request import (
     ErrorEvent,
     Event,
@@ -93,7 +99,25 @@ class ApiConnection:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        self._send(("events", outbox))
+        try:
+            self._send(("events", outbox))  # pickled whole before anything is written
+        except Exception as error:  # one event that does not pickle fails its request only
+            logger.opt(exception=error).error("events for {} do not pickle", self.name)
+            self._send(("events", [self._sendable(item) for item in outbox]))
+
+    def _sendable(self, item: EventItem) -> EventItem:
+        """``item``, or when it does not pickle an error event in its place (its request,
+        if still running, is cancelled)."""
+        try:
+            pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            rid = cast(int, item[0])
+            seq = self._sequences.pop(rid, None)
+            if seq is not None:
+                self.engine.cancel(seq)
+            return token_item(rid, ErrorEvent(
+                f"internal error: the answer could not be sent to the API process: {error!r}"))
+        return item
 
     def _send(self, message: tuple[object, ...]) -> None:
         send(self._writer, message)
@@ -103,14 +127,19 @@ class ApiConnection:
         self._send(("budgets", budgets_of(self.engine)))
 
     async def serve(self) -> None:
-        """Read and apply the API process's messages until it closes its end; then
-        cancel its requests still running."""
+        """Read and apply the API process's messages until it closes its end or the
+        socket fails (logged); then cancel its requests still running (logged)."""
         self.engine.on_replaced.append(self.send_budgets)
         try:
             async for message in messages(self._reader):
                 self._apply(message)
+        except IpcError as error:
+            logger.error("the connection to {} failed: {}", self.name, error)
         finally:
             self.engine.on_replaced.remove(self.send_budgets)
+            if self._sequences:
+                logger.warning("{} is gone: cancelling its {} open request(s)", self.name,
+                               len(self._sequences))
             for seq in self._sequences.values():
                 self.engine.cancel(seq)
             self._sequences.clear()
@@ -121,6 +150,16 @@ class ApiConnection:
                 await self._writer.wait_closed()
 
     def _apply(self, message: tuple[Any, ...]) -> None:
+        try:
+            self._dispatch(message)
+        except Exception as error:  # a failed message fails its request, not the others
+            logger.opt(exception=error).error("a {!r} message of {} failed", message[0],
+                                              self.name)
+            if message[0] == "submit":
+                self.forward(message[1], ErrorEvent(
+                    f"internal error: {type(error).__name__}: {error}"))
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "submit":
             self._submit(message[1], message[2])
@@ -164,3 +203,4 @@ class ApiConnection:
             logger.opt(exception=error).error("the call {!r} of {} failed", name, self.name)
             return
         self._send(("reply", call_id, value))
+
