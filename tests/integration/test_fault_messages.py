@@ -66,7 +66,7 @@ def test_stream_error_event_is_plain_words(server: LiveServer) -> None:
     assert_plain(failure.value.message)
     # The detail is in the server log for the operator: the failed call, or the liveness
     # probe's verdict when it saw the dead rank first (then the call is dropped unlogged).
-    detail = re.compile(r"shard rank 0 (failed (Decode|Prefill|FilterBatch)|died or stopped)")
+    detail = re.compile(r"shard rank 0 (failed (Decode|Prefill)|died or stopped)")
     deadline = time.monotonic() + 10
     while not detail.search(server.log()) and time.monotonic() < deadline:
         time.sleep(0.1)

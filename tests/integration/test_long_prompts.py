@@ -18,29 +18,46 @@ LONG_PROMPT_TOKENS = 1500
 
 
 class RecordingClient(ShardClient):
-    """A real shard client that records each step: ``("prefill", [(request id,
-    cache_len, end)])`` or ``("decode", [request ids])``."""
+    """A real shard client that records each step: ``("prefill", [(request id, start,
+    end)])``, the tokens each request computes, or ``("decode", [request ids])``, the
+    rows it steps (followed here as a shard keeps them: in the order their prompts
+    complete, until they are finished)."""
 
     def __init__(self, addresses: list[str]) -> None:
         super().__init__(addresses)
         self.calls: list[tuple[str, list[tuple[int, int, int]] | list[int]]] = []
+        self.held: dict[int, list[int]] = {}  # request id -> [tokens computed, total]
+        self.rows: list[int] = []
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        chunks = [(r.id, r.cache_len, len(r.input_ids)) for r in batch.requests]
+    def _finish(self, finished: Sequence[int]) -> None:
+        for rid in finished:
+            del self.held[rid]
+        self.rows = [rid for rid in self.rows if rid not in finished]
+
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        self._finish(request.finished_request_ids)
+        chunks = []
+        for c in request.cached_requests:
+            start, total = self.held[c.id]
+            end = total if c.num_tokens == 0 else start + c.num_tokens
+            chunks.append((c.id, start, end))
+        for r in request.new_requests:
+            total = len(r.input_ids)
+            end = total if r.num_tokens == 0 else min(r.cache_len + r.num_tokens, total)
+            self.held[r.id] = [r.cache_len, total]
+            chunks.append((r.id, r.cache_len, end))
+        for rid, _, end in chunks:
+            self.held[rid][0] = end
+            if end == self.held[rid][1]:
+                self.rows.append(rid)
         self.calls.append(("prefill", chunks))
-        return await super().prefill(batch)
+        return await super().prefill(request)
 
-    async def decode(
-        self,
-        batches: list[pb.CachedBatch],
-        block_appends: dict[int, list[int]],
-        remove_request_ids: Sequence[int] = (),
-    ) -> pb.DecodeResponse:
-        removed = set(remove_request_ids)
-        self.calls.append(
-            ("decode", [rid for b in batches for rid in b.request_ids if rid not in removed])
-        )
-        return await super().decode(batches, block_appends, remove_request_ids)
+    async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
+        self._finish(request.finished_request_ids)
+        assert len(self.rows) == num_rows, (self.rows, num_rows)
+        self.calls.append(("decode", list(self.rows)))
+        return await super().decode(request, num_rows)
 
 
 def greedy(input_ids: list[int], max_new_tokens: int) -> GenerationRequest:

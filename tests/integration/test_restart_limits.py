@@ -11,7 +11,7 @@ block counts the test chooses and whose tokens come from a script.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -42,11 +42,17 @@ class ScriptedShardService(shard_pb2_grpc.ShardServiceServicer):
         self.next_step = 1
         self.turn = asyncio.Condition()
 
-    async def _in_order(self, step: int, call: Awaitable[T]) -> T:
+    async def _in_order(self, step: int, restart: bool,
+                        call: Callable[[], Awaitable[T]]) -> T:
         async with self.turn:
+            if restart:  # the steps before it are abandoned
+                self.next_step = step
+                self.turn.notify_all()
             await self.turn.wait_for(lambda: step in (0, self.next_step))
+            if restart:
+                self.steps.restart_steps()  # held requests are dropped before it runs
             try:
-                return await call
+                return await call()
             finally:
                 self.next_step += bool(step)
                 self.turn.notify_all()
@@ -64,25 +70,18 @@ class ScriptedShardService(shard_pb2_grpc.ShardServiceServicer):
         return pb.WarmupResponse(num_blocks=self.num_blocks, block_size=BLOCK_SIZE)
 
     async def Prefill(self, request: pb.PrefillRequest, context: object) -> pb.PrefillResponse:
-        return await self._in_order(request.step, self.steps.prefill(request.batch))
+        return await self._in_order(request.step, request.restart,
+                                    lambda: self.steps.prefill(request))
 
     async def Decode(self, request: pb.DecodeRequest, context: object) -> pb.DecodeResponse:
-        appends = {a.request_id: list(a.block_ids) for a in request.block_appends}
-        return await self._in_order(request.step, self.steps.decode(
-            list(request.batches), appends, request.remove_request_ids))
+        def decode() -> Awaitable[pb.DecodeResponse]:
+            # the rows that step: held ones that do not leave (none after a restart)
+            leaving = set(request.finished_request_ids)
+            rows = [] if self.steps.restart else [
+                rid for rid in self.steps.rows if rid not in leaving]
+            return self.steps.decode(request, len(rows))
 
-    async def FilterBatch(
-        self, request: pb.FilterBatchRequest, context: object
-    ) -> pb.FilterBatchResponse:
-        batch = await self.steps.filter_batch(request.batch_id, list(request.request_ids))
-        return pb.FilterBatchResponse(batch=batch)
-
-    async def ClearCache(
-        self, request: pb.ClearCacheRequest, context: object
-    ) -> pb.ClearCacheResponse:
-        if not request.HasField("batch_id"):
-            self.next_step = 1
-        return pb.ClearCacheResponse()
+        return await self._in_order(request.step, request.restart, decode)
 
 
 class ShrinkingExecutor:
@@ -141,7 +140,7 @@ async def served(default_model_dir: Path) -> AsyncIterator[tuple[httpx.AsyncClie
     watch.cancel()
     await asyncio.gather(watch, return_exceptions=True)
     await state.engine.stop()
-    await state.engine.close_shards()
+    await state.engine.shards.client.close()
     await executor.stop()
 
 
@@ -164,7 +163,7 @@ async def test_restart_with_a_smaller_kv_cache_rebuilds_the_limits(
     assert isinstance(executor, ShrinkingExecutor)
     executor.kill()
     async with asyncio.timeout(20):
-        while executor.starts < 2 or supervisor.engine.hung_rank is not None or \
+        while executor.starts < 2 or supervisor.engine.shards.client.hung_rank is not None or \
                 executor.dead:
             await asyncio.sleep(0.05)
         while not (await http.get("/health")).is_success:
