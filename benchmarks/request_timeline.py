@@ -1,5 +1,5 @@
 """Where a load run's wall time went, from the router's log: each finished request's log
-line (``router.engine``: ``request N success: ... queue_s=… ttft_s=… e2e_s=…``, stamped
+line (``router.engine.lifecycle``: ``request N success: ... queue_s=… ttft_s=… e2e_s=…``, stamped
 when it finished) gives its arrival (finish − e2e) and its first token (arrival + ttft).
 
 For a run of requests sent at once this separates how long the requests took to reach

@@ -49,7 +49,7 @@ from router.api.app import create_app
 from router.api.http_server import make_http_server
 from router.api.state import ServerState
 from router.config import SchedulerConfig, ValidationLimits
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.shard_client import ShardClient
 from router.tokenizer import Tokenizer

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.router_step import DEFAULT_TOKENIZER, TimedShards
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload
 from router.config import SchedulerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.tokenizer import Tokenizer
 

@@ -318,7 +318,7 @@ class ServerConfig:
     status_interval_s: float = field(default=5.0, metadata=_flag(
         "while busy, log throughput, running/waiting requests and KV cache use this often "
         "(0 = never)", type=float, metavar="SECONDS"))
-    # API processes beside the engine's (router/api_process.py); None = derived.
+    # API processes beside the engine's (router/api/process.py); None = derived.
     api_server_count: int | None = field(default=None, metadata=_flag(
         "processes serving the HTTP and gRPC APIs beside the engine's process, which then "
         "only schedules and steps the shards; 0 = the APIs run in the engine's process",

@@ -1,7 +1,7 @@
 """The shard group's health as the supervisor last saw it, read without a shard call.
 
 ``GET /health``, the public gRPC health service and the API processes
-(``--api-server-count``) ask :meth:`router.engine.Engine.health_problem`, which reads
+(``--api-server-count``) ask :meth:`router.engine.loop.Engine.health_problem`, which reads
 :class:`ShardHealth` here: probes answer at once from the known state and never call a
 shard (a flood of probes costs the shards nothing; a stopped shard cannot make a probe
 wait). The supervisor (:class:`router.launcher.Supervisor`), which pings every rank

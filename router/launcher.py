@@ -28,9 +28,8 @@ from collections.abc import Callable
 
 from loguru import logger
 
-from router.api.state import ServerState
-from router.api_process import ApiProcesses
-from router.api_server import (
+from router.api.process import ApiProcesses
+from router.api.server import (
     ApiServers,
     ModelFacts,
     ServerPorts,
@@ -38,8 +37,9 @@ from router.api_server import (
     make_state,
     package_version,
 )
+from router.api.state import ServerState
 from router.config import SchedulerConfig, ServerConfig, derive_budgets
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.executors import LocalExecutor, RayExecutor, ShardExecutor, StartupError
 from router.health import NOT_ANSWERING_AFTER_S
 from router.log import STILL_WAITING_S, announce_wait
@@ -405,7 +405,7 @@ class ShutdownDeadline:
     """Fails the requests still unfinished when the graceful timeout ends.
 
     The HTTP and gRPC servers wait ``ANSWER_MARGIN_S`` seconds longer
-    (:mod:`router.api_server`) before they cancel the handlers still running (a
+    (:mod:`router.api.server`) before they cancel the handlers still running (a
     non-streaming client would get a plain-text 500, a stream would be cut without a
     word, and each would log a traceback), so every request failed here ends the way a
     failed generation does: a JSON error, or an error event ending the stream (gRPC:

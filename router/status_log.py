@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.metrics import PREFIX
 
 

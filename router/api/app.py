@@ -38,7 +38,7 @@ from router.api.openai import ModelNotFoundError
 from router.api.schemas import Info
 from router.api.state import ServerState, State, server_state
 from router.chat_template import ChatTemplateError
-from router.engine_api import QueueFullError, ShuttingDownError
+from router.engine.api import QueueFullError, ShuttingDownError
 from router.validation import RequestValidationError
 
 __all__ = ["ServerState", "create_app"]

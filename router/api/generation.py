@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from router.engine_api import EngineApi, RequestHandle, refusal_error
+from router.engine.api import EngineApi, RequestHandle, refusal_error
 from router.request import (
     ErrorEvent,
     Event,

@@ -2,7 +2,7 @@
 
 With ``N`` ≥ 1 the launcher's process keeps the engine (scheduler, block manager, shard
 calls, detokenization, stop checks, metrics) and starts ``N`` API processes, each
-serving the HTTP and public gRPC APIs over an :class:`~router.engine_client.EngineClient`.
+serving the HTTP and public gRPC APIs over an :class:`~router.engine.client.EngineClient`.
 The HTTP port is bound once by the engine process and its socket is shared (the kernel
 spreads connections over the processes); each process binds the gRPC port with
 ``SO_REUSEPORT``. So the HTTP layer's work (parsing, validation, tokenization, one SSE
@@ -16,7 +16,7 @@ launcher then stops the engine and the shards. An API process that exits on its 
 stops the server (exit code 1); one that loses the engine process (its socket closes)
 fails its open requests and exits.
 
-    python -m router.api_process IPC_FD HTTP_FD   (started by :class:`ApiProcesses`)
+    python -m router.api.process IPC_FD HTTP_FD   (started by :class:`ApiProcesses`)
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from router.api_server import ApiServers, ModelFacts, listen_http, make_state
+from router.api.server import ApiServers, ModelFacts, listen_http, make_state
 from router.config import ServerConfig
-from router.engine import Engine
-from router.engine_client import EngineClient
-from router.engine_ipc import BudgetsUpdate, read_message, send
-from router.engine_server import ApiConnection, budgets_of
+from router.engine.client import EngineClient
+from router.engine.ipc import BudgetsUpdate, read_message, send
+from router.engine.loop import Engine
+from router.engine.server import ApiConnection, budgets_of
 from router.executors import StartupError
 from router.log import setup_logging
 from router.tokenizer import Tokenizer
@@ -123,7 +123,7 @@ class ApiProcesses:
         ours, theirs = socket.socketpair()
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "router.api_process", str(theirs.fileno()),
+                sys.executable, "-m", "router.api.process", str(theirs.fileno()),
                 str(self._http.fileno()), pass_fds=(theirs.fileno(), self._http.fileno()),
             )
         finally:
@@ -252,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of an API process: ``IPC_FD HTTP_FD``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m router.api_process IPC_FD HTTP_FD", file=sys.stderr)
+        print("usage: python -m router.api.process IPC_FD HTTP_FD", file=sys.stderr)
         return 2
     return asyncio.run(_serve(int(args[0]), int(args[1])))
 
 
 if __name__ == "__main__":
     # run as the imported module, whose classes the setup message was pickled with
-    from router.api_process import main as module_main
+    from router.api.process import main as module_main
 
     sys.exit(module_main())

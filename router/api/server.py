@@ -1,7 +1,7 @@
 """The API servers of one process: HTTP (uvicorn) and the public gRPC API.
 
 They run in the engine's process (``--api-server-count 0``) or in each API process
-(:mod:`router.api_process`), over an :class:`~router.engine.EngineApi`.
+(:mod:`router.api.process`), over an :class:`~router.engine.api.EngineApi`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from loguru import logger
 from router.api.app import ServerState, create_app
 from router.api.http_server import HTTP_BACKLOG, bind_http, make_http_server
 from router.config import ServerConfig
-from router.engine_api import EngineApi
+from router.engine.api import EngineApi
 from router.executors import StartupError
 from router.grpc_api.server import start_grpc_server
 from router.tokenizer import Tokenizer

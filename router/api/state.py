@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from router.api.offload import Offload
-from router.engine_api import EngineApi
+from router.engine.api import EngineApi
 from router.validation import Validator
 
 

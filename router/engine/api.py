@@ -1,6 +1,6 @@
 """What the HTTP and public gRPC APIs see of the engine: the protocol they call
-(:class:`EngineApi`, met by :class:`router.engine.Engine` in the same process and by
-:class:`router.engine_client.EngineClient` in an API process), the refusals ``submit``
+(:class:`EngineApi`, met by :class:`router.engine.loop.Engine` in the same process and by
+:class:`router.engine.client.EngineClient` in an API process), the refusals ``submit``
 raises, and the status snapshot."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class RequestHandle(Protocol):
 
 class EngineApi(Protocol):
     """What the HTTP and public gRPC APIs use of the engine: :class:`Engine` in the same
-    process, or :class:`router.engine_client.EngineClient` in an API process."""
+    process, or :class:`router.engine.client.EngineClient` in an API process."""
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -81,7 +81,7 @@ class EngineApi(Protocol):
 
 class EventSource:
     """``generate`` over a ``submit`` and a ``cancel``: shared by :class:`Engine` and the
-    API process's proxy of it (:class:`router.engine_client.EngineClient`)."""
+    API process's proxy of it (:class:`router.engine.client.EngineClient`)."""
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         raise NotImplementedError

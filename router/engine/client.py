@@ -1,7 +1,7 @@
-"""The engine as an API process sees it (``--api-server-count``, :mod:`router.engine_ipc`).
+"""The engine as an API process sees it (``--api-server-count``, :mod:`router.engine.ipc`).
 
-:class:`EngineClient` offers the API layer what :class:`router.engine.Engine` offers it
-(:class:`router.engine.EngineApi`), over the socket to the engine process: ``submit``
+:class:`EngineClient` offers the API layer what :class:`router.engine.loop.Engine` offers it
+(:class:`router.engine.api.EngineApi`), over the socket to the engine process: ``submit``
 sends the request and returns at once; its events arrive in one message per engine
 step and are put on the request's stream here, so the HTTP handlers read them as they
 would read a local engine's. A refusal (429, 503) is the stream's only event.
@@ -21,8 +21,8 @@ from typing import Any
 from loguru import logger
 
 from router.config import SchedulerConfig
-from router.engine_api import EngineStatus, EventSource
-from router.engine_ipc import BudgetsUpdate, EventItem, IpcError, event_of, messages, send
+from router.engine.api import EngineStatus, EventSource
+from router.engine.ipc import BudgetsUpdate, EventItem, IpcError, event_of, messages, send
 from router.request import ErrorEvent, EventStream, GenerationRequest, HeldAnswer
 from router.tokenizer import Tokenizer
 
@@ -129,7 +129,7 @@ class EngineClient(EventSource):
             self._replies.pop(call_id, None)
 
     async def health_problem(self) -> str | None:
-        """The engine's answer (:meth:`router.engine.Engine.health_problem`)."""
+        """The engine's answer (:meth:`router.engine.loop.Engine.health_problem`)."""
         try:
             problem: str | None = await self._call("health")
         except EngineGoneError:

@@ -5,9 +5,9 @@ says what to run (:meth:`router.scheduler.Scheduler.schedule`): prompt chunks to
 prefill, then the running requests to decode, which the shards run in that order
 (:mod:`router.shard_steps` speaks the step contract); finished, cancelled and preempted
 requests leave the shards with the next step, by id. The iteration then reads the
-results of the one before it while the shards compute (:mod:`router.inflight`), and
-:mod:`router.lifecycle` applies their tokens. The API reads :meth:`Engine.status`
-(:mod:`router.engine_api` has what it sees); the supervisor calls
+results of the one before it while the shards compute (:mod:`router.engine.inflight`), and
+:mod:`router.engine.lifecycle` applies their tokens. The API reads :meth:`Engine.status`
+(:mod:`router.engine.api` has what it sees); the supervisor calls
 :meth:`Engine.drain`, :meth:`Engine.fail_all` and :meth:`Engine.replace_shards`.
 """
 
@@ -24,15 +24,15 @@ from loguru import logger
 from router import health
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
-from router.engine_api import (
+from router.engine.api import (
     EngineStatus,
     EventSource,
     QueueFullError,
     ShuttingDownError,
 )
+from router.engine.inflight import InFlight, InFlightSteps
+from router.engine.lifecycle import Lifecycle
 from router.health import ShardHealth
-from router.inflight import InFlight, InFlightSteps
-from router.lifecycle import Lifecycle
 from router.metrics import Metrics
 from router.output import OutputProcessor
 from router.request import ErrorEvent, EventStream, GenerationRequest, Sequence

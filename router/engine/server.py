@@ -1,4 +1,4 @@
-"""The engine's side of one API process (``--api-server-count``, :mod:`router.engine_ipc`).
+"""The engine's side of one API process (``--api-server-count``, :mod:`router.engine.ipc`).
 
 :class:`ApiConnection` submits the requests an API process sends to the engine and
 forwards their events back: each request's event stream is a :class:`ForwardedEvents`,
@@ -21,9 +21,9 @@ from typing import Any, cast
 
 from loguru import logger
 
-from router.engine import Engine
-from router.engine_api import QueueFullError
-from router.engine_ipc import BudgetsUpdate, EventItem, IpcError, messages, send, token_item
+from router.engine.api import QueueFullError
+from router.engine.ipc import BudgetsUpdate, EventItem, IpcError, messages, send, token_item
+from router.engine.loop import Engine
 from router.request import (
     ErrorEvent,
     Event,

@@ -29,7 +29,7 @@ WATCH_REFRESH_S = 1.0
 
 class HealthServicer(health.aio.HealthServicer):
     """``grpc.health.v1.Health`` following ``GET /health``: each Check asks the same
-    question (:meth:`router.engine.Engine.health_problem`, answered at once from the
+    question (:meth:`router.engine.loop.Engine.health_problem`, answered at once from the
     known state, never by calling a shard) for ``""`` and the TextGeneration service;
     Watch streams re-ask it every ``WATCH_REFRESH_S``."""
 

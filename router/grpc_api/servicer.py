@@ -24,7 +24,7 @@ from router.api.generation import (
 )
 from router.api.state import ServerState
 from router.api.tgi import token_text
-from router.engine_api import QueueFullError, ShuttingDownError
+from router.engine.api import QueueFullError, ShuttingDownError
 from router.pb import generate_pb2 as pb
 from router.pb import generate_pb2_grpc
 from router.request import FinishReason, GenerationRequest, TokenEvent

@@ -13,7 +13,7 @@ import pytest
 
 from router.api.app import ServerState, create_app
 from router.config import SchedulerConfig, ValidationLimits
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.shard_client import ShardClient
 from router.tokenizer import Tokenizer
 from router.validation import Validator

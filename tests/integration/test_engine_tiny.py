@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from router.config import SchedulerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import ErrorEvent, GenerationRequest, SamplingParams, StoppingParams
 from router.shard_client import ShardClient
 from router.tokenizer import Tokenizer

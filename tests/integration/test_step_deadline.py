@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from router.config import SchedulerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import ErrorEvent, GenerationRequest, SamplingParams, StoppingParams
 from router.shard_client import ShardClient
 from router.step_deadline import StepDeadline

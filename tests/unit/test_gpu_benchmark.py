@@ -272,8 +272,8 @@ def test_power_table_per_engine_and_workload() -> None:
 
 
 def _finish_line(stamp: str, rid: int, generated: int, ttft: float, e2e: float) -> str:
-    # the router's line (router.engine, Engine._finish) as loguru writes it
-    return (f"{stamp} | INFO     | router.engine:_finish:502 - request {rid} success: "
+    # the router's line (router.engine.lifecycle, Lifecycle.finish) as loguru writes it
+    return (f"{stamp} | INFO     | router.engine.lifecycle:finish:120 - request {rid} success: "
             f"prompt_tokens=128 generated_tokens={generated} finish_reason=length "
             f"queue_s=0.010 ttft_s={ttft} e2e_s={e2e:.3f}")
 
@@ -287,7 +287,7 @@ def test_request_timeline_from_the_router_log(tmp_path: Path) -> None:
         _finish_line("2026-12-02 07:18:14.000", 7, 100, 0.5, 4.0),
         _finish_line("2026-12-02 07:18:14.700", 8, 100, 0.4, 4.5),
         _finish_line("2026-12-02 07:18:15.000", 9, 101, 0.6, 4.6),
-        "2026-12-02 07:18:15.001 | INFO     | router.engine:_finish:502 - request 10 "
+        "2026-12-02 07:18:15.001 | INFO     | router.engine.lifecycle:finish:120 - request 10 "
         "cancelled: prompt_tokens=3 generated_tokens=0 finish_reason=None queue_s=0.0 "
         "ttft_s=None e2e_s=0.001",
         # another run 20 s later

@@ -12,9 +12,9 @@ import pytest
 
 from router.api.app import ServerState, create_app
 from router.config import SchedulerConfig, ValidationLimits
-from router.engine import Engine
-from router.engine_client import EngineClient
-from router.engine_server import ApiConnection, budgets_of
+from router.engine.client import EngineClient
+from router.engine.loop import Engine
+from router.engine.server import ApiConnection, budgets_of
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 from tests.unit.api.scripted import Script, ScriptedShardClient

@@ -12,10 +12,10 @@ import pytest
 
 from router.api.generation import GenerationFailed, MergedStream, run_all
 from router.config import SchedulerConfig
-from router.engine import Engine
-from router.engine_api import EngineApi, QueueFullError, ShuttingDownError
-from router.engine_client import ENGINE_GONE, EngineClient
-from router.engine_server import ApiConnection
+from router.engine.api import EngineApi, QueueFullError, ShuttingDownError
+from router.engine.client import ENGINE_GONE, EngineClient
+from router.engine.loop import Engine
+from router.engine.server import ApiConnection
 from router.request import (
     Event,
     GenerationRequest,

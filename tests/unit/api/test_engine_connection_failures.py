@@ -20,9 +20,9 @@ from loguru import logger
 from router.api.app import create_app
 from router.api.generation import GenerationFailed, run_all
 from router.config import SchedulerConfig
-from router.engine import Engine
-from router.engine_client import ENGINE_GONE, EngineClient
-from router.engine_server import ApiConnection, budgets_of
+from router.engine.client import ENGINE_GONE, EngineClient
+from router.engine.loop import Engine
+from router.engine.server import ApiConnection, budgets_of
 from router.request import (
     ErrorEvent,
     GenerationRequest,

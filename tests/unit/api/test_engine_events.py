@@ -11,7 +11,7 @@ from typing import Any
 
 from router.api.generation import run_all
 from router.config import SchedulerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import (
     EventStream,
     GenerationRequest,

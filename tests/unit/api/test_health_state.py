@@ -19,7 +19,7 @@ from loguru import logger
 
 import router.launcher
 from router.config import ServerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.executors import StartupError
 from router.health import GroupState
 from router.launcher import Supervisor, WarmupBudgets

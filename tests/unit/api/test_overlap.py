@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from router.config import SchedulerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import (
     ErrorEvent,
     FinishReason,

@@ -10,7 +10,7 @@ import pytest
 
 from router.api.generation import GenerationFailed, MergedStream
 from router.config import SchedulerConfig
-from router.engine import Engine
+from router.engine.loop import Engine
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.tokenizer import Tokenizer
 from tests.unit.api.scripted import ScriptedShardClient

@@ -188,7 +188,8 @@ def test_a_recompute_is_sent_once_in_full_then_chunk_by_chunk() -> None:
     scheduler._preempt(seq)
 
     class Client:
-        sent: list[Any] = []
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
 
         def restart_steps(self) -> None:
             pass
