@@ -140,15 +140,19 @@ def test_chunked_prefill(runner, expected_greedy) -> None:
     ))
     assert [g.request_id for g in out.generations] == [1]
     assert held.seq_len == 30 and [r.request_id for r in runner.requests.decoding] == [1]
-    first = prefill(runner, cached=(CachedRequest(3),))  # the rest
+    # the rest, before a new request of the same step: rows join in the step's order
+    first = prefill(runner, request(0, PROMPTS[0], pool.for_tokens(len(PROMPTS[0]))),
+                    cached=(CachedRequest(3),))
+    assert list(first) == [3, 0]
     assert held.seq_len == len(long_prompt) and held.decoding
-    got = {1: [out.generations[0].token_id], 3: [first[3]]}
+    got = {1: [out.generations[0].token_id], 3: [first[3]], 0: [first[0]]}
     driver = DecodeDriver(runner, pool)
     for _ in range(NEW_TOKENS - 1):
         step = driver.step()
-        assert list(step) == [1, 3]
+        assert list(step) == [1, 3, 0]
         for rid, tok in step.items():
             got[rid].append(tok)
+    assert got[0] == expected_greedy[0]
     assert got[1] == expected_greedy[1]
     assert got[3] == expected_greedy[3]
 
@@ -193,6 +197,27 @@ def test_next_step_launched_before_the_previous_is_read(llama, expected_greedy) 
     assert got == expected_greedy[2][:7]
     state = runner.requests.get(1)
     assert state.token_ids[len(prompt):] == got and state.seq_len == len(prompt) + 6
+
+
+def test_a_row_leaves_while_its_last_step_is_not_read(llama, expected_greedy) -> None:
+    """A Decode that finishes a request is launched before the step that sampled its
+    last token is read (the router releases it while that step is in flight): the step
+    in flight still returns its token, the rows that stay keep theirs."""
+    runner = make_runner(llama[0])
+    pool = BlockPool(runner.num_blocks, seed=8)
+    got = {i: [tok] for i, tok in prefill(runner, *(
+        request(i, PROMPTS[i], pool.for_tokens(len(PROMPTS[i]) + 8)) for i in (1, 2, 3))).items()}
+    pending = runner.launch_decode()
+    following = runner.launch_decode(DecodeStep(finished_request_ids=(2,)))
+    assert isinstance(pending, PendingStep) and isinstance(following, PendingStep)
+    for p in (pending, following):
+        for g in runner.finish_step(p).generations:
+            got[g.request_id].append(g.token_id)
+    for g in runner.decode().generations:
+        got[g.request_id].append(g.token_id)
+    assert [r.request_id for r in runner.requests.decoding] == [1, 3]
+    assert got == {1: expected_greedy[1][:4], 2: expected_greedy[2][:2],
+                   3: expected_greedy[3][:4]}
 
 
 def test_decodes_launched_before_the_prefill_is_read(llama, expected_greedy) -> None:
