@@ -94,7 +94,7 @@ def run(
     runner.prefill(PrefillStep(tuple(_batch(batch, constrained, batch * blocks_each,
                                             blocks_each))))
     masks: list[float] = []
-    token_mask = runner._token_mask
+    token_mask = runner.grammars.token_mask
 
     def timed_mask(matchers, device):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
@@ -103,7 +103,7 @@ def run(
             masks.append(time.perf_counter() - t0)
         return out
 
-    runner._token_mask = timed_mask  # type: ignore[method-assign]
+    runner.grammars.token_mask = timed_mask  # type: ignore[method-assign]
     times: dict[int, list[float]] = {1: [], 2: []}
     cpu: dict[int, list[float]] = {1: [], 2: []}
     try:
@@ -117,7 +117,7 @@ def run(
                 times[batch_id].append(time.perf_counter() - t0)
                 cpu[batch_id].append(time.process_time() - c0)
     finally:
-        runner._token_mask = token_mask  # type: ignore[method-assign]
+        del runner.grammars.token_mask  # the method again
         runner.requests = RequestTable()
     if runner.device.type == "cpu":
         # NOTE: CPU time of the process (all its threads) is what a step costs; with one

@@ -19,6 +19,7 @@ there; see :meth:`~shard.attention.base.AttentionBackend.prepare`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from loguru import logger
@@ -61,6 +62,25 @@ def parse_buckets(spec: str, max_batch_size: int) -> list[int]:
     if any(size <= 0 for size in sizes):
         raise ValueError(f"--cuda-graphs batch sizes must be positive, got {spec!r}")
     return [size for size in sizes if size <= max_batch_size]
+
+
+def graph_buckets(spec: str, max_batch_size: int, device: torch.device,
+                  backend: AttentionBackend, log: Any = logger) -> list[int]:
+    """Batch sizes whose decode runs as a CUDA graph: ``--cuda-graphs`` (``spec``, see
+    :func:`parse_buckets`) up to ``max_batch_size``; none off CUDA, with graphs off, or
+    with a backend that cannot run inside a graph (then a warning on ``log``).
+
+    Raises:
+        ValueError: a malformed ``spec`` (names the flag).
+    """
+    if device.type != "cuda" or max_batch_size <= 0:
+        return []
+    buckets = parse_buckets(spec, max_batch_size)
+    if buckets and not backend.cuda_graph_safe:
+        log.warning("decode runs eagerly: attention backend {} cannot run in a CUDA graph",
+                    backend.name)
+        return []
+    return buckets
 
 
 class DecodeGraphs:

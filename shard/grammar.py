@@ -30,6 +30,9 @@ from loguru import logger
 from tokenizers import Tokenizer
 
 from shard import tokenizer_files
+from shard.host_copy import to_device
+from shard.records import NewRequest
+from shard.sampling import TokenMask
 
 # Compiled grammars kept per shard, by grammar text (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
@@ -156,6 +159,29 @@ class GrammarCompiler:
         state = GrammarMatcher(template.deep_copy(), request_id)
         state.accept_all(generated)
         return state
+
+    def prefill_matcher(self, request: NewRequest) -> GrammarMatcher | None:
+        """The grammar state of a new request (None when it is unconstrained): fresh, or
+        after a recompute rebuilt from the tokens it had generated (the last
+        ``num_generated`` of its ``input_ids``)."""
+        if not request.grammar:
+            return None
+        generated = request.input_ids[len(request.input_ids) - request.num_generated:]
+        return self.matcher(request.grammar, request.request_id, generated)
+
+    def token_mask(
+        self, matchers: Sequence[GrammarMatcher | None], device: torch.device
+    ) -> TokenMask | None:
+        """The allowed tokens of a batch's constrained rows (``matchers[i]`` None: row i
+        is unconstrained), or None when no row is: the bitmasks are filled on the host
+        (:meth:`fill_bitmask`), then copied and unpacked on ``device``
+        ([constrained rows, vocab_size] bool)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        bitmask = self.fill_bitmask([m for m in matchers if m is not None])
+        allowed = unpack_bitmask(bitmask, self.vocab_size, device)
+        return TokenMask(to_device(rows, torch.int64, device), allowed)
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """Allowed next tokens of each matcher, as bits.

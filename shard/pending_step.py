@@ -2,20 +2,25 @@
 
 The runner launches step N+1 while step N computes (:meth:`ModelRunner.launch_prefill`,
 :meth:`ModelRunner.launch_decode`) and reads a step's tokens later
-(:meth:`ModelRunner.finish_step`); a :class:`PendingStep` is what lies between the two.
+(:meth:`ModelRunner.finish_step`); a :class:`PendingStep` is what lies between the two,
+and a :class:`StepChain` keeps them in launch order and reads them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
 from shard import step_trace
 from shard.host_copy import HostCopy
+from shard.records import Generation, StepOutput, TopToken
 from shard.requests import RequestState
+from shard.sampling import SamplerOutput
 
 
 @dataclass
@@ -99,3 +104,116 @@ class StepTimer:
         if self._events is not None:
             return int(self._events[0].elapsed_time(self._events[1]) * 1e6)
         return self._end_ns - self._start_ns
+
+
+class StepChain:
+    """The steps one runner launched, read in launch order: each launched step that
+    samples is chained after the one before it (:attr:`PendingStep.previous`), and the
+    device timer of the last launched step of any kind is kept (the device's idle time
+    before the next one)."""
+
+    def __init__(self) -> None:
+        self.last: PendingStep | None = None  # the last launched step that samples
+        self.last_timer: StepTimer | None = None
+
+    def launched(
+        self,
+        requests: list[RequestState],
+        out: SamplerOutput,
+        timer: StepTimer,
+        previous_timer: StepTimer | None,
+        trace_step: int = -1,
+        prompt_logprobs: tuple[tuple[float, ...], ...] = (),
+        has_grammar: bool = False,
+    ) -> PendingStep:
+        """The launched step whose sampled ``out`` is on its way to the host, chained
+        after the last launched one (finished first); the fields are
+        :class:`PendingStep`'s."""
+        pending = PendingStep(
+            requests=requests,
+            host=HostCopy([out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs]),
+            timer=timer,
+            previous=self.last,
+            trace_step=trace_step,
+            previous_timer=previous_timer,
+            prompt_logprobs=prompt_logprobs,
+            has_grammar=has_grammar,
+        )
+        self.last = pending
+        return pending
+
+    def wait_last(self, timeout_s: float = 120.0) -> None:
+        """Block until the last launched step is finished (its tokens recorded).
+
+        Raises:
+            RuntimeError: it was not finished within ``timeout_s`` seconds.
+        """
+        pending = self.last
+        if pending is not None and not pending.finished.wait(timeout_s):
+            raise RuntimeError(
+                f"the previous step was not finished within {timeout_s:.0f} s"
+            )
+
+    def finish(self, pending: PendingStep) -> StepOutput:
+        """Wait for ``pending``'s results (after the step launched before it is
+        finished) and record its tokens in its requests (see
+        :meth:`ModelRunner.finish_step`).
+
+        Raises:
+            RuntimeError: the step launched before it was not finished within 120 s.
+        """
+        try:
+            if pending.previous is not None and not pending.previous.finished.wait(120.0):
+                raise RuntimeError("the previous step was not finished within 120 s")
+            pending.previous = None  # let the chain be freed
+            tokens, logprobs, top_ids, top_lps = pending.host.wait()
+            step_trace.mark("ready", pending.trace_step)
+            pending.timer.trace_gap_after(pending.previous_timer, pending.trace_step)
+            pending.previous_timer = None
+            assert tokens is not None and logprobs is not None
+            out = SamplerOutput(tokens, logprobs, top_ids, top_lps)
+            requests = pending.requests
+            generations = _generations(
+                [r.request_id for r in requests],
+                [r.top_n_tokens for r in requests],
+                out,
+                pending.prompt_logprobs or [()] * len(requests),
+            )
+            for r, g in zip(requests, generations, strict=True):
+                r.record_token(g.token_id)
+            failures = [(r.request_id, failure) for r in requests if r.grammar is not None
+                        and (failure := r.grammar.failure) is not None
+                        ] if pending.has_grammar else []
+        finally:
+            pending.finished.set()
+        return StepOutput(tuple(generations), pending.timer.elapsed_ns(), tuple(failures))
+
+    def reset(self) -> None:
+        """Forget the launched steps (a new sequence of steps starts)."""
+        self.last = None
+        self.last_timer = None
+
+
+def _generations(
+    request_ids: Sequence[int],
+    top_ns: Sequence[int],
+    out: SamplerOutput,
+    prompt_lps: Sequence[tuple[float, ...]],
+) -> list[Generation]:
+    """Convert a :class:`SamplerOutput` to per-request :class:`Generation` records."""
+    tokens = out.token_ids.tolist()
+    logprobs = out.logprobs.tolist()
+    top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    if top_ids is None or top_lps is None:  # no request asked for alternatives
+        return list(map(Generation, request_ids, tokens, logprobs, repeat(()), prompt_lps))
+    result = []
+    for i, rid in enumerate(request_ids):
+        top: tuple[TopToken, ...] = ()
+        if top_ns[i] > 0:
+            top = tuple(
+                TopToken(t, lp)
+                for t, lp in zip(top_ids[i][: top_ns[i]], top_lps[i][: top_ns[i]], strict=True)
+            )
+        result.append(Generation(rid, tokens[i], logprobs[i], top, prompt_lps[i]))
+    return result

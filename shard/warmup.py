@@ -1,6 +1,8 @@
-"""The pieces of warm-up that need no model: the worst-case prefill, the KV budget from
-a measured memory profile, and the check that the cache holds the budgets. The phases
-themselves run in :meth:`shard.model_runner.ModelRunner.warmup`.
+"""Warm-up: the KV cache sized and allocated, products tuned, the worst-case prefill
+run through the cache and the decode CUDA graphs captured, before a shard serves
+(:class:`Warmup`, run by :meth:`shard.model_runner.ModelRunner.warmup`), and the pieces
+of it that need no model: the worst-case prefill, the KV budget from a measured memory
+profile, and the check that the cache holds the budgets.
 
 CPU: ``num_blocks = kv_cache_bytes // bytes_per_block``.
 CUDA: run the worst-case prefill with a temporary cache just big enough for it,
@@ -15,12 +17,25 @@ seconds on a GPU and must not look like a hang.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+
+from shard.cuda_graphs import DecodeGraphs, graph_buckets
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
-from shard.sampling import SamplingRow
+from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
+from shard.layers import gemm_tuning
+from shard.layers.linear import linear_weights, lm_head_weights
+from shard.progress import PhaseProgress
+from shard.sampling import SamplingRow, sample, sample_greedy
 from shard.sampling_types import SamplingParams
+
+if TYPE_CHECKING:
+    from shard.model_runner import ModelRunner
 
 # Phases shown while warming up (log lines, and a bar on rank 0's terminal).
 WARMUP_PHASES = 3  # plus one for the decode CUDA graphs when there are any
@@ -122,3 +137,167 @@ def check_kv_fits(
             f"{per_block} bytes per block) but warmup needs {need} blocks for "
             f"{budgets}: raise {memory_flag} or lower {flags}"
         )
+
+
+class Warmup:
+    """The warm-up of one runner (see the module doc): replaces its KV cache and decode
+    graphs, and the process's tuned products.
+
+    Args:
+        runner: the runner to warm up; its model, backend, configuration and logger are
+            used, its requests dropped.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.config = runner.config
+        self.device = runner.device
+        self.log = runner.log
+
+    @torch.inference_mode()
+    def run(self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int,
+            hold_total: bool) -> int:
+        """:meth:`shard.model_runner.ModelRunner.warmup` (its arguments, result and
+        errors)."""
+        runner = self.runner
+        runner.reset()
+        self._unbind_kv_cache()  # a failed warmup leaves the shard without a cache
+        buckets = graph_buckets(self.config.cuda_graphs, max_batch_size, self.device,
+                                runner.backend, self.log)
+        if max_batch_prefill_tokens <= 0 or max_total_tokens <= 0:
+            raise ValueError("max_batch_prefill_tokens and max_total_tokens must be > 0")
+        block_size = runner.block_size
+        per_block = bytes_per_block(runner.model_config, block_size, runner.dtype,
+                                    self.config.world_size)
+        chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, block_size)
+        tune = gemm_tuning.tunes(self.config, self.device, runner.dtype)
+        with PhaseProgress("warm-up", WARMUP_PHASES + bool(buckets) + tune, self.log,
+                           show_bar=self.config.rank == 0) as progress:
+            if tune:
+                progress.phase("timing cuBLASLt's algorithms for the products")
+                self._tune_products(max_batch_prefill_tokens, buckets)
+            if self.device.type == "cuda":
+                progress.phase(
+                    f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
+                    + (" and the decode CUDA graphs" if buckets else "")
+                )
+                num_blocks = self._profile_kv_blocks(chunks, per_block, buckets,
+                                                     max_total_tokens)
+                memory_flag = "--gpu-memory-fraction"
+            else:
+                progress.phase("sizing the KV cache (--kv-cache-bytes)")
+                num_blocks = self.config.kv_cache_bytes // per_block
+                memory_flag = "--kv-cache-bytes"
+            check_kv_fits(num_blocks, chunks, block_size, per_block,
+                          max_batch_prefill_tokens, max_total_tokens, memory_flag,
+                          hold_total=hold_total)
+            progress.phase(f"allocating the KV cache: {num_blocks} blocks of {block_size} tokens")
+            self._bind_kv_cache(self._allocate_kv_cache(num_blocks))
+            progress.phase("running the worst-case prefill through the cache")
+            self._run_dummy_prefill(chunks)
+            if buckets:
+                progress.phase(f"capturing decode CUDA graphs for batch sizes up to {buckets[-1]}")
+                started = time.perf_counter()
+                self._capture_graphs(buckets, max_total_tokens)
+                self.log.info("captured decode CUDA graphs for batch sizes {} in {:.1f} s",
+                              list(buckets), time.perf_counter() - started)
+        self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, block_size)
+        return num_blocks
+
+    def _tune_products(self, max_batch_prefill_tokens: int, buckets: Sequence[int]) -> None:
+        """Time cuBLASLt's algorithms for the model's products at the prefill sizes and
+        the decode graphs' batch sizes (:func:`shard.layers.gemm_tuning.tune`), skipping
+        the products a fused kernel takes (:meth:`CausalLM.fused_decode_rows`)."""
+        model = self.runner.model
+        gemm_tuning.clear()
+        gemm_tuning.tune(linear_weights(model), max_batch_prefill_tokens, self.log,
+                         decode_rows=buckets, decode_weights=lm_head_weights(model),
+                         cache=gemm_tuning.cache_for(self.config, self.device, self.log),
+                         decode_elsewhere=model.fused_decode_rows())
+
+    def _bind_kv_cache(self, kv_cache: list[KVCacheLayer]) -> None:
+        """Attach one cache layer to each attention layer of the runner's model
+        (replacing any previous cache)."""
+        runner = self.runner
+        layers = runner.model.attention_layers()
+        assert len(layers) == len(kv_cache), (
+            f"{len(layers)} attention layers, {len(kv_cache)} cache layers"
+        )
+        for attn, cache in zip(layers, kv_cache, strict=True):
+            attn.kv_cache = cache
+        runner.kv_cache = kv_cache
+
+    def _unbind_kv_cache(self) -> None:
+        """Detach and release the runner's KV cache (its num_blocks becomes 0) and the
+        CUDA graphs that read it."""
+        runner = self.runner
+        if runner.graphs is not None:
+            runner.graphs.release()
+            runner.graphs = None
+        for attn in runner.model.attention_layers():
+            attn.kv_cache = None
+        runner.kv_cache = []
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:
+        runner = self.runner
+        return allocate_kv_cache(runner.model_config, num_blocks, runner.block_size,
+                                 runner.dtype, self.device, self.config.world_size,
+                                 head_major=runner.backend.kv_head_major(self.device))
+
+    def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
+        """The worst-case prefill and its sampling (both samplers), through the bound
+        cache; then a few tokens of its first sequence again over the first half as a
+        cached prefix, so that both prefill attention paths (prefix-free and over a
+        cached prefix, which can be different kernels) are compiled and loaded before
+        serving."""
+        runner = self.runner
+        inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
+        logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
+        sample(logits, dummy_sampling_rows(len(chunks)))
+        sample_greedy(logits)  # its kernel is compiled (or found unusable) here,
+        if runner.dtype != logits.dtype:  # and for a decode graph's logits (uncast)
+            sample_greedy(logits.to(runner.dtype))
+        first = chunks[0]
+        half = len(first.token_ids) // 2
+        if half:
+            tokens = first.token_ids[half:half + 16]
+            runner.run_chunks([SeqChunk(tokens, half, first.block_table)], is_prefill=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _profile_kv_blocks(
+        self, chunks: list[SeqChunk], per_block: int, buckets: Sequence[int],
+        max_total_tokens: int,
+    ) -> int:
+        """KV blocks that fit ``--gpu-memory-fraction`` of the GPU, measured by running
+        the worst-case prefill (and capturing the decode graphs) over a temporary cache
+        just large enough for it; the temporary cache and graphs are released."""
+        device = self.device
+        temp_blocks = blocks_needed(chunks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        self._bind_kv_cache(self._allocate_kv_cache(temp_blocks))
+        self._run_dummy_prefill(chunks)
+        peak = torch.cuda.max_memory_allocated(device)
+        graph_bytes = 0
+        if buckets:
+            before = torch.cuda.memory_reserved(device)
+            self._capture_graphs(buckets, max_total_tokens)
+            graph_bytes = max(0, torch.cuda.memory_reserved(device) - before)
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = total - free - torch.cuda.memory_reserved(device)
+        self._unbind_kv_cache()
+        torch.cuda.empty_cache()
+        profile = MemoryProfile(total, peak, non_torch, temp_blocks * per_block, graph_bytes)
+        fraction = self.config.gpu_memory_fraction
+        self.log.info("{}", profile.describe(fraction))
+        return profile.kv_budget(fraction) // per_block
+
+    def _capture_graphs(self, buckets: Sequence[int], max_total_tokens: int) -> None:
+        """Capture the decode forward for ``buckets`` over the bound KV cache; the runner
+        replays them from now on."""
+        runner = self.runner
+        graphs = DecodeGraphs(runner.model, runner.backend, buckets, runner.block_size,
+                              max_total_tokens, self.device)
+        graphs.capture()
+        runner.graphs = graphs

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from shard.config import ShardConfig, default_cache_dir
 from shard.layers import cublaslt
 
 MIN_ROWS = 4096  # prefill sizes from here: the largest tuned row count at or below
@@ -269,6 +270,34 @@ def cache_file(directory: Path, identity: dict[str, Any]) -> Path:
 
 def _key(rows: int, n: int, k: int, dtype: torch.dtype) -> str:
     return f"{rows},{n},{k},{str(dtype).removeprefix('torch.')}"
+
+
+def tunes(config: ShardConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether warm-up tunes the products: ``--gemm-tuning auto`` on CUDA with bfloat16
+    or float16 weights."""
+    return (config.gemm_tuning == "auto" and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def cache_for(config: ShardConfig, device: torch.device, log: Any = None) -> TuningCache | None:
+    """The file of earlier warm-ups' tuning results for ``device``'s GPU and these
+    libraries, in ``--gemm-tuning-cache`` (``~`` expanded) or under
+    :func:`~shard.config.default_cache_dir` (None where cuBLASLt cannot be loaded: then
+    nothing is tuned; or no cache folder resolves: then nothing is kept, with a warning
+    on ``log``)."""
+    try:
+        identity = cache_identity(device)
+    except (OSError, AttributeError):
+        return None
+    try:
+        folder = (Path(config.gemm_tuning_cache).expanduser() if config.gemm_tuning_cache
+                  else default_cache_dir() / "gemm-tuning")
+        path = cache_file(folder, identity)
+    except RuntimeError as e:  # no cache folder configured and no home folder
+        if log is not None:
+            log.warning("GEMM tuning results not kept: {}", e)
+        return None
+    return TuningCache(path, identity, log)
 
 
 class TuningCache:

@@ -3,7 +3,7 @@ the loaders, the model runner and the decode CUDA graphs program against."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +42,14 @@ class CausalLM(Protocol):
 
     def map_checkpoint_name(self, name: str) -> tuple[str, str | int | None] | None:
         """Checkpoint tensor name → (parameter name, shard id or None), or None to skip."""
+        ...
+
+    def fused_decode_rows(self) -> Mapping[int, range]:
+        """Per weight whose product a fused kernel takes over at decode sizes, by the
+        weight's ``data_ptr()``, the row counts (tokens) at which that product never
+        runs as a matrix product; weights always multiplied are left out. The warm-up's
+        GEMM tuning skips those products (:func:`shard.layers.gemm_tuning.tune`'s
+        ``decode_elsewhere``)."""
         ...
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...

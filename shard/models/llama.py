@@ -247,6 +247,11 @@ class LlamaForCausalLM(nn.Module):
         model's dtype, uncast)."""
         return self.lm_head(hidden, dtype)
 
+    def fused_decode_rows(self) -> dict[int, range]:
+        """The gate/up weights' decode row counts taken by the fused gate/up + SwiGLU
+        kernel (:func:`fused_decode_rows`)."""
+        return fused_decode_rows(self)
+
     def attention_layers(self) -> list[Attention]:
         """The per-layer :class:`Attention` modules, in layer order (to bind the KV cache)."""
         return [m for m in self.modules() if isinstance(m, Attention)]

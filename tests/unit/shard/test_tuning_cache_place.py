@@ -47,8 +47,12 @@ def warnings() -> Iterator[list[str]]:
     logger.remove(sink)
 
 
+def _tuning_cache(runner: ModelRunner) -> gemm_tuning.TuningCache | None:
+    return gemm_tuning.cache_for(runner.config, runner.device, runner.log)
+
+
 def _placed(runner: ModelRunner) -> Path:
-    cache = runner._tuning_cache()
+    cache = _tuning_cache(runner)
     assert cache is not None
     assert cache.identity == IDENTITY
     return cache.path
@@ -86,7 +90,7 @@ def test_no_home_folder_keeps_nothing_with_a_warning(
         raise RuntimeError("Could not determine home directory.")
 
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
-    assert runner_with()._tuning_cache() is None
+    assert _tuning_cache(runner_with()) is None
     assert any("GEMM tuning results not kept" in w and "home" in w for w in warnings)
 
 
@@ -96,4 +100,4 @@ def test_no_cublaslt_keeps_nothing(runner_with, monkeypatch: pytest.MonkeyPatch,
         raise OSError("libcublasLt.so: cannot open shared object file")
 
     monkeypatch.setattr(gemm_tuning, "cache_identity", missing)
-    assert runner_with(str(tmp_path))._tuning_cache() is None
+    assert _tuning_cache(runner_with(str(tmp_path))) is None
