@@ -1,8 +1,8 @@
 """Protobuf ↔ typed records (:mod:`shard.records`). No logic beyond field mapping.
 
-NOTE proto3 zero values: an unset ``temperature``, ``top_p``, ``typical_p`` or
-``repetition_penalty`` arrives as 0.0, which is mapped to its "off" value (1.0).
-Greedy decoding is requested with ``do_sample=false``, never with temperature 0.
+Sampling fields whose "off" value is not zero are ``optional`` in the proto: unset, they
+take the off value; set, they are taken as they are (greedy decoding is requested with
+``do_sample=false``, never with temperature 0).
 """
 
 from __future__ import annotations
@@ -20,21 +20,24 @@ from shard.records import (
 from shard.sampling_types import SamplingParams
 
 
-def _one_if_zero(value: float) -> float:
-    return 1.0 if value == 0.0 else value
-
-
 def sampling_from_pb(p: pb.SamplingParameters) -> SamplingParams:
-    """Raises ValueError (naming the field) on an out-of-range value."""
+    """The parameters as sent; an unset optional field takes the "off" value of
+    :class:`SamplingParams`.
+
+    Raises:
+        ValueError: an out-of-range value (naming the field).
+    """
+    off = SamplingParams()
     return SamplingParams(
-        temperature=_one_if_zero(p.temperature),
+        temperature=p.temperature if p.HasField("temperature") else off.temperature,
         top_k=p.top_k,
-        top_p=_one_if_zero(p.top_p),
-        typical_p=_one_if_zero(p.typical_p),
+        top_p=p.top_p if p.HasField("top_p") else off.top_p,
+        typical_p=p.typical_p if p.HasField("typical_p") else off.typical_p,
         min_p=p.min_p,
         do_sample=p.do_sample,
         seed=p.seed,
-        repetition_penalty=_one_if_zero(p.repetition_penalty),
+        repetition_penalty=(p.repetition_penalty if p.HasField("repetition_penalty")
+                            else off.repetition_penalty),
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
     )

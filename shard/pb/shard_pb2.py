@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bshard.proto\x12\x13shardserve.shard.v1\"\r\n\x0bInfoRequest\"\xfb\x01\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12 \n\x18\x61ttention_backend_reason\x18\t \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x85\x01\n\rWarmupRequest\x12 \n\x18max_batch_prefill_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12 \n\x18max_total_tokens_derived\x18\x04 \x01(\x08\"8\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xdb\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\tdo_sample\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\"\xf7\x01\n\nNewRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.shardserve.shard.v1.SamplingParameters\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x01(\x08\x12\x15\n\rnum_generated\x18\t \x01(\r\x12\x0f\n\x07grammar\x18\n \x01(\t\"F\n\rCachedRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"-\n\x08TopToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8f\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x1d.shardserve.shard.v1.TopToken\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\"/\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x10\n\x08total_ns\x18\x02 \x01(\x04\"\xc1\x01\n\x0ePrefillRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x01 \x03(\x04\x12;\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\".shardserve.shard.v1.CachedRequest\x12\x35\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1f.shardserve.shard.v1.NewRequest\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07restart\x18\x05 \x01(\x08\"5\n\x0eGrammarFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc2\x01\n\x0fPrefillResponse\x12\x34\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12-\n\x07timings\x18\x03 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x04 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailureJ\x04\x08\x02\x10\x03R\x05\x62\x61tch\"\x89\x01\n\rDecodeRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x01 \x03(\x04\x12;\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\".shardserve.shard.v1.CachedRequest\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07restart\x18\x04 \x01(\x08\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x34\n\x0bgenerations\x18\x03 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12-\n\x07timings\x18\x04 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x05 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailure\x12\x0c\n\x04step\x18\x06 \x01(\x04\x32\xaa\x03\n\x0cShardService\x12K\n\x04Info\x12 .shardserve.shard.v1.InfoRequest\x1a!.shardserve.shard.v1.InfoResponse\x12Q\n\x06Health\x12\".shardserve.shard.v1.HealthRequest\x1a#.shardserve.shard.v1.HealthResponse\x12Q\n\x06Warmup\x12\".shardserve.shard.v1.WarmupRequest\x1a#.shardserve.shard.v1.WarmupResponse\x12T\n\x07Prefill\x12#.shardserve.shard.v1.PrefillRequest\x1a$.shardserve.shard.v1.PrefillResponse\x12Q\n\x06\x44\x65\x63ode\x12\".shardserve.shard.v1.DecodeRequest\x1a#.shardserve.shard.v1.DecodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bshard.proto\x12\x13shardserve.shard.v1\"\r\n\x0bInfoRequest\"\xfb\x01\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12 \n\x18\x61ttention_backend_reason\x18\t \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x85\x01\n\rWarmupRequest\x12 \n\x18max_batch_prefill_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12 \n\x18max_total_tokens_derived\x18\x04 \x01(\x08\"8\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xae\x02\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x16\n\ttypical_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\tdo_sample\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penalty\"\xf7\x01\n\nNewRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.shardserve.shard.v1.SamplingParameters\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x01(\x08\x12\x15\n\rnum_generated\x18\t \x01(\r\x12\x0f\n\x07grammar\x18\n \x01(\t\"F\n\rCachedRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"-\n\x08TopToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8f\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x1d.shardserve.shard.v1.TopToken\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\"/\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x10\n\x08total_ns\x18\x02 \x01(\x04\"\xc1\x01\n\x0ePrefillRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x01 \x03(\x04\x12;\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\".shardserve.shard.v1.CachedRequest\x12\x35\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1f.shardserve.shard.v1.NewRequest\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07restart\x18\x05 \x01(\x08\"5\n\x0eGrammarFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc2\x01\n\x0fPrefillResponse\x12\x34\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12-\n\x07timings\x18\x03 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x04 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailureJ\x04\x08\x02\x10\x03R\x05\x62\x61tch\"\x89\x01\n\rDecodeRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x01 \x03(\x04\x12;\n\x0f\x63\x61\x63hed_requests\x18\x02 \x03(\x0b\x32\".shardserve.shard.v1.CachedRequest\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07restart\x18\x04 \x01(\x08\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x34\n\x0bgenerations\x18\x03 \x03(\x0b\x32\x1f.shardserve.shard.v1.Generation\x12-\n\x07timings\x18\x04 \x01(\x0b\x32\x1c.shardserve.shard.v1.Timings\x12=\n\x10grammar_failures\x18\x05 \x03(\x0b\x32#.shardserve.shard.v1.GrammarFailure\x12\x0c\n\x04step\x18\x06 \x01(\x04\x32\xaa\x03\n\x0cShardService\x12K\n\x04Info\x12 .shardserve.shard.v1.InfoRequest\x1a!.shardserve.shard.v1.InfoResponse\x12Q\n\x06Health\x12\".shardserve.shard.v1.HealthRequest\x1a#.shardserve.shard.v1.HealthResponse\x12Q\n\x06Warmup\x12\".shardserve.shard.v1.WarmupRequest\x1a#.shardserve.shard.v1.WarmupResponse\x12T\n\x07Prefill\x12#.shardserve.shard.v1.PrefillRequest\x1a$.shardserve.shard.v1.PrefillResponse\x12Q\n\x06\x44\x65\x63ode\x12\".shardserve.shard.v1.DecodeRequest\x1a#.shardserve.shard.v1.DecodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WARMUPRESPONSE']._serialized_start=476
   _globals['_WARMUPRESPONSE']._serialized_end=532
   _globals['_SAMPLINGPARAMETERS']._serialized_start=535
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=754
-  _globals['_NEWREQUEST']._serialized_start=757
-  _globals['_NEWREQUEST']._serialized_end=1004
-  _globals['_CACHEDREQUEST']._serialized_start=1006
-  _globals['_CACHEDREQUEST']._serialized_end=1076
-  _globals['_TOPTOKEN']._serialized_start=1078
-  _globals['_TOPTOKEN']._serialized_end=1123
-  _globals['_GENERATION']._serialized_start=1126
-  _globals['_GENERATION']._serialized_end=1269
-  _globals['_TIMINGS']._serialized_start=1271
-  _globals['_TIMINGS']._serialized_end=1318
-  _globals['_PREFILLREQUEST']._serialized_start=1321
-  _globals['_PREFILLREQUEST']._serialized_end=1514
-  _globals['_GRAMMARFAILURE']._serialized_start=1516
-  _globals['_GRAMMARFAILURE']._serialized_end=1569
-  _globals['_PREFILLRESPONSE']._serialized_start=1572
-  _globals['_PREFILLRESPONSE']._serialized_end=1766
-  _globals['_DECODEREQUEST']._serialized_start=1769
-  _globals['_DECODEREQUEST']._serialized_end=1906
-  _globals['_DECODERESPONSE']._serialized_start=1909
-  _globals['_DECODERESPONSE']._serialized_end=2140
-  _globals['_SHARDSERVICE']._serialized_start=2143
-  _globals['_SHARDSERVICE']._serialized_end=2569
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=837
+  _globals['_NEWREQUEST']._serialized_start=840
+  _globals['_NEWREQUEST']._serialized_end=1087
+  _globals['_CACHEDREQUEST']._serialized_start=1089
+  _globals['_CACHEDREQUEST']._serialized_end=1159
+  _globals['_TOPTOKEN']._serialized_start=1161
+  _globals['_TOPTOKEN']._serialized_end=1206
+  _globals['_GENERATION']._serialized_start=1209
+  _globals['_GENERATION']._serialized_end=1352
+  _globals['_TIMINGS']._serialized_start=1354
+  _globals['_TIMINGS']._serialized_end=1401
+  _globals['_PREFILLREQUEST']._serialized_start=1404
+  _globals['_PREFILLREQUEST']._serialized_end=1597
+  _globals['_GRAMMARFAILURE']._serialized_start=1599
+  _globals['_GRAMMARFAILURE']._serialized_end=1652
+  _globals['_PREFILLRESPONSE']._serialized_start=1655
+  _globals['_PREFILLRESPONSE']._serialized_end=1849
+  _globals['_DECODEREQUEST']._serialized_start=1852
+  _globals['_DECODEREQUEST']._serialized_end=1989
+  _globals['_DECODERESPONSE']._serialized_start=1992
+  _globals['_DECODERESPONSE']._serialized_end=2223
+  _globals['_SHARDSERVICE']._serialized_start=2226
+  _globals['_SHARDSERVICE']._serialized_end=2652
 # @@protoc_insertion_point(module_scope)

@@ -45,3 +45,19 @@ def test_steps_are_decoded_in_order() -> None:
     ))
     assert decode == DecodeStep((CachedRequest(5, (10, 11), 0),), (7,))
     assert decode_step_from_pb(pb.DecodeRequest()) == DecodeStep()
+
+
+def test_sampling_fields_unset_are_off_and_set_ones_are_taken_as_sent() -> None:
+    import pytest
+
+    from shard.pb_convert import sampling_from_pb
+    from shard.sampling_types import SamplingParams
+
+    assert sampling_from_pb(pb.SamplingParameters()) == SamplingParams()
+    sent = sampling_from_pb(pb.SamplingParameters(
+        do_sample=True, temperature=0.5, top_p=0.9, typical_p=0.8, repetition_penalty=1.2))
+    assert (sent.temperature, sent.top_p, sent.typical_p, sent.repetition_penalty) == (
+        pytest.approx(0.5), pytest.approx(0.9), pytest.approx(0.8), pytest.approx(1.2))
+    # a zero that is sent is not read as "off": temperature 0 is refused by name
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_from_pb(pb.SamplingParameters(do_sample=True, temperature=0.0))
