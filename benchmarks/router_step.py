@@ -20,6 +20,10 @@ server and client (:mod:`benchmarks.virtual_shard`), so the period also pays for
 protocol: serialization and transport both ways, the servicer's step ordering and
 worker threads.
 
+With ``--step-trace-dir DIR`` (default ``$STEP_TRACE_DIR``) the router and the gRPC
+shard process append their step timestamps there (``benchmarks/step_chain.py`` reads
+them).
+
     python benchmarks/router_step.py --requests 1 64 256
     python benchmarks/router_step.py --requests 256 --device-ms 10 --steps-in-flight 1 2 \
         --shards local grpc
@@ -34,6 +38,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -52,6 +57,7 @@ from router.config import SchedulerConfig, ValidationLimits
 from router.engine.loop import Engine
 from router.request import GenerationRequest, SamplingParams, StoppingParams
 from router.shard_client import ShardClient
+from router.step_trace import NullTrace, StepTrace, Trace, step_trace
 from router.tokenizer import Tokenizer
 from router.validation import Validator
 from shard.pb import shard_pb2 as pb
@@ -169,12 +175,14 @@ class TimedShards(InstantShards):
 @dataclass(frozen=True)
 class Setup:
     """What every row shares: the virtual device's step (0: answer at once), whether it
-    sits behind gRPC in a shard process of its own (:mod:`benchmarks.virtual_shard`)
-    and the router's steps in flight."""
+    sits behind gRPC in a shard process of its own (:mod:`benchmarks.virtual_shard`),
+    the router's steps in flight, and the router's step trace (the gRPC shard's goes to
+    the same folder)."""
 
     device_s: float = 0.0
     grpc: bool = False
     steps_in_flight: int = 1
+    trace: Trace = field(default_factory=NullTrace)
 
 
 @contextlib.asynccontextmanager
@@ -191,11 +199,13 @@ async def open_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
     try:
         if setup.grpc:
             port = free_port()
+            trace = setup.trace
+            trace_dir = str(trace.path.parent) if isinstance(trace, StepTrace) else ""
             process = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.virtual_shard", "--port", str(port),
-                 "--step-ms", str(setup.device_s * 1e3)],
+                 "--step-ms", str(setup.device_s * 1e3), "--step-trace-dir", trace_dir],
                 cwd=Path(__file__).resolve().parents[1])
-            client = ShardClient([f"127.0.0.1:{port}"])
+            client = ShardClient([f"127.0.0.1:{port}"], trace=setup.trace)
             await client.wait_ready(60.0)
             await client.warmup(config.max_batch_prefill_tokens, config.max_total_tokens)
             shards: Any = client
@@ -203,7 +213,7 @@ async def open_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
             ids = tokenizer.encode(TEXT, add_special_tokens=False)
             shards = (TimedShards(ids, num_blocks, step_s=setup.device_s) if setup.device_s
                       else InstantShards(ids, num_blocks))
-        engine = Engine(shards, tokenizer, config, num_blocks, 16)
+        engine = Engine(shards, tokenizer, config, num_blocks, 16, setup.trace)
         engine.start()
         try:
             yield engine
@@ -375,7 +385,11 @@ def main() -> None:
     parser.add_argument("--steps-in-flight", type=int, nargs="+", default=[1])
     parser.add_argument("--shards", nargs="+", choices=("local", "grpc"), default=["local"],
                         help="grpc: the virtual device in a shard process behind gRPC")
+    parser.add_argument("--step-trace-dir", default=os.environ.get("STEP_TRACE_DIR", ""),
+                        metavar="DIR", help="the router and the gRPC shard append their "
+                        "step timestamps here (default: $STEP_TRACE_DIR; none)")
     args = parser.parse_args()
+    trace = step_trace(args.step_trace_dir)
     from loguru import logger
 
     logger.remove()  # one log line per request would be measured too
@@ -396,7 +410,7 @@ def main() -> None:
                                                            args.steps_in_flight):
                     if shards == "grpc" and not args.device_ms:
                         parser.error("--shards grpc needs --device-ms")
-                    setup = Setup(args.device_ms / 1e3, shards == "grpc", in_flight)
+                    setup = Setup(args.device_ms / 1e3, shards == "grpc", in_flight, trace)
                     runs = [asyncio.run(runners[mode](tokenizer, requests, args.new_tokens,
                                                       streaming == "yes", setup))
                             for _ in range(args.repeats)]

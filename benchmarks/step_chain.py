@@ -1,5 +1,6 @@
 """Where a decode step's time goes between the device and the router: reads the rows that
-``shard.step_trace`` wrote (a server run with ``STEP_TRACE_DIR`` set) and prints one table
+``router.step_trace`` and ``shard.step_trace`` wrote (a server run with
+``--step-trace-dir``) and prints one table
 of the hops of the host chain that must fit in one step of device time.
 
 With one step in flight (``--steps-in-flight 1``; with two, read k+3 for k+2 below) the

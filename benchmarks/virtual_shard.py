@@ -51,8 +51,10 @@ class VirtualRunner:
     held ones, finished ones leaving before the step; every decoding row decodes."""
 
     def __init__(self, step_s: float, prefill_token_s: float = 0.0, num_blocks: int = 1 << 20,
-                 block_size: int = 16) -> None:
-        self.config = ShardConfig(model_path="virtual", device="cpu")
+                 block_size: int = 16, step_trace_dir: str = "") -> None:
+        self.config = ShardConfig(model_path="virtual", device="cpu",
+                                  step_trace_dir=step_trace_dir)
+        self.trace = step_trace.from_config(self.config)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.step_s, self.prefill_token_s = step_s, prefill_token_s
@@ -124,7 +126,7 @@ class VirtualRunner:
         seconds = self.step_s + tokens * self.prefill_token_s
         if not completed:
             _, idle_s = self._occupy(seconds)
-            step_trace.mark("device_gap", trace_step, int(idle_s * 1e6))
+            self.trace.mark("device_gap", trace_step, int(idle_s * 1e6))
             return StepOutput((), int(seconds * 1e9))
         self._rows.extend(completed)
         return self._pending(completed, seconds)
@@ -146,8 +148,8 @@ class VirtualRunner:
     def finish_step(self, pending: PendingStep) -> StepOutput:
         assert isinstance(pending, _VirtualPending)
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
-        step_trace.mark("ready", pending.trace_step)
-        step_trace.mark("device_gap", pending.trace_step, int(pending.idle_s * 1e6))
+        self.trace.mark("ready", pending.trace_step)
+        self.trace.mark("device_gap", pending.trace_step, int(pending.idle_s * 1e6))
         return StepOutput(pending.tokens, int(pending.seconds * 1e9))
 
     def reset(self) -> None:
@@ -157,10 +159,12 @@ class VirtualRunner:
         self._generated.clear()
 
 
-async def serve(port: int, step_s: float, prefill_token_s: float) -> None:
+async def serve(port: int, step_s: float, prefill_token_s: float,
+                step_trace_dir: str = "") -> None:
     server = grpc.aio.server()
+    runner = VirtualRunner(step_s, prefill_token_s, step_trace_dir=step_trace_dir)
     shard_pb2_grpc.add_ShardServiceServicer_to_server(
-        ShardServicer(VirtualRunner(step_s, prefill_token_s)), server)  # type: ignore[arg-type]
+        ShardServicer(runner), server)  # type: ignore[arg-type]
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()  # SIGTERM ends the process normally (its exit handlers run)
@@ -174,11 +178,14 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--step-ms", type=float, default=10.0)
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    p.add_argument("--step-trace-dir", default="", metavar="DIR",
+                   help="append the step timestamps here (shard.step_trace); empty: none")
     args = p.parse_args()
     from loguru import logger
 
     logger.remove()
-    asyncio.run(serve(args.port, args.step_ms / 1e3, args.prefill_us_per_token / 1e6))
+    asyncio.run(serve(args.port, args.step_ms / 1e3, args.prefill_us_per_token / 1e6,
+                      args.step_trace_dir))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from router.log import STILL_WAITING_S, announce_wait
 from router.shard_client import ShardClient
 from router.status_log import StatusLogger
 from router.step_deadline import StepDeadline
+from router.step_trace import Trace, step_trace
 from router.tokenizer import Tokenizer
 from shard.pb.shard_pb2 import InfoResponse
 
@@ -74,12 +75,14 @@ class WarmupBudgets:
 
 
 async def start_group(
-    executor: ShardExecutor, timeout_s: float, step_timeout_s: float = 0.0
+    executor: ShardExecutor, timeout_s: float, step_timeout_s: float = 0.0,
+    trace: Trace | None = None,
 ) -> ShardClient:
     """Start the shard group and wait until every rank answers Health.
 
     ``step_timeout_s`` is ``--step-timeout``: the deadline of every Prefill and Decode,
-    seconds, or 0 for the adaptive one (see :mod:`router.step_deadline`).
+    seconds, or 0 for the adaptive one (see :mod:`router.step_deadline`); ``trace``: the
+    client's step trace (:mod:`router.step_trace`; none by default).
 
     Raises:
         StartupError: a rank died during start-up (checked every second), so a failed
@@ -87,7 +90,7 @@ async def start_group(
         ShardError: a rank did not answer within ``timeout_s`` seconds.
     """
     addresses = await executor.start()
-    client = ShardClient(addresses, StepDeadline(fixed_s=step_timeout_s or None))
+    client = ShardClient(addresses, StepDeadline(fixed_s=step_timeout_s or None), trace)
     ready = asyncio.ensure_future(client.wait_ready(timeout_s))
     started = time.monotonic()
     next_note = started + STILL_WAITING_S
@@ -172,7 +175,7 @@ async def build_engine(
         first.block_size,
     )
     tokenizer = Tokenizer.from_folder(config.shard.model_path)
-    engine = Engine(client, tokenizer, scheduler, num_blocks, first.block_size)
+    engine = Engine(client, tokenizer, scheduler, num_blocks, first.block_size, client.trace)
     facts = ModelFacts(
         model_id=config.served_model_names[0] if config.served_model_names else first.model_id,
         dtype=first.dtype,
@@ -225,7 +228,8 @@ async def _serve(config: ServerConfig, ports: ServerPorts) -> int:
     try:
         logger.info("starting {} shard(s) with the {} executor", config.shard.world_size,
                     config.executor)
-        client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s)
+        client = await start_group(executor, SHARD_START_TIMEOUT_S, config.step_timeout_s,
+                                   step_trace(config.shard.step_trace_dir))
         engine, facts, warmup = await build_engine(config, client)
         http_socket = ports.listen()
         engine.start()
@@ -380,7 +384,7 @@ class Supervisor:
             client: ShardClient | None = None
             try:
                 client = await start_group(self.executor, SHARD_START_TIMEOUT_S,
-                                           self.step_timeout_s)
+                                           self.step_timeout_s, self.engine.trace)
                 infos = await client.info()
                 num_blocks = await client.warmup(
                     self.warmup.max_batch_prefill_tokens, self.warmup.max_total_tokens,

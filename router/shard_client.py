@@ -15,7 +15,7 @@ from typing import TypeVar
 import grpc
 
 from router.step_deadline import StepDeadline
-from shard import step_trace
+from router.step_trace import NullTrace, Trace
 from shard.pb import shard_pb2 as pb
 from shard.pb import shard_pb2_grpc
 
@@ -66,17 +66,21 @@ class ShardClient:
         addresses: ``host:port`` of each rank, in rank order.
         deadline: Deadline of Prefill/Decode calls (a hung rank becomes an error instead
             of a hang); adaptive by default (see :mod:`router.step_deadline`).
+        trace: Where each Decode's ``send`` and ``recv`` go (:mod:`router.step_trace`);
+            none by default.
 
     Attributes:
         hung_rank: The rank whose Prefill or Decode ran past the deadline, once one did
             (the group is then stuck: the launcher restarts it).
     """
 
-    def __init__(self, addresses: Sequence[str], deadline: StepDeadline | None = None) -> None:
+    def __init__(self, addresses: Sequence[str], deadline: StepDeadline | None = None,
+                 trace: Trace | None = None) -> None:
         if not addresses:
             raise ValueError("a shard group needs at least one address")
         self.addresses = list(addresses)
         self.deadline = deadline if deadline is not None else StepDeadline()
+        self.trace = trace if trace is not None else NullTrace()
         self.hung_rank: int | None = None
         self._channels = [
             grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) for address in addresses
@@ -221,11 +225,10 @@ class ShardClient:
 
     async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
         """Send ``request`` (its step number set here) to every rank; rank 0's response.
-        ``num_rows``: the rows it steps, for :mod:`shard.step_trace`."""
+        ``num_rows``: the rows it steps, for the step trace."""
         self._number(request)
-        if step_trace.enabled:
-            step_trace.mark("send", request.step, num_rows)
+        self.trace.mark("send", request.step, num_rows)
         response = await self._step(
             "Decode", lambda s, timeout: s.Decode(request, timeout=timeout))
-        step_trace.mark("recv", request.step)
+        self.trace.mark("recv", request.step)
         return response

@@ -163,6 +163,9 @@ class ShardConfig:
         master_addr: IP of rank 0, where the process group meets (world_size > 1).
         master_port: Free TCP port on ``master_addr`` for the rendezvous; 0 = unset
             (a rank of a group of several gets one from :meth:`for_rank`).
+        step_trace_dir: Folder where each process of the launch (the router and every
+            shard) appends its steps' timestamps, ``<pid>.tsv`` (:mod:`shard.step_trace`,
+            read by ``benchmarks/step_chain.py``); ``""`` = no tracing.
         parent_pid: The process that started this shard: once it is no longer the
             shard's parent (it exited, even by SIGKILL), the shard stops itself
             (``python -m shard.server`` only; see :func:`shard.server.watch_parent`).
@@ -218,6 +221,10 @@ class ShardConfig:
         "rank 0's IP (world size > 1)"))
     master_port: int = field(default=0, metadata=_flag(
         "rendezvous port on rank 0 (needed when world size > 1)", type=int))
+    step_trace_dir: str = field(default="", metadata=_flag(
+        "folder where the router and every shard append the timestamps of each step's "
+        "hops, one file per process (benchmarks/step_chain.py reads them); empty = off",
+        metavar="DIR"))
     parent_pid: int = field(default=0, metadata=_flag(
         "stop once the process with this pid is no longer this shard's parent (it "
         "exited); 0 = never", type=int))

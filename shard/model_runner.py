@@ -92,7 +92,8 @@ class ModelRunner:
         self.kv_cache: list[KVCacheLayer] = []
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
         self.graphs: DecodeGraphs | None = None
-        self.chain = StepChain()  # the steps launched and not read yet
+        self.trace = step_trace.from_config(config)  # a NullTrace unless --step-trace-dir
+        self.chain = StepChain(self.trace)  # the steps launched and not read yet
         self.grammars = GrammarCompiler(config.model_path, mc.vocab_size)
 
     @property
@@ -227,9 +228,9 @@ class ModelRunner:
         if not rows:
             timer.stop()
             self.chain.last_timer = timer
-            if step_trace.enabled:
+            if self.trace.enabled:
                 timer.synchronize()  # nothing is read back from a partial-only prefill
-                timer.trace_gap_after(previous_timer, trace_step)
+                timer.trace_gap_after(previous_timer, trace_step, self.trace)
             return StepOutput((), time.perf_counter_ns() - t0)
         final = [states[i] for i in rows]
         last = inputs.last_token_indices

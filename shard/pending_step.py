@@ -16,11 +16,11 @@ from itertools import repeat
 
 import torch
 
-from shard import step_trace
 from shard.host_copy import HostCopy
 from shard.records import Generation, StepOutput, TopToken
 from shard.requests import RequestState
 from shard.sampling import SamplerOutput
+from shard.step_trace import NullTrace, Trace
 
 
 @dataclass
@@ -36,7 +36,7 @@ class PendingStep:
         previous: the step launched before it (finished first, so that the tokens of
             a request are recorded in order).
         finished: set once :meth:`ModelRunner.finish_step` has recorded the tokens.
-        trace_step: the router's step number, for :mod:`shard.step_trace` (-1: none).
+        trace_step: the router's step number, for the step trace (-1: none).
         previous_timer: the device timer of the step launched before it, of any kind,
             for the device's idle time between the two.
         prompt_logprobs: a prefill's prompt logprobs per request (computed at launch,
@@ -90,14 +90,14 @@ class StepTimer:
             return None
         return int(previous._events[1].elapsed_time(self._events[0]) * 1e6)
 
-    def trace_gap_after(self, previous: StepTimer | None, step: int) -> None:
-        """Record ``device_gap`` for ``step`` in :mod:`shard.step_trace` (µs since
-        ``previous`` ended on the device), when tracing is on and the gap is known."""
-        if not step_trace.enabled or previous is None:
+    def trace_gap_after(self, previous: StepTimer | None, step: int, trace: Trace) -> None:
+        """Record ``device_gap`` for ``step`` in ``trace`` (µs since ``previous`` ended on
+        the device), when tracing is on and the gap is known."""
+        if not trace.enabled or previous is None:
             return
         gap = self.gap_ns_after(previous)
         if gap is not None:
-            step_trace.mark("device_gap", step, gap // 1000)
+            trace.mark("device_gap", step, gap // 1000)
 
     def elapsed_ns(self) -> int:
         """Nanoseconds; on CUDA call once the step's results are read."""
@@ -110,9 +110,15 @@ class StepChain:
     """The steps one runner launched, read in launch order: each launched step that
     samples is chained after the one before it (:attr:`PendingStep.previous`), and the
     device timer of the last launched step of any kind is kept (the device's idle time
-    before the next one)."""
+    before the next one).
 
-    def __init__(self) -> None:
+    Args:
+        trace: where a read step's ``ready`` and ``device_gap`` points go
+            (:mod:`shard.step_trace`).
+    """
+
+    def __init__(self, trace: Trace | None = None) -> None:
+        self.trace = trace if trace is not None else NullTrace()
         self.last: PendingStep | None = None  # the last launched step that samples
         self.last_timer: StepTimer | None = None
 
@@ -167,8 +173,9 @@ class StepChain:
                 raise RuntimeError("the previous step was not finished within 120 s")
             pending.previous = None  # let the chain be freed
             tokens, logprobs, top_ids, top_lps = pending.host.wait()
-            step_trace.mark("ready", pending.trace_step)
-            pending.timer.trace_gap_after(pending.previous_timer, pending.trace_step)
+            self.trace.mark("ready", pending.trace_step)
+            pending.timer.trace_gap_after(pending.previous_timer, pending.trace_step,
+                                          self.trace)
             pending.previous_timer = None
             assert tokens is not None and logprobs is not None
             out = SamplerOutput(tokens, logprobs, top_ids, top_lps)

@@ -17,7 +17,7 @@ from typing import TypeVar
 import grpc
 from loguru import logger
 
-from shard import pb_convert, step_trace
+from shard import pb_convert
 from shard.errors import NotWarmedUpError
 from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2 as pb
@@ -43,6 +43,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     def __init__(self, runner: ModelRunner, step_wait_s: float = 60.0) -> None:
         self.runner = runner
+        self.trace = runner.trace  # the runner's (shard.step_trace): one file per process
         self.lock = asyncio.Lock()
         self.log = logger.bind(rank=runner.config.rank)
         # Prefill/Decode ordering (PrefillRequest.step): the last step let through, and
@@ -149,7 +150,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         still read, in a worker thread: the steps after it wait for it in launch order.
         """
         launched = await self._run(context, rpc, launch, abandoned=self._finish_abandoned)
-        step_trace.mark("launched", step)
+        self.trace.mark("launched", step)
         if not isinstance(launched, PendingStep):
             return launched
         pending = launched
@@ -213,7 +214,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             self._launch(request.restart, lambda: self.runner.launch_prefill(
                 pb_convert.prefill_step_from_pb(request), step)),
         )
-        step_trace.mark("prefill", step, out.forward_ns // 1000)
+        self.trace.mark("prefill", step, out.forward_ns // 1000)
         return pb.PrefillResponse(
             generations=pb_convert.step_generations_to_pb(out),
             timings=pb_convert.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
@@ -225,7 +226,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     ) -> pb.DecodeResponse:
         t0 = time.perf_counter_ns()
         step = request.step
-        step_trace.mark("arrive", step)
+        self.trace.mark("arrive", step)
         await self._wait_turn(context, step, request.restart)
         out = await self._launch_then_finish(
             context,
@@ -236,7 +237,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         )
         response = pb_convert.decode_response_to_pb(out, time.perf_counter_ns() - t0)
         response.step = step
-        step_trace.mark("answer", step, out.forward_ns // 1000)
+        self.trace.mark("answer", step, out.forward_ns // 1000)
         return response
 
     def _launch(

@@ -18,7 +18,7 @@ from typing import Any
 from router.metrics import Metrics
 from router.request import Sequence
 from router.shard_steps import ShardSteps, StepResults
-from shard import step_trace
+from router.step_trace import NullTrace, Trace
 
 
 @dataclass
@@ -49,10 +49,12 @@ class InFlightSteps:
     Args:
         metrics: where the step times go (``prefill_step``, ``decode_step``,
             ``decode_step_wall``).
+        trace: where each Decode's ``applied`` goes (:mod:`router.step_trace`).
     """
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, trace: Trace | None = None) -> None:
         self.metrics = metrics
+        self.trace = trace if trace is not None else NullTrace()
         self._iterations: collections.deque[list[InFlight]] = collections.deque()
         self._decode_done = 0.0  # perf_counter() of the last decode result
         self._prefill_since_decode = False  # a prefill result came after it
@@ -96,7 +98,7 @@ class InFlightSteps:
             metrics.decode_step.observe(results.forward_s)
             self._decode_done = now
             self._prefill_since_decode = False
-            step_trace.mark("applied", response.step)
+            self.trace.mark("applied", response.step)
         assert len(results.token_ids) == len(call.sampled), (
             f"{call.kind} returned {len(results.token_ids)} tokens for "
             f"{len(call.sampled)} requests"

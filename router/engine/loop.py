@@ -39,6 +39,7 @@ from router.request import ErrorEvent, EventStream, GenerationRequest, Sequence
 from router.scheduler import Scheduler
 from router.shard_client import ShardClient, ShardError
 from router.shard_steps import ShardSteps
+from router.step_trace import NullTrace, Trace
 from router.tokenizer import Tokenizer
 
 # Seconds /health reports unhealthy after a failed step (unless a step succeeds sooner).
@@ -54,10 +55,13 @@ class Engine(EventSource):
         config: Scheduler budgets.
         num_blocks: KV blocks usable on every rank (from Warmup).
         block_size: Tokens per KV block.
+        trace: Where each step's ``applied`` goes (:mod:`router.step_trace`); the shard
+            clients of this engine, restarted ones too, take the same.
     """
 
     def __init__(self, client: ShardClient, tokenizer: Tokenizer, config: SchedulerConfig,
-                 num_blocks: int, block_size: int) -> None:
+                 num_blocks: int, block_size: int, trace: Trace | None = None) -> None:
+        self.trace = trace if trace is not None else NullTrace()
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -65,7 +69,7 @@ class Engine(EventSource):
         self.output = OutputProcessor(tokenizer, self.scheduler)
         self.metrics = Metrics(self._metrics_state)
         self.lifecycle = Lifecycle(self.scheduler, self.shards, self.output, self.metrics)
-        self.inflight = InFlightSteps(self.metrics)
+        self.inflight = InFlightSteps(self.metrics, self.trace)
         self.shard_health = ShardHealth()  # the supervisor writes it, health probes read it
         self._failed_at: float | None = None
         self._draining = False
