@@ -129,6 +129,11 @@ class Scheduler:
         """Waiting, prefilling and running sequences."""
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
+    def cancelled(self) -> list[Sequence]:
+        """Cancelled sequences still admitted: they leave at the next step, so they no
+        longer count against ``max_concurrent_requests``."""
+        return [seq for seq in (*self.running, *self.prefilling) if seq.cancelled]
+
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
         seq.status = Status.WAITING
