@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention_peers import Peers, flash_attn_version, flashinfer_version
 
 from benchmarks.harness import copy_bandwidth
-from shard.attention.triton_kernels import (
+from shard.kernels.attention import (
     DecodeConfig,
     PrefillConfig,
     decode_attention,
@@ -83,7 +83,7 @@ def ours_decode(case: PagedCase, config: DecodeConfig | None = None) -> Callable
     md, out = case.metadata, torch.empty_like(case.q)
     return lambda: decode_attention(case.q, case.cache.key, case.cache.value, md.block_tables,
                                     md.seq_lens, md.max_seqlen_k, case.scale, out=out,
-                                    config=config)
+                                    config=config, pdl=True)
 
 
 def sdpa_contiguous(case: PagedCase, ctx: int) -> Callable[[], object]:
@@ -152,7 +152,7 @@ def tune_prefill(log: list[str]) -> PrefillConfig:
         def fn(cfg: PrefillConfig = cfg) -> torch.Tensor:
             return prefill_attention(case.q, case.cache.key, case.cache.value, md.block_tables,
                                      md.cu_seqlens_q, md.seq_lens, md.max_seqlen_q, case.scale,
-                                     config=cfg)
+                                     config=cfg, pdl=True)
 
         try:
             err = rel_error(fn(), ref)
@@ -222,7 +222,8 @@ def prefill_table(peers: Peers, cfg: PrefillConfig) -> list[str]:
         fns: dict[str, Callable[[], object] | None] = {
             "ours (triton)": lambda c=case, o=out: prefill_attention(
                 c.q, c.cache.key, c.cache.value, c.metadata.block_tables, c.metadata.cu_seqlens_q,
-                c.metadata.seq_lens, c.metadata.max_seqlen_q, c.scale, out=o, config=cfg),
+                c.metadata.seq_lens, c.metadata.max_seqlen_q, c.scale, out=o, config=cfg,
+                pdl=True),
             "torch SDPA contiguous": lambda q=q4, k=k4, v=v4: F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True),
             "FlashInfer": peers.flashinfer_prefill(case),

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -38,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_power import PowerLog, PowerStats
 from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
 from shard.config import ShardConfig
-from shard.layers import fused
-from shard.layers.linear import SKINNY
 from shard.model_runner import ModelRunner
 from shard.pending_step import PendingStep
 from shard.records import NewRequest, PrefillStep
@@ -250,10 +249,7 @@ def main() -> None:
     args = p.parse_args()
     if args.pipelined == 1:
         p.error("--pipelined needs at least 2 steps (0: off)")
-    with contextlib.ExitStack() as stack:
-        if args.no_skinny:
-            stack.enter_context(fused.triton_kernels_disabled(SKINNY))
-        run(args)
+    run(args)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -268,12 +264,14 @@ def run(args: argparse.Namespace) -> None:
             attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
         ))
         prefill_tokens = args.prefill[0] * args.prefill[1] if args.prefill else 0
+        if args.no_skinny:
+            runner.kernels.skinny_linear = None
         modes = ["on", "off"] if args.pdl == "both" else [args.pdl]
-        with pdl_mode(modes[0]):
+        with pdl_mode(runner, modes[0]):
             runner.warmup(max(8192, prefill_tokens), 8192, max(args.batch))
         device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         for i, mode in enumerate(modes):
-            with pdl_mode(mode):
+            with pdl_mode(runner, mode):
                 if i and runner.graphs is not None:
                     runner.graphs.capture()
                 on = pdl_on(runner)
@@ -296,20 +294,20 @@ def run(args: argparse.Namespace) -> None:
                     print(profile_prefill(runner, *args.prefill, args.top, trace))
 
 
-def pdl_mode(mode: str) -> contextlib.AbstractContextManager[None]:
-    if mode == "on":
-        return contextlib.nullcontext()
-    from shard import pdl  # imports Triton
-
-    return pdl.pdl_disabled()
+@contextlib.contextmanager
+def pdl_mode(runner: ModelRunner, mode: str) -> Iterator[None]:
+    """Inside the block the runner's kernels launch with programmatic dependent launch
+    as it chose at start-up (``on``: where it runs) or without (``off``)."""
+    chosen = runner.kernels.pdl
+    runner.kernels.pdl = chosen and mode == "on"
+    try:
+        yield
+    finally:
+        runner.kernels.pdl = chosen
 
 
 def pdl_on(runner: ModelRunner) -> bool:
-    if runner.device.type != "cuda":
-        return False
-    from shard import pdl
-
-    return pdl.enabled(runner.device)
+    return runner.kernels.pdl
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """cuBLASLt's other algorithms for the model's products, against the one cuBLAS picks:
 for each projection of the GPU benchmark's model (Llama-3-8B dimensions, vocabulary
 49152, bf16) at each row count, every candidate of ``cublasLtMatmulAlgoGetHeuristic``
-(:mod:`shard.layers.cublaslt`) is checked against ``F.linear`` and timed in a CUDA graph
+(:mod:`shard.kernels.cublaslt`) is checked against ``F.linear`` and timed in a CUDA graph
 over distinct weight copies (streamed from HBM as in a step). Then the whole step's
 products with the fastest candidate per shape against ``F.linear``, sustained at the
 power cap (:mod:`benchmarks.step_energy`): the energy is what counts where the cap binds.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_power import PowerLog
 from benchmarks.kernel_sweep import PROJECTIONS, _weights, graph_time_us
 from benchmarks.step_energy import Work, measure
-from shard.layers import cublaslt, gemm_tuning
+from shard.kernels import cublaslt, gemm_tuning
 
 Product = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -50,7 +50,7 @@ def sweep(m: int, n: int, k: int, copies: int, limit: int, search: str,
     ``copies`` weights; ``variants`` screens each of :func:`cublaslt.variants` over two
     copies, then times the ``finalists`` fastest (and the heuristic's first) over
     ``copies``; ``tuner`` runs the server's warm-up search
-    (:func:`shard.layers.gemm_tuning.tune_shape`), whose pick is kept only where it beats
+    (:func:`shard.kernels.gemm_tuning.tune_shape`), whose pick is kept only where it beats
     ``F.linear`` by its margin (else ``F.linear`` stays: no entry)."""
     weights = _weights(n, k, copies)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -75,10 +75,8 @@ def sweep(m: int, n: int, k: int, copies: int, limit: int, search: str,
                 notes.append(f"{algo.describe()}: {e}")
         return sorted(timed, key=lambda t: t[0])
 
-    if search == "tuner":  # the server's own warm-up search (shard.layers.gemm_tuning)
-        gemm_tuning.clear()
-        result = gemm_tuning.tune_shape(m, weights)
-        gemm_tuning.clear()
+    if search == "tuner":  # the server's own warm-up search (shard.kernels.gemm_tuning)
+        result = gemm_tuning.tune_shape(m, weights)  # into no table: only measured
         best = [(result.best_us, result.algorithm)] if result.algorithm is not None else []
         return result.default_us, best, notes, result.screened
     if search == "heuristic":

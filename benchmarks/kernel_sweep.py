@@ -10,14 +10,14 @@ server runs its decode step:
   Each graph runs ``--layers`` copies of the projection with distinct weights, so the
   weights stream from HBM as in a real step (one layer's weights fit in L2; 32 do not).
   Reported: µs per projection, weight bytes / time (TB/s), 2·M·N·K / time (TFLOP/s).
-- decode attention (:func:`shard.attention.triton_kernels.decode_attention`) at the
+- decode attention (:func:`shard.kernels.attention.decode_attention`) at the
   model's heads (32 query, 8 KV, head dim 128, bf16, block size 16) over
   ``--decode-points`` (batch × context) for each tile / warps / stages configuration,
   with the split count the server's graphs use (``max_seqlen_k`` = ``--max-seqlen``).
-- skinny GEMMs (``--skinny``): :func:`shard.layers.skinny_gemm_kernel.skinny_linear`
+- skinny GEMMs (``--skinny``): :func:`shard.kernels.skinny_gemm.skinny_linear`
   against cuBLAS at up to 16 tokens, per projection over a grid of tiles, warps and
   stages, then a chain of one layer's four projections over the layers.
-- prefill attention (:func:`shard.attention.triton_kernels.prefill_attention`) at the
+- prefill attention (:func:`shard.kernels.attention.prefill_attention`) at the
   model's heads over ``--prefill-points`` (batch × new tokens, no cached prefix): keys
   from the paged cache and from the new K/V (``new_kv``) against flash-attn's varlen
   kernel, torch SDPA and torch's flash varlen kernel, then each tile / warps / stages
@@ -48,17 +48,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.attention.triton_kernels import (
+from shard.kernels.attention import (
     DecodeConfig,
     PrefillConfig,
     decode_attention,
     prefill_attention,
 )
-from shard.attention.triton_kernels.decode import num_decode_splits
-from shard.layers.gate_up_silu_kernel import GateUpConfig, gate_up_silu
-from shard.layers.gate_up_silu_kernel import default_config as gate_up_default
-from shard.layers.silu_mul_kernel import silu_and_mul
-from shard.layers.skinny_gemm_kernel import (
+from shard.kernels.attention.decode import num_decode_splits
+from shard.kernels.gate_up_silu import GateUpConfig, gate_up_silu
+from shard.kernels.gate_up_silu import default_config as gate_up_default
+from shard.kernels.silu_mul import silu_and_mul
+from shard.kernels.skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     default_config,
@@ -187,7 +187,7 @@ SKINNY_GRID = [SkinnyConfig(*c) for c in itertools.product((16, 32, 64), (128, 2
 
 
 def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
-    """:func:`shard.layers.skinny_gemm_kernel.skinny_linear` against cuBLAS for each
+    """:func:`shard.kernels.skinny_gemm.skinny_linear` against cuBLAS for each
     projection at each token count (<= ``MAX_ROWS``) over :data:`SKINNY_GRID`, timed like
     :func:`gemm_sweep`; then one decoder layer's four projections chained ``layers``
     times (the step's order of weights), cuBLAS against the best configuration of each."""
@@ -205,8 +205,9 @@ def skinny_sweep(tokens: list[int], layers: int) -> list[str]:
         results = []
         for config in SKINNY_GRID:
             try:
-                got = skinny_linear(x, ws[0], None, config).float()  # type: ignore[union-attr]
-                kernel = functools.partial(skinny_linear, config=config)
+                got = skinny_linear(x, ws[0], None, config,  # type: ignore[union-attr]
+                                    pdl=True).float()
+                kernel = functools.partial(skinny_linear, config=config, pdl=True)
                 us = graph_time_us(functools.partial(_linears, x, ws, kernel)) / len(ws)
             except Exception as exc:  # a config that does not compile is skipped, named
                 print(f"skipped {name} {m} {config}: {str(exc).splitlines()[0][:100]}")
@@ -245,7 +246,7 @@ def _chain(xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]], 
         for name, _, _ in PROJECTIONS[:4]:
             if skinny:
                 skinny_linear(xs[name], weights[name][i], None,
-                              configs[name] if configs else None)
+                              configs[name] if configs else None, pdl=True)
             else:
                 F.linear(xs[name], weights[name][i])
 
@@ -273,7 +274,7 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
         tables, seq_lens = case.metadata.block_tables, case.metadata.seq_lens
         out = torch.empty_like(q)
         expected = decode_attention(q, key, value, tables, seq_lens, max_seqlen,
-                                    HEAD_DIM ** -0.5).float()  # the default configuration
+                                    HEAD_DIM ** -0.5, pdl=True).float()  # the default config
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         results = []
         for (block_n, warps, stages, target), first in itertools.product(grid, orders):
@@ -293,7 +294,8 @@ def decode_sweep(points: list[tuple[int, int]], max_seqlen: int, block_sizes: li
                 got = out.clone()
                 decode_attention(q, key, value, tables, seq_lens, max_seqlen,
                                  HEAD_DIM ** -0.5, out=out,
-                                 config=dataclasses.replace(config, heads_first=not first))
+                                 config=dataclasses.replace(config, heads_first=not first),
+                                 pdl=True)
                 if not torch.equal(got, out):
                     print(f"MISMATCH launch orders {batch}x{ctx} {config}")
             splits = num_decode_splits(batch, KV_HEADS, max_seqlen, config)
@@ -406,7 +408,7 @@ def prefill_peers(points: list[tuple[int, int]], block_size: int) -> list[str]:
                               case.scale),
         ]
         flops = _prefill_flops(batch, seq_len)
-        prefill_attention(*args, out=out, new_kv=(k, v))
+        prefill_attention(*args, out=out, new_kv=(k, v), pdl=True)
         ours = out.clone()
         cells = []
         for fn in fns:
@@ -443,7 +445,7 @@ def _mlp(x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
     at a time (the intermediate of a chunk is written and read back while in L2)."""
     for wg, wd in zip(gate_up, down, strict=True):
         for rows in _chunked(x.shape[0], chunk):
-            torch.matmul(silu_and_mul(F.linear(x[rows], wg)), wd.t(), out=out[rows])
+            torch.matmul(silu_and_mul(F.linear(x[rows], wg), pdl=True), wd.t(), out=out[rows])
 
 
 def _projection(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
@@ -563,14 +565,14 @@ def _gate_up_chain(x: torch.Tensor, weights: list[torch.Tensor],
     kernel), or the fused kernel with ``config``."""
     for w in weights:
         if config is None:
-            product = skinny_linear(x, w, None) if x.shape[0] <= 16 else None
-            silu_and_mul(product if product is not None else F.linear(x, w))
+            product = skinny_linear(x, w, None, pdl=True) if x.shape[0] <= 16 else None
+            silu_and_mul(product if product is not None else F.linear(x, w), pdl=True)
         else:
-            gate_up_silu(x, w, config, min_rows=1, max_rows=1 << 20)
+            gate_up_silu(x, w, config, min_rows=1, max_rows=1 << 20, pdl=True)
 
 
 def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
-    """:func:`shard.layers.gate_up_silu_kernel.gate_up_silu` against cuBLAS + our silu·mul
+    """:func:`shard.kernels.gate_up_silu.gate_up_silu` against cuBLAS + our silu·mul
     kernel at each token count, over :data:`GATE_UP_GRID`, timed like :func:`gemm_sweep`
     (``layers`` distinct weights); every configuration's output checked against the
     unfused path."""
@@ -582,12 +584,13 @@ def gate_up_sweep(tokens: list[int], layers: int) -> list[str]:
     weights = _weights(n, k, layers)
     for m in tokens:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        want = silu_and_mul(F.linear(x, weights[0])).float()
+        want = silu_and_mul(F.linear(x, weights[0]), pdl=True).float()
         base = graph_time_us(functools.partial(_gate_up_chain, x, weights, None)) / layers
         results = []
         for config in GATE_UP_SKINNY_GRID if m <= 16 else GATE_UP_GRID:
             try:
-                got = gate_up_silu(x, weights[0], config, min_rows=1, max_rows=1 << 20)
+                got = gate_up_silu(x, weights[0], config, min_rows=1, max_rows=1 << 20,
+                                   pdl=True)
                 assert got is not None
                 us = graph_time_us(functools.partial(_gate_up_chain, x, weights, config)) / layers
             except Exception as exc:  # a config that does not compile is skipped, named

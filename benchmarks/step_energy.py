@@ -58,7 +58,7 @@ from benchmarks.kernel_sweep import (
     _weights,
     capture_graph,
 )
-from shard.attention.triton_kernels import DecodeConfig, decode_attention
+from shard.kernels.attention import DecodeConfig, decode_attention
 from tests.kernels.paged_cases import PagedCase, make_case
 
 
@@ -170,7 +170,8 @@ def decode_layer(batch: int, ctx: int, block_size: int,
 
     def attend() -> None:
         decode_attention(case.q, case.cache.key, case.cache.value, meta.block_tables,
-                         meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config)
+                         meta.seq_lens, 4096, HEAD_DIM ** -0.5, out=out, config=config,
+                         pdl=True)
 
     return attend
 

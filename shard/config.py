@@ -145,10 +145,10 @@ class ShardConfig:
         cuda_graphs: Decode batch sizes captured as CUDA graphs at warmup: ``"auto"``
             (1, 2, 4, 8, then multiples of 16 up to the max batch size), ``"0"`` (off), or
             comma-separated sizes such as ``"1,2,4,8,16,32"``. CUDA only.
-        pdl: Programmatic dependent launch of our Triton kernels (:mod:`shard.pdl`):
+        pdl: Programmatic dependent launch of our Triton kernels (:mod:`shard.kernels.pdl`):
             ``"auto"`` (on where it runs: CUDA compute capability 9.0+) or ``"off"``.
         gemm_tuning: Prefill and decode-graph products through the cuBLASLt algorithm
-            measured fastest at warm-up (:mod:`shard.layers.gemm_tuning`): ``"auto"`` (on
+            measured fastest at warm-up (:mod:`shard.kernels.gemm_tuning`): ``"auto"`` (on
             CUDA with bfloat16 or float16 weights) or ``"off"`` (cuBLAS's own pick
             everywhere).
         gemm_tuning_cache: Folder of the warm-up tuning results kept for later warm-ups

@@ -9,7 +9,7 @@ into the static buffers and replays the smallest bucket that holds the batch.
 Padded rows (bucket size minus batch size) get slot -1, so they never write a real KV
 slot, and a context of one token in the first block of their table row (a valid block
 id), which is read and ignored. One kernel fills the static inputs of a step
-(:mod:`shard.decode_inputs_kernel`).
+(:mod:`shard.kernels.decode_inputs`).
 
 The attention backend's per-step ``prepare`` runs inside the captured region, so a
 replay repeats its device work on the new inputs (graph-safe backends do no host work
@@ -26,8 +26,9 @@ from loguru import logger
 
 from shard.attention.base import AttentionBackend
 from shard.attention.metadata import AttentionMetadata
-from shard.decode_inputs_kernel import fill_decode_inputs_torch
 from shard.decode_state import DecodeRows
+from shard.kernels.choices import KernelChoices
+from shard.kernels.decode_inputs import fill_decode_inputs_torch
 from shard.models.base import CausalLM
 
 
@@ -95,6 +96,7 @@ class DecodeGraphs:
         max_seqlen_k: the longest context a request can reach (max_total_tokens); the
             attention kernels are launched for it (their split count depends on it).
         device: the CUDA device.
+        kernels: the runner's kernel choices (PDL of the input-filling kernel).
 
     The KV cache must be bound before :meth:`capture` (its addresses are recorded in
     the graphs); capture again after binding another cache.
@@ -108,6 +110,7 @@ class DecodeGraphs:
         block_size: int,
         max_seqlen_k: int,
         device: torch.device,
+        kernels: KernelChoices | None = None,
     ) -> None:
         assert buckets, "no batch-size buckets"
         assert backend.cuda_graph_safe, f"attention backend {backend.name} is not graph-safe"
@@ -117,6 +120,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_seqlen_k = max_seqlen_k
         self.device = device
+        self.kernels = kernels if kernels is not None else KernelChoices()
         size = self.buckets[-1]
         width = -(-max_seqlen_k // block_size)
         # static inputs: [max bucket] (block_tables [max bucket, width]); bucket b uses [:b]
@@ -197,7 +201,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:0],
         )
         try:
-            from shard.decode_inputs_kernel import fill_decode_inputs
+            from shard.kernels.decode_inputs import fill_decode_inputs
 
             self._fill = fill_decode_inputs
             self._fill_inputs(empty, len(self.input_ids))
@@ -212,7 +216,7 @@ class DecodeGraphs:
         """Rows ``[:bucket]`` of the static inputs from ``rows`` (padding after them)."""
         self._fill(rows.tokens, rows.seq_lens, rows.block_tables, self.block_size,
                    self.input_ids[:bucket], self.positions[:bucket], self.seq_lens[:bucket],
-                   self.slot_mapping[:bucket], self.block_tables)
+                   self.slot_mapping[:bucket], self.block_tables, pdl=self.kernels.pdl)
 
     def replay(self, batch: int) -> None:
         """Replay the graph of ``batch``'s bucket on the static inputs as they are (what

@@ -13,6 +13,7 @@ from loguru import logger
 from shard.attention.base import AttentionBackend
 from shard.config import ShardConfig, dtype_name
 from shard.distributed import ParallelContext, parallel_context
+from shard.kernels.choices import KernelChoices, kernel_context
 from shard.layers.linear import pack_cpu_weights
 from shard.models.base import CausalLM
 from shard.models.config import ModelConfig
@@ -37,8 +38,11 @@ def build_model(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    kernels: KernelChoices | None = None,
 ) -> CausalLM:
-    """Create the model (no KV cache bound yet) and fill its weights.
+    """Create the model (no KV cache bound yet) and fill its weights. Its layers run the
+    kernels of ``kernels`` (:func:`~shard.kernels.choices.kernel_context`; none given:
+    the references only).
 
     Raises:
         ValueError: unsupported architecture, or a checkpoint that does not fit the model.
@@ -58,7 +62,8 @@ def build_model(
         device,
     )
     tp = ParallelContext(config.rank, config.world_size)
-    with torch.device(device), _default_dtype(dtype), parallel_context(tp):
+    with torch.device(device), _default_dtype(dtype), parallel_context(tp), \
+            kernel_context(kernels if kernels is not None else KernelChoices()):
         model = cls(model_config, backend)
     model.eval()
     if config.load_format == "dummy":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from loguru import logger
@@ -26,6 +25,7 @@ from shard.grammar import GrammarCompiler, GrammarMatcher
 from shard.host_copy import to_device
 from shard.host_memory import retain_freed_memory
 from shard.inputs import ModelInputs, SeqChunk, build_inputs
+from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
 from shard.model_loader import build_model
@@ -40,18 +40,6 @@ from shard.warmup import Warmup
 
 # A Decode that changes nothing: every row steps as it is.
 NO_CHANGE = DecodeStep()
-
-
-def configure_pdl(mode: str, device: torch.device, log: Any) -> None:
-    """Apply ``--pdl`` to this process's Triton kernels (:mod:`shard.pdl`); nothing to do
-    off CUDA or without Triton, where none of them runs with it."""
-    if device.type != "cuda":
-        return
-    try:
-        from shard import pdl
-    except ImportError:
-        return
-    pdl.configure(mode, device, log)
 
 
 class ModelRunner:
@@ -84,10 +72,13 @@ class ModelRunner:
                              num_heads=mc.num_attention_heads // tp,
                              num_kv_heads=kv_heads_per_rank(mc.num_key_value_heads, tp),
                              head_dim=mc.head_dim, block_size=config.block_size)
-        self.backend, self.backend_reason = select_backend(config.attention_backend, spec)
-        configure_pdl(config.pdl, self.device, self.log)
+        # our kernels, PDL (--pdl) and the GEMM table (tuned at warm-up)
+        self.kernels = KernelChoices.load(self.device, config.pdl, self.log)
+        self.backend, self.backend_reason = select_backend(config.attention_backend, spec,
+                                                           self.kernels)
         self.log.info("attention backend {}: {}", self.backend.name, self.backend_reason)
-        self.model = build_model(config, mc, self.backend, self.device, self.dtype)
+        self.model = build_model(config, mc, self.backend, self.device, self.dtype,
+                                 self.kernels)
         self.requests = RequestTable()
         self.kv_cache: list[KVCacheLayer] = []
         # decode CUDA graphs, captured at warmup (CUDA, a graph-safe backend, buckets set)
@@ -302,7 +293,7 @@ class ModelRunner:
             self.chain.wait_last()
             mask = self.grammars.token_mask([r.grammar for r in requests], logits.device)
         if kind.plain_greedy:
-            out = sample_greedy(logits, mask)
+            out = sample_greedy(logits, mask, self.kernels)
         else:
             if kind.has_penalty:
                 self.chain.wait_last()  # penalties read the host's token history

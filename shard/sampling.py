@@ -17,16 +17,15 @@ Pipeline per step (all rows at once, each with its own parameters):
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator, Sequence
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import overload
 
 import torch
-from loguru import logger
 
 from shard.host_copy import to_device
+from shard.kernels.choices import KernelChoices
 from shard.penalties import apply_frequency_presence_penalties, apply_repetition_penalty
 from shard.sampling_types import SamplingParams
 
@@ -301,33 +300,8 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     return not params.do_sample and not has_penalty(params)
 
 
-class _GreedyKernel:
-    """Whether :func:`sample_greedy` uses the Triton kernel on CUDA: None until its first
-    call (made at warm-up), then whether that call worked."""
-
-    usable: bool | None = None if importlib.util.find_spec("triton") is not None else False
-
-
-def _greedy_by_kernel(logits: torch.Tensor) -> SamplerOutput | None:
-    """The Triton kernel's result, or None when it cannot run here: its first call
-    decides (a failure then is logged and the torch ops serve from then on); a failure
-    after it has run once is an error of that step and propagates."""
-    from shard.greedy_kernel import greedy
-
-    try:
-        token_ids, logprobs = greedy(logits)
-    except Exception as exc:  # a compile error is not a RuntimeError
-        if _GreedyKernel.usable is not None:
-            raise
-        logger.warning("greedy sampling kernel unavailable, using torch ops: {}: {}",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        _GreedyKernel.usable = False
-        return None
-    _GreedyKernel.usable = True
-    return SamplerOutput(token_ids, logprobs, None, None)
-
-
-def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None) -> SamplerOutput:
+def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None,
+                  kernels: KernelChoices | None = None) -> SamplerOutput:
     """:func:`sample` for a batch whose rows are all :func:`is_plain_greedy` and ask for
     no alternatives: argmax, and its logprob as ``logit - logsumexp(logits)`` (no full
     log_softmax, no per-row host work).
@@ -336,16 +310,17 @@ def sample_greedy(logits: torch.Tensor, mask: TokenMask | None = None) -> Sample
         logits: [batch, vocab] raw model logits.
         mask: as for :func:`sample` (the argmax is over the allowed tokens, the logprob
             under the unmasked distribution).
+        kernels: the runner's kernel choices.
 
-    On CUDA without a mask, one Triton kernel reads the logits once
-    (:func:`shard.greedy_kernel.greedy`); this function's torch ops are its reference,
-    and its path wherever the kernel cannot run.
+    On CUDA without a mask, where ``kernels`` has it, one Triton kernel reads the logits
+    once (:func:`shard.kernels.greedy.greedy`, through
+    :meth:`~shard.kernels.choices.KernelChoices.greedy_sample`); this function's torch
+    ops are its reference, and its path wherever the kernel cannot run.
     """
-    if (mask is None and logits.is_cuda and logits.stride(-1) == 1
-            and _GreedyKernel.usable is not False):
-        out = _greedy_by_kernel(logits)
-        if out is not None:
-            return out
+    if kernels is not None and mask is None and logits.is_cuda and logits.stride(-1) == 1:
+        found = kernels.greedy_sample(logits)
+        if found is not None:
+            return SamplerOutput(found[0], found[1], None, None)
     logits = logits.to(torch.float32)
     token_ids = logits.argmax(dim=-1) if mask is None else mask.argmax(logits)
     chosen = logits.gather(1, token_ids[:, None]).squeeze(1)

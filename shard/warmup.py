@@ -27,8 +27,8 @@ import torch
 from shard.cuda_graphs import DecodeGraphs, graph_buckets
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
+from shard.kernels import gemm_tuning, tuning_cache
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
-from shard.layers import gemm_tuning
 from shard.layers.linear import linear_weights, lm_head_weights
 from shard.progress import PhaseProgress
 from shard.sampling import SamplingRow, sample, sample_greedy
@@ -206,13 +206,15 @@ class Warmup:
 
     def _tune_products(self, max_batch_prefill_tokens: int, buckets: Sequence[int]) -> None:
         """Time cuBLASLt's algorithms for the model's products at the prefill sizes and
-        the decode graphs' batch sizes (:func:`shard.layers.gemm_tuning.tune`), skipping
-        the products a fused kernel takes (:meth:`CausalLM.fused_decode_rows`)."""
+        the decode graphs' batch sizes (:func:`shard.kernels.gemm_tuning.tune`) into the
+        runner's GEMM table, skipping the products a fused kernel takes
+        (:meth:`CausalLM.fused_decode_rows`)."""
         model = self.runner.model
-        gemm_tuning.clear()
-        gemm_tuning.tune(linear_weights(model), max_batch_prefill_tokens, self.log,
+        table = self.runner.kernels.gemms
+        table.clear()
+        gemm_tuning.tune(table, linear_weights(model), max_batch_prefill_tokens, self.log,
                          decode_rows=buckets, decode_weights=lm_head_weights(model),
-                         cache=gemm_tuning.cache_for(self.config, self.device, self.log),
+                         cache=tuning_cache.cache_for(self.config, self.device, self.log),
                          decode_elsewhere=model.fused_decode_rows())
 
     def _bind_kv_cache(self, kv_cache: list[KVCacheLayer]) -> None:
@@ -254,9 +256,11 @@ class Warmup:
         inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
         logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
         sample(logits, dummy_sampling_rows(len(chunks)))
-        sample_greedy(logits)  # its kernel is compiled (or found unusable) here,
-        if runner.dtype != logits.dtype:  # and for a decode graph's logits (uncast)
-            sample_greedy(logits.to(runner.dtype))
+        # the greedy kernel is compiled (or found unusable) here, and for a decode graph's
+        # logits (uncast)
+        sample_greedy(logits, kernels=runner.kernels)
+        if runner.dtype != logits.dtype:
+            sample_greedy(logits.to(runner.dtype), kernels=runner.kernels)
         first = chunks[0]
         half = len(first.token_ids) // 2
         if half:
@@ -298,6 +302,6 @@ class Warmup:
         replays them from now on."""
         runner = self.runner
         graphs = DecodeGraphs(runner.model, runner.backend, buckets, runner.block_size,
-                              max_total_tokens, self.device)
+                              max_total_tokens, self.device, runner.kernels)
         graphs.capture()
         runner.graphs = graphs

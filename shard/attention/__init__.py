@@ -16,6 +16,7 @@ from shard.attention.flashinfer_backend import FlashInferBackend
 from shard.attention.metadata import AttentionMetadata
 from shard.attention.torch_backend import TorchAttentionBackend
 from shard.attention.triton_backend import TritonAttentionBackend
+from shard.kernels.choices import KernelChoices
 
 # Order matters for "auto": the first that supports the spec wins. Our Triton kernels
 # come first: on the H200 their paged decode beat flash-attn 2.8.3 and FlashInfer 0.5.3
@@ -70,10 +71,13 @@ def _check(cls: type[AttentionBackend], spec: AttentionSpec) -> tuple[bool, str]
     return ok, reason
 
 
-def select_backend(name: str, spec: AttentionSpec) -> tuple[AttentionBackend, str]:
+def select_backend(
+    name: str, spec: AttentionSpec, kernels: KernelChoices | None = None
+) -> tuple[AttentionBackend, str]:
     """Instantiate the named backend, or with ``"auto"`` the first of
     :data:`ATTENTION_BACKENDS` (triton → flash_attn → flashinfer → torch) that imports and
-    supports ``spec`` (device, dtype, heads, head size, block size).
+    supports ``spec`` (device, dtype, heads, head size, block size), with the runner's
+    ``kernels`` (see :class:`AttentionBackend`).
 
     The block size the chosen backend needs is ``backend.kv_block_size(spec.block_size)``.
 
@@ -89,11 +93,11 @@ def select_backend(name: str, spec: AttentionSpec) -> tuple[AttentionBackend, st
         ok, reason = _check(cls, spec)
         if not ok:
             raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")
-        return cls(), f"requested: {reason}"
+        return cls(kernels=kernels), f"requested: {reason}"
     skipped: list[str] = []
     for cls in ATTENTION_BACKENDS.values():
         ok, reason = _check(cls, spec)
         if ok:
-            return cls(), "; ".join([*skipped, f"auto chose {cls.name}: {reason}"])
+            return cls(kernels=kernels), "; ".join([*skipped, f"auto chose {cls.name}: {reason}"])
         skipped.append(f"{cls.name} skipped: {reason}")
     raise ValueError("no attention backend supports this model: " + "; ".join(skipped))

@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 
 from shard.attention.metadata import AttentionMetadata
+from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 
 
@@ -45,6 +46,10 @@ class AttentionBackend(abc.ABC):
 
     A forward step calls :meth:`prepare` once with the step's metadata, then every
     layer's :meth:`forward` with that same metadata.
+
+    Args:
+        kernels: the runner's kernel choices (whether our Triton kernels launch with
+            programmatic dependent launch); none given: without.
     """
 
     name: ClassVar[str]
@@ -52,6 +57,9 @@ class AttentionBackend(abc.ABC):
     # Whether a decode step through this backend can be captured in a CUDA graph: no
     # host synchronisation, no host values that change from step to step.
     cuda_graph_safe: ClassVar[bool] = False
+
+    def __init__(self, kernels: KernelChoices | None = None) -> None:
+        self.kernels = kernels if kernels is not None else KernelChoices()
 
     @classmethod
     def kv_block_size(cls, requested: int) -> int:

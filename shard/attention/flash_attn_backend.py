@@ -8,7 +8,6 @@ declares through :attr:`block_size_multiple`; the shard then reports that block 
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -17,6 +16,7 @@ import torch
 from shard.attention.base import AttentionBackend, AttentionSpec
 from shard.attention.kv_write import KVWriter
 from shard.attention.metadata import AttentionMetadata
+from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 
 MIN_VERSION = (2, 5)
@@ -25,7 +25,7 @@ MIN_VERSION = (2, 5)
 def import_flash_attn() -> tuple[ModuleType | None, str]:
     """(flash_attn module or None, reason)."""
     try:
-        module = importlib.import_module("flash_attn")
+        import flash_attn as module
     except ImportError as exc:
         return None, f"flash_attn is not importable ({exc})"
     version = getattr(module, "__version__", "0")
@@ -44,11 +44,12 @@ class FlashAttnBackend(AttentionBackend):
     # flash-attn runs, since CUDA PyTorch ships Triton.
     cuda_graph_safe: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelChoices | None = None) -> None:
+        super().__init__(kernels)
         module, reason = import_flash_attn()
         assert module is not None, reason
         self._fa: Any = module
-        self._write = KVWriter()
+        self._write = KVWriter(self.kernels)
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:

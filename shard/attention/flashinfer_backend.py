@@ -12,7 +12,6 @@ backends download prebuilt kernels.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -21,6 +20,7 @@ import torch
 from shard.attention.base import AttentionBackend, AttentionSpec
 from shard.attention.kv_write import KVWriter
 from shard.attention.metadata import AttentionMetadata
+from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -30,7 +30,7 @@ HEAD_DIMS = (64, 128, 256)
 def import_flashinfer() -> tuple[ModuleType | None, str]:
     """(flashinfer module or None, reason)."""
     try:
-        module = importlib.import_module("flashinfer")
+        import flashinfer as module
     except ImportError as exc:
         return None, f"flashinfer is not importable ({exc})"
     return module, f"flashinfer {getattr(module, '__version__', '?')}"
@@ -66,11 +66,12 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     block_size_multiple: ClassVar[int] = 1
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelChoices | None = None) -> None:
+        super().__init__(kernels)
         module, reason = import_flashinfer()
         assert module is not None, reason
         self._fi: Any = module
-        self._write = KVWriter()
+        self._write = KVWriter(self.kernels)
         self._prefill: Any = None
         self._decode: Any = None
         # this step's metadata, its pages in FlashInfer's CSR form, and whether the

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shard.attention.base import AttentionBackend, AttentionSpec
 from shard.attention.metadata import AttentionMetadata
+from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 
 # NOTE: cuDNN attention is left out: it builds a new graph for every new key length
@@ -35,11 +36,14 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     block_size_multiple = 1
 
-    def __init__(self, by_sequence: bool | None = None) -> None:
+    def __init__(self, by_sequence: bool | None = None,
+                 kernels: KernelChoices | None = None) -> None:
         """``by_sequence``: attend one sequence at a time over exactly its context
         (:func:`prefill_attention_by_sequence`, :func:`decode_attention_by_sequence`)
         instead of batched over padded or block-split contexts. None (default) chooses
-        per step: by sequence on CPU, batched elsewhere (one kernel for the batch)."""
+        per step: by sequence on CPU, batched elsewhere (one kernel for the batch).
+        ``kernels``: unused (no kernel of ours runs here)."""
+        super().__init__(kernels)
         self.by_sequence = by_sequence
         # this step's metadata and, on the by-sequence path, its contexts (see prepare)
         self._metadata: AttentionMetadata | None = None

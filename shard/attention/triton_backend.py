@@ -1,10 +1,9 @@
 """Our Triton backend: paged split-KV decode, paged varlen prefill and the
-slot-mapping cache write (see :mod:`shard.attention.triton_kernels`). Any CUDA GPU with
+slot-mapping cache write (see :mod:`shard.kernels.attention`). Any CUDA GPU with
 Triton; any block size."""
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import ClassVar
 
@@ -12,6 +11,7 @@ import torch
 
 from shard.attention.base import AttentionBackend, AttentionSpec
 from shard.attention.metadata import AttentionMetadata
+from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -21,16 +21,17 @@ MAX_HEAD_DIM = 256
 def import_triton() -> tuple[ModuleType | None, str]:
     """(triton module or None, reason). Any import failure counts as "unavailable"."""
     try:
-        return importlib.import_module("triton"), "ok"
+        import triton
     except ImportError as exc:
         return None, f"triton is not importable ({exc})"
+    return triton, "ok"
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through our Triton kernels.
 
-    Prefill: :func:`~shard.attention.triton_kernels.prefill_attention`; decode:
-    :func:`~shard.attention.triton_kernels.decode_attention`; both read every key from
+    Prefill: :func:`~shard.kernels.attention.prefill_attention`; decode:
+    :func:`~shard.kernels.attention.decode_attention`; both read every key from
     the paged cache after the new tokens are written by slot mapping, except a prefill
     with no cached prefix that comes through :meth:`rope_write`: it reads the rotated
     keys and the values from the QKV output itself (15–19% faster on the H200 than
@@ -42,10 +43,13 @@ class TritonAttentionBackend(AttentionBackend):
     cuda_graph_safe: ClassVar[bool] = True
     fuses_rope_write: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelChoices | None = None) -> None:
+        super().__init__(kernels)
         # NOTE: imported here, not at module import, so the registry imports without
         # Triton and TRITON_INTERPRET is read only when a backend is built.
-        self._kernels = importlib.import_module("shard.attention.triton_kernels")
+        from shard.kernels import attention
+
+        self._attention = attention
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
@@ -73,7 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self._kernels.write_kv_cache(k, v, kv_cache.key, kv_cache.value, metadata.slot_mapping)
+        self._attention.write_kv_cache(k, v, kv_cache.key, kv_cache.value,
+                                       metadata.slot_mapping, pdl=self.kernels.pdl)
         return self.attend(q, kv_cache, metadata, scale)
 
     def rope_write(
@@ -88,10 +93,10 @@ class TritonAttentionBackend(AttentionBackend):
         eps: float,
     ) -> torch.Tensor:
         q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
-        q: torch.Tensor = self._kernels.rope_write(
+        q: torch.Tensor = self._attention.rope_write(
             qkv, num_heads, kv_cache.key.shape[2], cos, sin, kv_cache.key, kv_cache.value,
             metadata.slot_mapping, q_weight, k_weight, eps,
-            k_in_place=self._reads_new_kv(metadata, kv_cache, qkv),
+            k_in_place=self._reads_new_kv(metadata, kv_cache, qkv), pdl=self.kernels.pdl,
         )
         return q
 
@@ -112,7 +117,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        kern = self._kernels
+        kern = self._attention
         q = q if q.stride(-1) == 1 else q.contiguous()
         if metadata.is_prefill:
             if new_kv is not None and not self._reads_new_kv(metadata, kv_cache, new_kv[0]):
@@ -127,6 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.max_seqlen_q,
                 scale,
                 new_kv=new_kv,
+                pdl=self.kernels.pdl,
             )
             return out
         out = kern.decode_attention(
@@ -137,5 +143,6 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.max_seqlen_k,
             scale,
+            pdl=self.kernels.pdl,
         )
         return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from shard.decode_state import decode_slot_mapping
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 BLOCK_W = 128  # block-table columns per tile
 
@@ -73,7 +73,7 @@ def fill_decode_inputs(tokens: torch.Tensor, seq_lens: torch.Tensor,
                        block_tables: torch.Tensor, block_size: int,
                        input_ids: torch.Tensor, positions: torch.Tensor,
                        out_seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
-                       out_tables: torch.Tensor) -> None:
+                       out_tables: torch.Tensor, *, pdl: bool = False) -> None:
     """Fill a decode step's static inputs for ``bucket`` rows from ``n`` requests' state.
 
     Args:
@@ -90,6 +90,8 @@ def fill_decode_inputs(tokens: torch.Tensor, seq_lens: torch.Tensor,
         out_tables: [≥ bucket, out_width] int32 output: rows ``[:n]`` get the first
             ``min(width, out_width)`` columns of ``block_tables`` (columns beyond are
             never read at the captured context length).
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Rows ``n`` to ``bucket`` are padding: input id and position 0, context length 1,
     slot -1 (the KV write skips it); their table rows keep what they hold (any block
@@ -103,15 +105,16 @@ def fill_decode_inputs(tokens: torch.Tensor, seq_lens: torch.Tensor,
         _decode_inputs_kernel[(bucket,)](
             tokens, seq_lens, block_tables, block_tables.stride(0), input_ids, positions,
             out_seq_lens, slot_mapping, out_tables, out_tables.stride(0), n, width,
-            block_size, BLOCK_W=BLOCK_W, num_warps=1, **launch_options(tokens.device))
+            block_size, BLOCK_W=BLOCK_W, num_warps=1, **launch_options(tokens.device, pdl))
 
 
 def fill_decode_inputs_torch(tokens: torch.Tensor, seq_lens: torch.Tensor,
                              block_tables: torch.Tensor, block_size: int,
                              input_ids: torch.Tensor, positions: torch.Tensor,
                              out_seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
-                             out_tables: torch.Tensor) -> None:
-    """:func:`fill_decode_inputs` as torch ops (the reference; same arguments)."""
+                             out_tables: torch.Tensor, *, pdl: bool = False) -> None:
+    """:func:`fill_decode_inputs` as torch ops (the reference; same arguments, ``pdl``
+    ignored)."""
     _check(tokens, seq_lens, block_tables, input_ids, positions, out_seq_lens,
            slot_mapping, out_tables)
     n = tokens.shape[0]

@@ -3,12 +3,12 @@ in its epilogue (CUDA; the interpreter in tests), for decode batches of 1 to 128
 
 The MLP's gate/up projection writes ``[rows, 2 * intermediate]`` and a second kernel
 reads it back to write ``[rows, intermediate]``
-(:mod:`shard.layers.silu_mul_kernel`). Here each program owns ``BLOCK_M`` rows and
+(:mod:`shard.kernels.silu_mul`). Here each program owns ``BLOCK_M`` rows and
 ``BLOCK_N`` intermediate features: it streams the matching rows of both halves of the
 fused weight (``[gate | up]``, as :class:`~shard.layers.linear.MergedColumnParallelLinear`
 holds them on every rank) over the whole of K into two float32 accumulators, then writes
 the activated product only: no intermediate tensor, no second kernel. Up to 16 rows it
-is the skinny kernel's scheme (:mod:`shard.layers.skinny_gemm_kernel`): one 16-row tile,
+is the skinny kernel's scheme (:mod:`shard.kernels.skinny_gemm`): one 16-row tile,
 narrow column blocks over the whole of K.
 """
 
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 # Row counts this kernel takes by default: up to the most rows where it measured faster
 # than the unfused path at the 8B-shaped model's gate/up: 0.97 of the skinny kernel +
@@ -115,6 +115,8 @@ def gate_up_silu(
     config: GateUpConfig | None = None,
     min_rows: int = MIN_ROWS,
     max_rows: int = MAX_ROWS,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor | None:
     """``silu(gate) * up`` with ``[gate | up] = x @ weight.T`` (the reference:
     ``F.linear`` then :func:`shard.layers.fused.silu_and_mul`), float32 accumulation.
@@ -125,6 +127,8 @@ def gate_up_silu(
         weight: [2 * intermediate, in_features] (gate rows, then up rows), x's dtype,
             last dim contiguous.
         config: tiles and pipeline depth (default :func:`default_config`).
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         [num_tokens, intermediate] in x's dtype; None when the inputs are not as above, or
@@ -145,6 +149,6 @@ def gate_up_silu(
     _gate_up_silu_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl),
     )
     return out

@@ -4,28 +4,31 @@ cuBLAS's heuristic picks one kernel per product shape; another tile or cluster s
 often faster, at prefill sizes and at decode batch sizes alike
 (``benchmarks/results/kernels-h200.md``, "cuBLASLt's other algorithms"). At warm-up
 :func:`tune` times, for each weight shape ``[n, k]`` of the model's linear layers,
-``F.linear`` and the algorithms of :func:`shard.layers.cublaslt.variants` over the
+``F.linear`` and the algorithms of :func:`shard.kernels.cublaslt.variants` over the
 model's own weights of that shape (several layers' copies, streamed from HBM as in a
 step), at two kinds of row counts:
 
 - prefill: the prefill token budget, then halves of it down to :data:`MIN_ROWS`. A
   product of ``m >= MIN_ROWS`` rows runs through the algorithm kept at the largest tuned
-  row count ``<= m`` (:func:`lookup`), if cuBLASLt accepts it for ``m`` rows.
+  row count ``<= m`` (:meth:`GemmTable.lookup`), if cuBLASLt accepts it for ``m`` rows.
 - decode: the batch sizes of the decode CUDA graphs above :data:`SKINNY_ROWS` (fewer
   rows run through the skinny kernel, not a library product), the LM head's shape
   included. The powers of two among them (and the largest) are searched in full
   (:func:`decode_anchors`); each other batch size chooses between ``F.linear`` and the
   algorithms kept at the anchors around it. A product of exactly a tuned batch size runs
   through its algorithm when captured in a decode graph; eager products below
-  :data:`MIN_ROWS` keep ``F.linear`` (:func:`run`).
+  :data:`MIN_ROWS` keep ``F.linear`` (:meth:`GemmTable.run`).
 
 An algorithm is kept only where it is faster than ``F.linear`` by more than
 :data:`MARGIN`. The results are kept on disk per GPU model and library versions
-(:class:`TuningCache`), so a restart takes them instead of searching again.
+(:class:`~shard.kernels.tuning_cache.TuningCache`), so a restart takes them instead of
+searching again.
 
-The choice is per process (each tensor-parallel rank tunes its own shards) and holds
-until :func:`clear`. A tuned product differs from ``F.linear``'s by the float32
-accumulation order of another kernel (bfloat16 or float16 only).
+The choice is held by a :class:`GemmTable`, the runner's
+(:attr:`shard.kernels.choices.KernelChoices.gemms`; each tensor-parallel rank tunes its
+own shards), and holds until :meth:`GemmTable.clear`. A tuned product differs from
+``F.linear``'s by the float32 accumulation order of another kernel (bfloat16 or float16
+only).
 
 Source of the method: PyTorch's TunableOp (``torch.cuda.tunable``), which times every
 BLAS implementation registered for a GEMM shape and keeps the fastest.
@@ -33,24 +36,16 @@ BLAS implementation registered for a GEMM shape and keeps the fastest.
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
-import hashlib
-import json
-import os
-import re
-import tempfile
 import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from shard.config import ShardConfig, default_cache_dir
-from shard.layers import cublaslt
+from shard.config import ShardConfig
+from shard.kernels import cublaslt
+from shard.kernels.tuning_cache import TunedProduct, TuningCache
 
 MIN_ROWS = 4096  # prefill sizes from here: the largest tuned row count at or below
 SKINNY_ROWS = 16  # up to here the skinny kernel runs the product (shard.layers.linear)
@@ -59,39 +54,78 @@ FINALISTS = 4  # variants timed again over several weights after the screening
 TIMED_WEIGHTS = 4  # weights of a shape a finalist is timed over
 QUEUE_CYCLES = 200_000  # GPU clock cycles (~0.1 ms) queued ahead of each timed product
 
-_table: dict[tuple[int, int, torch.dtype], list[tuple[int, cublaslt.Algorithm]]] = {}
-_accepted: dict[tuple[int, int, int, torch.dtype, bytes, int | None], bool] = {}
-_exact: dict[tuple[int, int, int, torch.dtype], cublaslt.Algorithm] = {}  # decode sizes
 
+class GemmTable:
+    """The cuBLASLt algorithm chosen for each product shape and row count: filled by
+    :func:`tune` at warm-up, read by the linear layers (:meth:`run`). Empty: every
+    product through ``F.linear``."""
 
-@dataclass(frozen=True)
-class TunedProduct:
-    """What :func:`tune` measured for one weight shape at one row count.
+    def __init__(self) -> None:
+        # prefill sizes: (n, k, dtype) → [(rows, algorithm)], most rows first
+        self._table: dict[tuple[int, int, torch.dtype], list[tuple[int, cublaslt.Algorithm]]] = {}
+        # decode sizes: (rows, n, k, dtype) → algorithm
+        self._exact: dict[tuple[int, int, int, torch.dtype], cublaslt.Algorithm] = {}
+        self._accepted: dict[tuple[int, int, int, torch.dtype, bytes, int | None], bool] = {}
 
-    Attributes:
-        rows, n, k: the product ``[rows, k] @ [n, k].T``.
-        default_us: ``F.linear``'s µs per product.
-        best_us: the fastest cuBLASLt variant's µs per product.
-        algorithm: that variant, or None where none beat ``F.linear`` by :data:`MARGIN`
-            (then ``F.linear`` stays).
-        screened: how many variants were timed (0 for a result from the cache).
-        cached: whether it was taken from a :class:`TuningCache`.
-    """
+    def record(self, rows: int, n: int, k: int, dtype: torch.dtype,
+               algo: cublaslt.Algorithm) -> None:
+        """Run ``[rows, k] @ [n, k].T`` products through ``algo`` from now on (see
+        :meth:`lookup`)."""
+        if rows < MIN_ROWS:
+            self._exact[(rows, n, k, dtype)] = algo
+            return
+        entries = [e for e in self._table.get((n, k, dtype), []) if e[0] != rows]
+        self._table[(n, k, dtype)] = sorted([*entries, (rows, algo)], key=lambda e: -e[0])
 
-    rows: int
-    n: int
-    k: int
-    default_us: float
-    best_us: float
-    algorithm: cublaslt.Algorithm | None
-    screened: int
-    cached: bool = False
+    def lookup(self, m: int, n: int, k: int, dtype: torch.dtype,
+               device: int | None = None) -> cublaslt.Algorithm | None:
+        """The tuned algorithm for ``[m, k] @ [n, k].T``: below :data:`MIN_ROWS` the one kept
+        for exactly ``m`` rows; from there the one kept at the largest tuned row count
+        ``<= m``, if cuBLASLt accepts it for ``m`` rows on CUDA device ``device`` (None: the
+        current one); else None (use ``F.linear``)."""
+        if m < MIN_ROWS:
+            return self._exact.get((m, n, k, dtype))
+        entries = self._table.get((n, k, dtype))
+        if not entries:
+            return None
+        algo = next((a for rows, a in entries if rows <= m), None)
+        if algo is None:
+            return None
+        key = (m, n, k, dtype, algo.raw, device)
+        accepted = self._accepted.get(key)
+        if accepted is None:
+            accepted = cublaslt.accepts(m, n, k, dtype, algo, device=device)
+            if len(self._accepted) > 4096:
+                self._accepted.clear()
+            self._accepted[key] = accepted
+        return algo if accepted else None
 
-    def describe(self) -> str:
-        pick = self.algorithm.describe() if self.algorithm else "F.linear kept"
-        return (f"[{self.rows}, {self.k}] x [{self.n}, {self.k}]: F.linear "
-                f"{self.default_us:.0f} µs, best of {self.screened} variants "
-                f"{self.best_us:.0f} µs: {pick}")
+    def clear(self) -> None:
+        """Forget every tuned choice (products go back to ``F.linear``)."""
+        self._table.clear()
+        self._accepted.clear()
+        self._exact.clear()
+
+    def tuned(self) -> bool:
+        """Whether any product shape runs through a tuned algorithm."""
+        return bool(self._table or self._exact)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x @ weight.T`` through the tuned algorithm for its shape, or None where there is
+        none (2-D contiguous CUDA ``x`` only). Below :data:`MIN_ROWS` only while a CUDA graph
+        is being captured (the decode graphs): an eager product that small takes about as
+        long to launch from Python as to run, and ``F.linear`` launches faster. Products with
+        a ``bias`` are left to ``F.linear`` (its kernel adds the bias in its epilogue; the
+        tuning timed products without one)."""
+        if bias is not None or x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
+            return None
+        if x.shape[0] < MIN_ROWS and not torch.cuda.is_current_stream_capturing():
+            return None
+        algo = self.lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device.index)
+        if algo is None:
+            return None
+        return cublaslt.matmul(x, weight, algo)
 
 
 def row_counts(max_rows: int) -> list[int]:
@@ -154,25 +188,17 @@ def decode_anchors(rows: Sequence[int]) -> list[int]:
     return sorted({r for r in above if r & (r - 1) == 0} | set(above[-1:]))
 
 
-def _record(rows: int, n: int, k: int, dtype: torch.dtype, algo: cublaslt.Algorithm) -> None:
-    if rows < MIN_ROWS:
-        _exact[(rows, n, k, dtype)] = algo
-        return
-    entries = [e for e in _table.get((n, k, dtype), []) if e[0] != rows]
-    _table[(n, k, dtype)] = sorted([*entries, (rows, algo)], key=lambda e: -e[0])
-
-
 def _through(x: torch.Tensor, out: torch.Tensor,
              algo: cublaslt.Algorithm) -> Callable[[torch.Tensor], object]:
     return lambda w: cublaslt.matmul(x, w, algo, out)
 
 
 def _keep_fastest(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor],
-                  algos: Sequence[cublaslt.Algorithm], default_us: float
-                  ) -> tuple[float, cublaslt.Algorithm | None]:
+                  algos: Sequence[cublaslt.Algorithm], default_us: float,
+                  table: GemmTable | None) -> tuple[float, cublaslt.Algorithm | None]:
     """Time each of ``algos`` for ``x @ w.T`` over ``weights``; record the fastest for
-    this shape and row count if it beats ``default_us`` by :data:`MARGIN`. Returns its
-    µs per product and it, or None where it was not kept."""
+    this shape and row count in ``table`` (when given) if it beats ``default_us`` by
+    :data:`MARGIN`. Returns its µs per product and it, or None where it was not kept."""
     best_us, best = float("inf"), None
     for algo in algos:
         try:
@@ -183,8 +209,9 @@ def _keep_fastest(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor
             best_us, best = us, algo
     if best is None or best_us >= default_us * (1 - MARGIN):
         return best_us, None
-    n, k = weights[0].shape
-    _record(x.shape[0], n, k, x.dtype, best)
+    if table is not None:
+        n, k = weights[0].shape
+        table.record(x.shape[0], n, k, x.dtype, best)
     return best_us, best
 
 
@@ -194,12 +221,14 @@ def _inputs(rows: int, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch
     return x, torch.empty(rows, n, dtype=x.dtype, device=x.device)
 
 
-def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
+def tune_shape(rows: int, weights: list[torch.Tensor],
+               table: GemmTable | None = None) -> TunedProduct:
     """Time ``F.linear`` and the cuBLASLt variants for ``[rows, k] @ w.T`` over
     ``weights`` (same shape ``[n, k]``, dtype and device) and record the fastest
-    variant if it beats ``F.linear`` by :data:`MARGIN`. At decode sizes (fewer than
-    :data:`MIN_ROWS` rows) each variant is screened over several weights, so that a
-    weight small enough for the L2 cache is still read from HBM, as in a step.
+    variant in ``table`` (when given) if it beats ``F.linear`` by :data:`MARGIN`. At
+    decode sizes (fewer than :data:`MIN_ROWS` rows) each variant is screened over
+    several weights, so that a weight small enough for the L2 cache is still read from
+    HBM, as in a step.
 
     Raises:
         cublaslt.CublasLtError: if cuBLASLt's heuristic fails for this shape.
@@ -228,48 +257,24 @@ def tune_shape(rows: int, weights: list[torch.Tensor]) -> TunedProduct:
               for v in cublaslt.cluster_variants(rows, n, k, dtype, a, index)[1:]]
     screened = sorted(tiles + screen(shaped), key=lambda t: t[0])
     best_us, keep = _keep_fastest(x, out, timed, [a for _, a in screened[:FINALISTS]],
-                                  default_us)
+                                  default_us, table)
     return TunedProduct(rows, n, k, default_us, best_us, keep, len(screened))
 
 
-def choose_shape(rows: int, weights: list[torch.Tensor],
-                 algos: Sequence[cublaslt.Algorithm]) -> TunedProduct:
+def choose_shape(rows: int, weights: list[torch.Tensor], algos: Sequence[cublaslt.Algorithm],
+                 table: GemmTable | None = None) -> TunedProduct:
     """Time ``F.linear`` and each of ``algos`` (tuned at other row counts; those cuBLASLt
     rejects for ``rows`` are skipped) for ``[rows, k] @ w.T`` over ``weights``, and
-    record the fastest if it beats ``F.linear`` by :data:`MARGIN`."""
+    record the fastest in ``table`` (when given) if it beats ``F.linear`` by
+    :data:`MARGIN`."""
     n, k = weights[0].shape
     timed = weights[:TIMED_WEIGHTS]
     x, out = _inputs(rows, weights)
     default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
     usable = [a for a in algos
               if cublaslt.accepts(rows, n, k, x.dtype, a, device=x.device.index)]
-    best_us, keep = _keep_fastest(x, out, timed, usable, default_us)
+    best_us, keep = _keep_fastest(x, out, timed, usable, default_us, table)
     return TunedProduct(rows, n, k, default_us, best_us, keep, len(usable))
-
-
-CACHE_FORMAT = 2  # bump when the file's layout, a record's meaning or the search changes
-
-
-def cache_identity(device: torch.device) -> dict[str, Any]:
-    """What a tuning result depends on besides the shape: the GPU model (name, SMs,
-    compute capability), cuBLASLt's version (the meaning of an algorithm's bytes), CUDA
-    and PyTorch's versions (cuBLAS's own pick, the baseline)."""
-    props = torch.cuda.get_device_properties(device)
-    return {"format": CACHE_FORMAT, "device": props.name, "sms": props.multi_processor_count,
-            "capability": f"{props.major}.{props.minor}", "cublaslt": cublaslt.version(),
-            "cuda": torch.version.cuda, "torch": torch.__version__}
-
-
-def cache_file(directory: Path, identity: dict[str, Any]) -> Path:
-    """The file in ``directory`` for results measured under ``identity``: the device
-    name and a digest of the whole identity."""
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9]+", "-", str(identity.get("device", "gpu"))).strip("-")
-    return directory / f"{name}-{digest}.json"
-
-
-def _key(rows: int, n: int, k: int, dtype: torch.dtype) -> str:
-    return f"{rows},{n},{k},{str(dtype).removeprefix('torch.')}"
 
 
 def tunes(config: ShardConfig, device: torch.device, dtype: torch.dtype) -> bool:
@@ -277,122 +282,6 @@ def tunes(config: ShardConfig, device: torch.device, dtype: torch.dtype) -> bool
     or float16 weights."""
     return (config.gemm_tuning == "auto" and device.type == "cuda"
             and dtype in (torch.bfloat16, torch.float16))
-
-
-def cache_for(config: ShardConfig, device: torch.device, log: Any = None) -> TuningCache | None:
-    """The file of earlier warm-ups' tuning results for ``device``'s GPU and these
-    libraries, in ``--gemm-tuning-cache`` (``~`` expanded) or under
-    :func:`~shard.config.default_cache_dir` (None where cuBLASLt cannot be loaded: then
-    nothing is tuned; or no cache folder resolves: then nothing is kept, with a warning
-    on ``log``)."""
-    try:
-        identity = cache_identity(device)
-    except (OSError, AttributeError):
-        return None
-    try:
-        folder = (Path(config.gemm_tuning_cache).expanduser() if config.gemm_tuning_cache
-                  else default_cache_dir() / "gemm-tuning")
-        path = cache_file(folder, identity)
-    except RuntimeError as e:  # no cache folder configured and no home folder
-        if log is not None:
-            log.warning("GEMM tuning results not kept: {}", e)
-        return None
-    return TuningCache(path, identity, log)
-
-
-class TuningCache:
-    """Results of earlier warm-ups on this GPU model and library versions, one JSON file
-    (:func:`cache_file`), so that a restart reuses them instead of searching again (as
-    PyTorch's TunableOp keeps its results in a CSV file).
-
-    A file that is missing, unreadable or written under another identity counts as empty;
-    one that cannot be written is left alone: either way the server tunes as without a
-    cache (a warning is logged). Processes of one host (tensor-parallel ranks) merge
-    their results into the file on :meth:`save`; its replacement is atomic.
-    """
-
-    def __init__(self, path: Path, identity: dict[str, Any], log: Any = None) -> None:
-        self.path, self.identity, self.log = path, identity, log
-        self.records: dict[str, dict[str, Any]] = self._read()
-        self.added: set[str] = set()  # keys recorded since the last save
-
-    def _read(self) -> dict[str, dict[str, Any]]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            self._warn("unreadable, ignored", e)
-            return {}
-        if not isinstance(data, dict) or data.get("identity") != self.identity:
-            return {}
-        records = data.get("records")
-        return dict(records) if isinstance(records, dict) else {}
-
-    def _warn(self, what: str, error: Exception) -> None:
-        if self.log is not None:
-            self.log.warning("GEMM tuning cache {}: {} ({})", self.path, what, error)
-
-    def get(self, rows: int, n: int, k: int, dtype: torch.dtype) -> TunedProduct | None:
-        """The result recorded for this product, or None (not recorded, or malformed)."""
-        record = self.records.get(_key(rows, n, k, dtype))
-        if not isinstance(record, dict):
-            return None
-        try:
-            algo = record["algorithm"]
-            algorithm = None
-            if algo is not None:
-                raw = bytes.fromhex(algo["raw"])
-                if len(raw) != cublaslt.ALGO_BYTES:
-                    return None
-                algorithm = cublaslt.Algorithm(**{**algo, "raw": raw})
-            best = record["best_us"]
-            return TunedProduct(rows, n, k, float(record["default_us"]),
-                                float("inf") if best is None else float(best), algorithm, 0,
-                                cached=True)
-        except (AttributeError, KeyError, TypeError, ValueError):
-            return None
-
-    def put(self, result: TunedProduct, dtype: torch.dtype, search: str) -> None:
-        """Record ``result`` (``search``: how it was found, "full" or "choice" among
-        other row counts' winners; kept for whoever reads the file)."""
-        algo = result.algorithm
-        key = _key(result.rows, result.n, result.k, dtype)
-        self.records[key] = {
-            "default_us": result.default_us,
-            "best_us": result.best_us if result.best_us != float("inf") else None,
-            "algorithm": None if algo is None else {
-                **dataclasses.asdict(algo), "raw": algo.raw.hex()},
-            "search": search,
-        }
-        self.added.add(key)
-
-    def save(self) -> None:
-        """Write the records added since the last save over what the file holds now (other
-        processes' results kept), under an exclusive lock of a file beside it."""
-        if not self.added:
-            return
-        tmp = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                merged = {**self.records, **self._read(),
-                          **{key: self.records[key] for key in self.added}}
-                body = json.dumps({"identity": self.identity, "records": merged}, indent=1)
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
-                with os.fdopen(fd, "w") as f:
-                    f.write(body)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, self.path)
-                tmp = None
-        except OSError as e:
-            self._warn("not written", e)
-            return
-        finally:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-        self.records, self.added = merged, set()
 
 
 def _runs(rows: int, weights: list[torch.Tensor], algorithm: cublaslt.Algorithm) -> bool:
@@ -412,16 +301,17 @@ def _runs(rows: int, weights: list[torch.Tensor], algorithm: cublaslt.Algorithm)
 
 
 def _tuned(cache: TuningCache | None, rows: int, weights: list[torch.Tensor],
-           search: Callable[[], TunedProduct], kind: str) -> TunedProduct:
+           search: Callable[[], TunedProduct], kind: str, table: GemmTable) -> TunedProduct:
     """The result for ``rows`` x ``weights``' shape: from ``cache`` if recorded there and
-    its algorithm still runs (:func:`_runs`), else ``search()``'s (a ``kind`` search),
-    recorded into ``cache`` unless no variant could be timed."""
+    its algorithm still runs (:func:`_runs`; then recorded in ``table``), else
+    ``search()``'s (a ``kind`` search), recorded into ``cache`` unless no variant could be
+    timed."""
     n, k = weights[0].shape
     dtype = weights[0].dtype
     hit = cache.get(rows, n, k, dtype) if cache is not None else None
     if hit is not None and (hit.algorithm is None or _runs(rows, weights, hit.algorithm)):
         if hit.algorithm is not None:
-            _record(rows, n, k, dtype, hit.algorithm)
+            table.record(rows, n, k, dtype, hit.algorithm)
         return hit
     result = search()
     if cache is not None and result.screened and result.best_us != float("inf"):
@@ -439,12 +329,13 @@ def _by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int, torch.dty
     return by_shape
 
 
-def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
+def tune(table: GemmTable, weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
          decode_rows: Sequence[int] = (), decode_weights: Iterable[torch.Tensor] = (),
          cache: TuningCache | None = None,
          decode_elsewhere: Mapping[int, range] | None = None) -> list[TunedProduct]:
-    """Tune every distinct weight shape among ``weights`` (2-D contiguous CUDA bfloat16
-    or float16 tensors; others are skipped) at :func:`row_counts` of ``max_rows``, then
+    """Tune, into ``table``, every distinct weight shape among ``weights`` (2-D
+    contiguous CUDA bfloat16 or float16 tensors; others are skipped) at
+    :func:`row_counts` of ``max_rows``, then
     those shapes and ``decode_weights``' (the LM head's: it only ever sees one row per
     sequence) at the ``decode_rows`` above :data:`SKINNY_ROWS` (the decode CUDA graphs'
     batch sizes): in full at :func:`decode_anchors`, each other row count among the
@@ -476,7 +367,7 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
     def attempt(search: Callable[[], TunedProduct], rows: int, weights: list[torch.Tensor],
                 kind: str) -> TunedProduct | None:
         try:
-            result = _tuned(cache, rows, weights, search, kind)
+            result = _tuned(cache, rows, weights, search, kind, table)
         except cublaslt.CublasLtError as e:
             if log is not None:
                 log.warning("cuBLASLt tuning of {} rows x {} skipped: {}", rows,
@@ -491,14 +382,15 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
     with torch.cuda.device(device):  # the handle, workspace and timings on the weights' GPU
         for rows in row_counts(max_rows):
             for shape_weights in by_shape.values():
-                attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights, "full")
+                attempt(partial(tune_shape, rows, shape_weights, table), rows, shape_weights,
+                        "full")
         for shape_weights in decode_shapes.values():
             anchors, others = decode_plan(decode_rows,
                                           served_elsewhere(shape_weights, decode_elsewhere))
             kept: dict[int, cublaslt.Algorithm] = {}
             for rows in anchors:
-                result = attempt(partial(tune_shape, rows, shape_weights), rows, shape_weights,
-                                 "full")
+                result = attempt(partial(tune_shape, rows, shape_weights, table), rows,
+                                 shape_weights, "full")
                 if result is not None and result.algorithm is not None:
                     kept[rows] = result.algorithm
             for rows in others:  # the winners of the nearest anchors on either side
@@ -506,7 +398,7 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
                           min((r for r in anchors if r > rows), default=0)]
                 choices = [kept[r] for r in around if r in kept]
                 if choices:
-                    attempt(partial(choose_shape, rows, shape_weights, choices), rows,
+                    attempt(partial(choose_shape, rows, shape_weights, choices, table), rows,
                             shape_weights, "choice")
         torch.cuda.empty_cache()
     if cache is not None:
@@ -519,56 +411,3 @@ def tune(weights: Iterable[torch.Tensor], max_rows: int, log: Any = None,
                  sum(r.cached for r in results),
                  cache.path if cache is not None else "no cache")
     return results
-
-
-def lookup(m: int, n: int, k: int, dtype: torch.dtype,
-           device: int | None = None) -> cublaslt.Algorithm | None:
-    """The tuned algorithm for ``[m, k] @ [n, k].T``: below :data:`MIN_ROWS` the one kept
-    for exactly ``m`` rows; from there the one kept at the largest tuned row count
-    ``<= m``, if cuBLASLt accepts it for ``m`` rows on CUDA device ``device`` (None: the
-    current one); else None (use ``F.linear``)."""
-    if m < MIN_ROWS:
-        return _exact.get((m, n, k, dtype))
-    entries = _table.get((n, k, dtype))
-    if not entries:
-        return None
-    algo = next((a for rows, a in entries if rows <= m), None)
-    if algo is None:
-        return None
-    key = (m, n, k, dtype, algo.raw, device)
-    accepted = _accepted.get(key)
-    if accepted is None:
-        accepted = cublaslt.accepts(m, n, k, dtype, algo, device=device)
-        if len(_accepted) > 4096:
-            _accepted.clear()
-        _accepted[key] = accepted
-    return algo if accepted else None
-
-
-def clear() -> None:
-    """Forget every tuned choice (products go back to ``F.linear``)."""
-    _table.clear()
-    _accepted.clear()
-    _exact.clear()
-
-
-def tuned() -> bool:
-    """Whether any product shape runs through a tuned algorithm."""
-    return bool(_table or _exact)
-
-
-def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ weight.T`` through the tuned algorithm for its shape, or None where there is
-    none (2-D contiguous CUDA ``x`` only). Below :data:`MIN_ROWS` only while a CUDA graph
-    is being captured (the decode graphs): an eager product that small takes about as
-    long to launch from Python as to run, and ``F.linear`` launches faster. Products with
-    a ``bias`` are left to ``F.linear`` (its kernel adds the bias in its epilogue; the
-    tuning timed products without one)."""
-    if bias is not None or x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
-        return None
-    if x.shape[0] < MIN_ROWS and not torch.cuda.is_current_stream_capturing():
-        return None
-    algo = lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device.index)
-    if algo is None:
-        return None
-    return cublaslt.matmul(x, weight, algo)

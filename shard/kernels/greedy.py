@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 BLOCK = 4096  # logits per tile (a 49152-token vocabulary is 12 tiles)
 
@@ -47,12 +47,14 @@ def _greedy_kernel(logits_ptr, ids_ptr, logprobs_ptr, stride_row, vocab,
     tl.store(logprobs_ptr + row, -tl.log(total))
 
 
-def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy(logits: torch.Tensor, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax and its log-probability per row.
 
     Args:
         logits: [batch, vocab], float32/bfloat16/float16, last dim contiguous; -inf
             allowed (masked tokens), NaN not.
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         (token ids [batch] int64, logprobs [batch] float32).
@@ -63,5 +65,5 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
         _greedy_kernel[(batch,)](logits, ids, logprobs, logits.stride(0), vocab, BLOCK=BLOCK,
-                                 num_warps=8, **launch_options(logits.device))
+                                 num_warps=8, **launch_options(logits.device, pdl))
     return ids, logprobs

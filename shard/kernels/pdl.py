@@ -14,10 +14,12 @@ previous kernel, and a PDL kernel behind one starts only when it completes: the 
 is between our kernels. Stream capture records the launches as programmatic edges of the
 CUDA graph.
 
-On by default where it runs: an NVIDIA GPU (not ROCm) of compute capability 9.0 or more,
-Triton with ``triton.language.extra.cuda.gdc_wait``, kernels not run by Triton's
-interpreter. The shard's ``--pdl off`` (:func:`configure`, for the whole process) or
-:func:`pdl_disabled` turn it off.
+Whether a launch uses it is the caller's choice, held by the runner's
+:class:`~shard.kernels.choices.KernelChoices` (``--pdl auto``: on where it runs, an
+NVIDIA GPU (not ROCm) of compute capability 9.0 or more, Triton with
+``triton.language.extra.cuda.gdc_wait``, kernels not run by Triton's interpreter;
+``--pdl off``: never): each kernel wrapper takes ``pdl`` and passes
+:func:`launch_options` to its launch.
 
 Sources: CUDA C++ Programming Guide, "Programmatic Dependent Launch and
 Synchronization"; PTX ISA, ``griddepcontrol``.
@@ -25,18 +27,12 @@ Synchronization"; PTX ISA, ``griddepcontrol``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-
-_off = 0  # depth of pdl_disabled() contexts
-_configured_off = False  # --pdl off
 
 
 @triton.jit
@@ -69,42 +65,18 @@ def _supported(device_index: int) -> bool:
     return True
 
 
-def configure(mode: str, device: torch.device, log: Any = None) -> None:
-    """Set the mode of every launch in this process (the shard's ``--pdl``: ``"auto"`` or
-    ``"off"``) and log what it gives on ``device``."""
-    global _configured_off
-    _configured_off = mode == "off"
-    if log is not None:
-        on = enabled(device)
-        why = ("--pdl off" if _configured_off else "compute capability 9.0+" if on else
-               "not supported here: it needs an NVIDIA GPU of compute capability 9.0+ and "
-               "Triton's gdc_wait, outside Triton's interpreter")
-        log.info("programmatic dependent launch {} ({})", "on" if on else "off", why)
-
-
-def enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` now use PDL."""
-    if device.type != "cuda" or _off or _configured_off or _interpreted():
+def available(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` can use PDL (see the module doc)."""
+    if device.type != "cuda" or _interpreted():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index)
 
 
-def launch_options(device: torch.device) -> dict[str, bool]:
+def launch_options(device: torch.device, pdl: bool) -> dict[str, bool]:
     """Keyword arguments for a kernel launch on ``device``: ``USE_PDL`` (the kernel's
-    constexpr) and, when it is set, Triton's ``launch_pdl``."""
-    if enabled(device):
+    constexpr) and, when it is set (``pdl`` asked and :func:`available`), Triton's
+    ``launch_pdl``."""
+    if pdl and available(device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
-
-
-@contextlib.contextmanager
-def pdl_disabled() -> Iterator[None]:
-    """Kernels launched inside (and CUDA graphs captured inside) run without PDL: the
-    reference for tests and A/B benchmarks."""
-    global _off
-    _off += 1
-    try:
-        yield
-    finally:
-        _off -= 1

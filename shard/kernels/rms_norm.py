@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 # longer rows are left to the compiled op (every current model's are shorter)
 MAX_HIDDEN = 32768
@@ -57,7 +57,8 @@ def _rms_norm_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """RMSNorm (Zhang & Sennrich 2019) of ``x + residual`` (of ``x`` when ``residual``
     is None) with Hugging Face Llama's numerics; :func:`shard.layers.fused.add_rms_norm`
@@ -69,6 +70,8 @@ def add_rms_norm(
         residual: None, or x's shape and dtype with a contiguous last dim.
         weight: [hidden], x's dtype, contiguous.
         eps: added to the mean square.
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         (normalised row [num_tokens, hidden], the sum [num_tokens, hidden] or None
@@ -91,6 +94,6 @@ def add_rms_norm(
         _rms_norm_kernel[(num_tokens,)](
             x, r, weight, out, t, x.stride(0), r.stride(0), out.stride(0), t.stride(0),
             hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=max(1, min(16, block // 512)), **launch_options(x.device),
+            num_warps=max(1, min(16, block // 512)), **launch_options(x.device, pdl),
         )
     return out, total

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -30,12 +30,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
     tl.store(out_ptr + t * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """``[num_tokens, 2 * d] = [gate | up] → silu(gate) * up [num_tokens, d]``, x's
     dtype (:func:`shard.layers.fused.silu_and_mul` is the reference).
 
     Args:
         x: [num_tokens, 2 * d] (or any leading dims), last dim contiguous.
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
     """
     d = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])
@@ -44,6 +46,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
-            rows, out, rows.stride(0), out.stride(0), d, BLOCK=block, **launch_options(x.device)
+            rows, out, rows.stride(0), out.stride(0), d, BLOCK=block,
+            **launch_options(x.device, pdl),
         )
     return out.view(*x.shape[:-1], d)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 # the rows of x padded to one tensor-core tile: the most rows this kernel takes
 MAX_ROWS = 16
@@ -108,6 +108,8 @@ def skinny_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor | None:
     """``x @ weight.T + bias`` (``torch.nn.functional.linear``, the reference) for up to
     :data:`MAX_ROWS` rows, float32 accumulation.
@@ -118,6 +120,8 @@ def skinny_linear(
         weight: [out_features, in_features], x's dtype, last dim contiguous.
         bias: None or [out_features], x's dtype, contiguous.
         config: tiles and pipeline depth (default :func:`default_config`).
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         [num_tokens, out_features] in x's dtype; None when the inputs are not as above, or
@@ -140,6 +144,6 @@ def skinny_linear(
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl),
     )
     return out

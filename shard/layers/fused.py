@@ -5,14 +5,14 @@ kernels when eager (RMSNorm alone is six: cast, square, mean, rsqrt, multiply, c
 at small batch each costs a launch-sized slice of GPU time whatever its size. On CUDA
 each function below is compiled (Inductor, ``dynamic=True`` so one compilation serves
 every number of tokens) into one or two Triton kernels. Elsewhere, and as the reference
-the compiled versions are tested against, the same Python runs eagerly.
+the compiled versions are tested against, the same Python runs eagerly. These are also
+the references of our own kernels (:mod:`shard.kernels`), which the layers run instead
+where the runner's :class:`~shard.kernels.choices.KernelChoices` has them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -57,37 +57,6 @@ class _CudaCompiled:
 
 def cuda_compiled(fn: F_) -> F_:
     return _CudaCompiled(fn)  # type: ignore[return-value]
-
-
-_KERNELS: dict[str, Any] = {}
-_DISABLED: set[str] = set()
-
-
-def triton_kernel(module: str, name: str) -> Any | None:
-    """``module.name`` (a function of one of our Triton kernel modules), or None when
-    Triton does not import or the module is disabled (:func:`triton_kernels_disabled`).
-    Imported on the first call, not at module import, so that CPU-only installs never
-    import Triton."""
-    if module in _DISABLED:
-        return None
-    key = f"{module}.{name}"
-    if key not in _KERNELS:
-        try:
-            _KERNELS[key] = getattr(importlib.import_module(module), name)
-        except ImportError:
-            _KERNELS[key] = None
-    return _KERNELS[key]
-
-
-@contextlib.contextmanager
-def triton_kernels_disabled(module: str) -> Iterator[None]:
-    """Inside the block :func:`triton_kernel` answers None for ``module``'s functions, so
-    the layers run their references (tests and A/B measurements; not thread-safe)."""
-    _DISABLED.add(module)
-    try:
-        yield
-    finally:
-        _DISABLED.discard(module)
 
 
 @cuda_compiled

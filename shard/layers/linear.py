@@ -26,11 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, current_parallel
-from shard.layers import fused, gemm_tuning
+from shard.kernels.choices import KernelChoices, current_kernels
 from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
-
-# our Triton kernel for products of up to 16 rows (see _matmul)
-SKINNY = "shard.layers.skinny_gemm_kernel"
 
 WeightLoader = Callable[..., None]
 # (shard id or None, full checkpoint shape)
@@ -114,24 +111,24 @@ def _check_divisible(value: int, tp: ParallelContext, what: str) -> None:
 
 
 def _matmul(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+    bias: torch.Tensor | None, kernels: KernelChoices,
 ) -> torch.Tensor:
     """``x @ weight.T + bias``: through the oneDNN-packed copy of ``weight`` when there is
     one (see :func:`pack_cpu_weights`); on CUDA at up to 16 rows (decode at small batch,
-    short prefills) through our skinny GEMM kernel
-    (:mod:`shard.layers.skinny_gemm_kernel`), else through the cuBLASLt algorithm tuned
-    at warm-up for the shape and row count, if any (:mod:`shard.layers.gemm_tuning`);
-    else ``F.linear``."""
+    short prefills) through our skinny GEMM kernel (:mod:`shard.kernels.skinny_gemm`),
+    else through the cuBLASLt algorithm tuned at warm-up for the shape and row count, if
+    any (:mod:`shard.kernels.gemm_tuning`), as ``kernels`` has them; else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
     if x.is_cuda:
-        kernel = fused.triton_kernel(SKINNY, "skinny_linear")
-        skinny: torch.Tensor | None = kernel(x, weight, bias) if kernel is not None else None
+        kernel = kernels.skinny_linear
+        skinny = kernel(x, weight, bias, pdl=kernels.pdl) if kernel is not None else None
         if skinny is not None:  # None: rows or dtypes the kernel does not take
             return skinny
-        if gemm_tuning.tuned():
-            tuned = gemm_tuning.run(x, weight, bias)
+        if kernels.gemms.tuned():
+            tuned = kernels.gemms.run(x, weight, bias)
             if tuned is not None:
                 return tuned
     return F.linear(x, weight, bias)
@@ -139,12 +136,14 @@ def _matmul(
 
 class _ParallelLinearBase(nn.Module):
     """Common fields: ``weight [out_local, in_local]``, optional ``bias [out_local]``, and
-    ``packed_weight`` (set by :func:`pack_cpu_weights`), and ``tp``, the parallel
-    context the layer was built in."""
+    ``packed_weight`` (set by :func:`pack_cpu_weights`), ``tp``, the parallel context the
+    layer was built in, and ``kernels``, the kernel choices of the model it was built for
+    (:func:`~shard.kernels.choices.current_kernels`)."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: ParallelContext) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = current_kernels()
         self.packed_weight: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
@@ -185,7 +184,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         _copy(param.data, read_range(loaded, 0, self.tp.rank * rows, rows), "column slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.packed_weight, self.bias)
+        return _matmul(x, self.weight, self.packed_weight, self.bias, self.kernels)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -276,7 +275,7 @@ class RowParallelLinear(_ParallelLinearBase):
         _copy(param.data, read_range(loaded, 1, self.tp.rank * cols, cols), "row slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(_matmul(x, self.weight, self.packed_weight, None))
+        y = self.tp.all_reduce(_matmul(x, self.weight, self.packed_weight, None, self.kernels))
         return y if self.bias is None else y + self.bias
 
 
@@ -292,6 +291,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp = current_parallel()
+        self.kernels = current_kernels()  # the LM head's product (ParallelLMHead)
         self.vocab_size = vocab_size
         self.num_local = vocab_per_rank(vocab_size, self.tp.size)
         self.packed_weight: torch.Tensor | None = None  # used by ParallelLMHead only
@@ -325,7 +325,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor,
                 dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        logits = _matmul(hidden, self.weight, self.packed_weight, None)
+        logits = _matmul(hidden, self.weight, self.packed_weight, None, self.kernels)
         if dtype is not None:
             logits = logits.to(dtype)
         if self.tp.size == 1:

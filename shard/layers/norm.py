@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard.kernels.choices import current_kernels
 from shard.layers import fused
 from shard.layers.linear import default_weight_loader, set_weight_loader
 
@@ -24,6 +25,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = current_kernels()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         set_weight_loader(self.weight, default_weight_loader)
 
@@ -43,7 +45,7 @@ class RMSNorm(nn.Module):
 
         With ``residual`` (same shape and dtype) the residual add comes first and its
         sum is returned too: ``(norm(x + residual), x + residual)``, one kernel on CUDA
-        (our Triton kernel, :mod:`shard.layers.rms_norm_kernel`, for the rows it takes;
+        (our Triton kernel, :mod:`shard.kernels.rms_norm`, for the rows it takes;
         else the op compiled in :mod:`shard.layers.fused`).
         """
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not x.is_cuda:
@@ -52,12 +54,12 @@ class RMSNorm(nn.Module):
                 return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
             total = x + residual
             return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
-        if x.is_cuda:
-            kernel = fused.triton_kernel("shard.layers.rms_norm_kernel", "add_rms_norm")
-            result = kernel(x, residual, self.weight, self.eps) if kernel is not None else None
+        kernel = self.kernels.add_rms_norm
+        if x.is_cuda and kernel is not None:
+            result = kernel(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
             if result is not None:  # None: rows the kernel does not take
-                out, total = result
-                return out if total is None else (out, total)
+                out, summed = result
+                return out if summed is None else (out, summed)
         if residual is None:
             return fused.rms_norm(x, self.weight, self.eps)
         return fused.add_rms_norm(x, residual, self.weight, self.eps)

@@ -48,7 +48,7 @@ class CausalLM(Protocol):
         """Per weight whose product a fused kernel takes over at decode sizes, by the
         weight's ``data_ptr()``, the row counts (tokens) at which that product never
         runs as a matrix product; weights always multiplied are left out. The warm-up's
-        GEMM tuning skips those products (:func:`shard.layers.gemm_tuning.tune`'s
+        GEMM tuning skips those products (:func:`shard.kernels.gemm_tuning.tune`'s
         ``decode_elsewhere``)."""
         ...
 

@@ -14,7 +14,6 @@ Forward works on flattened tokens (no padding): ``input_ids [num_tokens]``,
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from shard.attention.base import AttentionBackend
 from shard.attention.layer import Attention
 from shard.attention.metadata import AttentionMetadata
-from shard.layers import fused
+from shard.kernels.choices import current_kernels, gate_up_silu_rows
 from shard.layers.activation import SiluAndMul
 from shard.layers.linear import (
     MergedColumnParallelLinear,
@@ -35,9 +34,6 @@ from shard.layers.linear import (
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
 from shard.models.config import ModelConfig
-
-# our Triton kernel for gate/up with SwiGLU's activation (see LlamaMLP)
-GATE_UP_SILU = "shard.layers.gate_up_silu_kernel"
 
 # (cos, sin) of the tokens' rotary angles, each [num_tokens, 1, head_dim]
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -94,8 +90,9 @@ class LlamaMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate/up fused.
 
     On CUDA, at decode batches of 1 to 128 tokens, the gate/up product
-    and the activation run as one Triton kernel (:mod:`shard.layers.gate_up_silu_kernel`);
-    elsewhere as the projection then :class:`SiluAndMul`.
+    and the activation run as one Triton kernel (:mod:`shard.kernels.gate_up_silu`,
+    where the model's kernel choices have it); elsewhere as the projection then
+    :class:`SiluAndMul`.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -107,16 +104,17 @@ class LlamaMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
         self.act_fn = SiluAndMul()
+        self.kernels = current_kernels()
 
     def _fused_kernel(self) -> Any | None:
         """The fused gate/up + SwiGLU kernel's function where it can run for this layer
-        (a CUDA weight without a bias or a packed CPU copy, Triton importable, the kernel
-        not disabled), else None."""
+        (a CUDA weight without a bias or a packed CPU copy, the kernel in the model's
+        choices and not disabled), else None."""
         gate_up = self.gate_up_proj
         if not gate_up.weight.is_cuda or gate_up.bias is not None \
                 or gate_up.packed_weight is not None:
             return None
-        return fused.triton_kernel(GATE_UP_SILU, "gate_up_silu")
+        return self.kernels.gate_up_silu
 
     def fused_decode_rows(self) -> range:
         """Row counts whose gate/up product and activation run as the fused kernel (its
@@ -125,15 +123,13 @@ class LlamaMLP(nn.Module):
         these sizes."""
         if self._fused_kernel() is None:
             return range(0)
-        kernel_module = importlib.import_module(GATE_UP_SILU)  # imported by _fused_kernel
-        if self.gate_up_proj.weight.dtype not in kernel_module.DTYPES:
-            return range(0)
-        return range(kernel_module.MIN_ROWS, kernel_module.MAX_ROWS + 1)
+        return gate_up_silu_rows(self.gate_up_proj.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._fused_kernel()
         if kernel is not None:
-            act: torch.Tensor | None = kernel(x, self.gate_up_proj.weight)
+            act: torch.Tensor | None = kernel(x, self.gate_up_proj.weight,
+                                              pdl=self.kernels.pdl)
             if act is not None:  # None: rows or dtypes the kernel does not take
                 return self.down_proj(act)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -143,7 +139,7 @@ def fused_decode_rows(model: Any) -> dict[int, range]:
     """Per gate/up weight of ``model`` (anything with ``modules()``), by its
     ``data_ptr()``, the row counts whose gate/up product never runs, the fused kernel
     taking them (:meth:`LlamaMLP.fused_decode_rows`; weights where it does not run are
-    left out): ``gemm_tuning.tune``'s ``decode_elsewhere``."""
+    left out): :func:`shard.kernels.gemm_tuning.tune`'s ``decode_elsewhere``."""
     return {m.gate_up_proj.weight.data_ptr(): rows
             for m in model.modules() if isinstance(m, LlamaMLP)
             if (rows := m.fused_decode_rows())}

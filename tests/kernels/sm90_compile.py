@@ -6,11 +6,12 @@ kernels' Python directly and accepts code the GPU compiler rejects; this runs th
 front end and back end (TTIR → TTGIR → LLVM → PTX → cubin) instead. Run it without
 ``TRITON_INTERPRET``: ``python -m tests.kernels.sm90_compile``. Prints one line per
 distinct launch, ``compiled <kernel> <constexprs>`` or ``FAILED <kernel>: <error>``, and
-exits 1 if any failed. The wrappers run twice, as :func:`shard.pdl.launch_options`
-launches without and with programmatic dependent launch (on an sm_90 GPU): every launch
-must carry ``USE_PDL`` and Triton's ``launch_pdl`` as that mode gives them, and with PDL
-each kernel's PTX must wait for the previous grid (``griddepcontrol.wait``) before its
-first global memory access, the rule that makes the launch safe (see shard/pdl.py).
+exits 1 if any failed. The wrappers run twice, asked to launch without and with
+programmatic dependent launch (``pdl``; :func:`shard.kernels.pdl.launch_options` as on
+an sm_90 GPU): every launch must carry ``USE_PDL`` and Triton's ``launch_pdl`` as asked,
+and with PDL each kernel's PTX must wait for the previous grid (``griddepcontrol.wait``)
+before its first global memory access, the rule that makes the launch safe (see
+shard/kernels/pdl.py).
 
 The signature is built from the launch's arguments the way Triton's binder types them
 (tensors as pointers of their dtype, ints as i32 or i64, floats as fp32), without its
@@ -20,6 +21,7 @@ value specialisations (divisibility by 16, ints equal to 1), which change only h
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -102,66 +104,69 @@ def capture_launches(run_wrappers: Any) -> list[Launch]:
     return launches
 
 
-def _run_wrappers() -> None:
+def _run_wrappers(pdl: bool) -> None:
+    """Every wrapper of ours on small bf16 problems, each asked for ``pdl``."""
     from shard.attention.triton_backend import TritonAttentionBackend
-    from shard.attention.triton_kernels import (
+    from shard.kernels.attention import (
         DecodeConfig,
         decode_attention,
         prefill_attention,
         rope_write,
     )
-    from shard.greedy_kernel import greedy
-    from shard.layers.gate_up_silu_kernel import gate_up_silu
-    from shard.layers.rms_norm_kernel import add_rms_norm
-    from shard.layers.silu_mul_kernel import silu_and_mul
-    from shard.layers.skinny_gemm_kernel import skinny_linear
+    from shard.kernels.choices import KernelChoices
+    from shard.kernels.gate_up_silu import gate_up_silu
+    from shard.kernels.greedy import greedy
+    from shard.kernels.rms_norm import add_rms_norm
+    from shard.kernels.silu_mul import silu_and_mul
+    from shard.kernels.skinny_gemm import skinny_linear
     from tests.kernels.paged_cases import make_case, run_backend
 
     bf16 = torch.bfloat16
     for seq_lens, q_lens in (([40, 7], [1, 1]), ([40, 7], [30, 7])):  # decode, prefill
         case = make_case(seq_lens, q_lens, 32, 8, 128, dtype=bf16)
-        run_backend(TritonAttentionBackend(), case, case.fresh_cache())
+        run_backend(TritonAttentionBackend(KernelChoices(pdl=pdl)), case, case.fresh_cache())
     # prefill with the new K/V beside the cache, as views of a QKV output
     md = case.metadata
     new_kv = torch.randn(md.num_tokens, 2, 8, 128, dtype=bf16).unbind(1)
     prefill_attention(case.q, case.cache.key, case.cache.value, md.block_tables,
                       md.cu_seqlens_q, md.seq_lens, md.max_seqlen_q, case.scale,
-                      new_kv=(new_kv[0], new_kv[1]))
+                      new_kv=(new_kv[0], new_kv[1]), pdl=pdl)
     case = make_case([300], [1], 32, 8, 128, dtype=bf16)  # split KV and the combine
     decode_attention(case.q, case.cache.key, case.cache.value, case.metadata.block_tables,
                      case.metadata.seq_lens, 300, case.scale,
-                     config=DecodeConfig(block_n=64, target_programs=10**4))
+                     config=DecodeConfig(block_n=64, target_programs=10**4), pdl=pdl)
     qkv = torch.randn(2, 48 * 128, dtype=bf16)
     cos = sin = torch.randn(2, 128, dtype=bf16)
     weight = torch.ones(128, dtype=bf16)
     for norms, k_in_place in itertools.product(((), (weight, weight)), (False, True)):
         rope_write(qkv, 32, 8, cos, sin, case.cache.key, case.cache.value,
-                   torch.tensor([0, 1]), *norms, k_in_place=k_in_place)
-    silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf16))
+                   torch.tensor([0, 1]), *norms, k_in_place=k_in_place, pdl=pdl)
+    silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf16), pdl=pdl)
     rows = torch.randn(3, 4096, dtype=bf16)
     for residual in (None, rows):
-        add_rms_norm(rows, residual, torch.ones(4096, dtype=bf16), 1e-5)
-    greedy(torch.randn(2, 5000))
+        add_rms_norm(rows, residual, torch.ones(4096, dtype=bf16), 1e-5, pdl=pdl)
+    greedy(torch.randn(2, 5000), pdl=pdl)
     # each default tile size (o/down, qkv, gate_up/LM head), with a bias, and capped tiles
     for m, n, bias in ((16, 4096, False), (1, 6144, False), (5, 6144, True), (1, 28672, False)):
         skinny_linear(torch.empty(m, 4096, dtype=bf16), torch.empty(n, 4096, dtype=bf16),
-                      torch.empty(n, dtype=bf16) if bias else None)
-    skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16))
+                      torch.empty(n, dtype=bf16) if bias else None, pdl=pdl)
+    skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16), pdl=pdl)
     for rows in (1, 32, 128):  # the three default configurations, the 8B-shaped model's gate/up
-        gate_up_silu(torch.empty(rows, 4096, dtype=bf16), torch.empty(2 * 14336, 4096, dtype=bf16))
+        gate_up_silu(torch.empty(rows, 4096, dtype=bf16),
+                     torch.empty(2 * 14336, 4096, dtype=bf16), pdl=pdl)
 
 
 @contextlib.contextmanager
-def _pdl_enabled(on: bool) -> Iterator[None]:
-    """:func:`shard.pdl.launch_options` as on an sm_90 GPU (``on``) or without PDL."""
-    from shard import pdl
+def _as_on_sm90() -> Iterator[None]:
+    """:func:`shard.kernels.pdl.launch_options` as on an sm_90 GPU: PDL where asked."""
+    from shard.kernels import pdl
 
-    original = pdl.enabled
-    pdl.enabled = lambda device: on  # type: ignore[assignment]
+    original = pdl.available
+    pdl.available = lambda device: True  # type: ignore[assignment]
     try:
         yield
     finally:
-        pdl.enabled = original  # type: ignore[assignment]
+        pdl.available = original  # type: ignore[assignment]
 
 
 def main() -> int:
@@ -171,15 +176,15 @@ def main() -> int:
     failed, seen = 0, set()
     launches = []
     for pdl_on in (False, True):
-        with _pdl_enabled(pdl_on):
-            for kernel, bound in capture_launches(_run_wrappers):
+        with _as_on_sm90():
+            for kernel, bound in capture_launches(functools.partial(_run_wrappers, pdl_on)):
                 launches.append((kernel, bound))
                 if (bound.get("USE_PDL") is not pdl_on
                         or bool(bound.get("launch_pdl", False)) is not pdl_on):
                     failed += 1
                     print(f"FAILED {kernel.__name__}: launched with USE_PDL="
                           f"{bound.get('USE_PDL')}, launch_pdl={bound.get('launch_pdl')} "
-                          f"while launch_options gives PDL {'on' if pdl_on else 'off'}")
+                          f"while the wrapper was asked for PDL {'on' if pdl_on else 'off'}")
     for kernel, bound in launches:
         constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
         key = (kernel.__name__, repr(sorted(constexprs.items())),

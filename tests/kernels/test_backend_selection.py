@@ -146,7 +146,7 @@ def test_info_reports_the_backend_block_size(
     # flash_attn "runs" on this CPU for the test: only selection and sizing are checked.
     # NOTE: no fake module in sys.modules here: transformers probes flash_attn's spec.
     monkeypatch.setattr(FlashAttnBackend, "supports", classmethod(lambda c, s: (True, "fake")))
-    monkeypatch.setattr(FlashAttnBackend, "__init__", lambda self: None)
+    monkeypatch.setattr(FlashAttnBackend, "__init__", lambda self, kernels=None: None)
     config = ShardConfig(
         model_path=str(tmp_path), device="cpu", dtype="float32", block_size=16,
         attention_backend="flash_attn",

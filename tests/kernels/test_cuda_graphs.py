@@ -35,10 +35,14 @@ def test_parse_buckets() -> None:
         parse_buckets("0,4", 64)
 
 
-def _runner(folder: Path, dtype: str, graphs: str, max_batch_size: int = 8) -> ModelRunner:
+def _runner(folder: Path, dtype: str, graphs: str, max_batch_size: int = 8,
+            pdl: str = "auto", without: tuple[str, ...] = ()) -> ModelRunner:
+    """A warmed-up runner; ``without``: kernels of ours it never runs (its choices')."""
     runner = ModelRunner(ShardConfig(model_path=str(folder), device="cuda", dtype=dtype,
                                      block_size=4, attention_backend="triton",
-                                     cuda_graphs=graphs, gpu_memory_fraction=0.2))
+                                     cuda_graphs=graphs, gpu_memory_fraction=0.2, pdl=pdl))
+    for name in without:
+        setattr(runner.kernels, name, None)
     runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512,
                   max_batch_size=max_batch_size)
     return runner
@@ -63,15 +67,14 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
 
 @needs_cuda
 def test_graph_replay_gives_eager_tokens_fp32(tmp_path: Path) -> None:
-    pdl = pytest.importorskip("shard.pdl")  # imports Triton
+    pytest.importorskip("triton")
     from tests.unit.shard.helpers import PROMPTS, make_hf_model
 
     make_hf_model("llama", tmp_path)
     prompts = PROMPTS + [p[::-1] for p in PROMPTS[2:]]  # 6 rows → bucket 8, then 5
-    with pdl.pdl_disabled():
-        eager_runner = _runner(tmp_path, "float32", "0")
-        assert eager_runner.graphs is None
-        eager = _greedy(eager_runner, prompts, 24)
+    eager_runner = _runner(tmp_path, "float32", "0", pdl="off")
+    assert eager_runner.graphs is None
+    eager = _greedy(eager_runner, prompts, 24)
     del eager_runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -107,20 +110,21 @@ def _graph_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
 def test_pdl_graph_logits_equal_without_pdl_bf16(tmp_path: Path) -> None:
     """The same kernels launched with programmatic dependent launch compute the same
     bits: a kernel that read its input before the previous one finished would not."""
-    pdl = pytest.importorskip("shard.pdl")  # imports Triton
+    pdl = pytest.importorskip("shard.kernels.pdl")  # imports Triton
     from tests.unit.shard.helpers import PROMPTS, make_hf_model
 
-    if not pdl.enabled(torch.device("cuda")):
+    if not pdl.available(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch here (needs sm_90 and Triton's gdc)")
     make_hf_model("llama", tmp_path)
     prompts = PROMPTS + [p[::-1] for p in PROMPTS[2:]]  # 6 rows: bucket 8, skinny GEMMs
-    with pdl.pdl_disabled():
-        plain_runner = _runner(tmp_path, "bfloat16", "auto")
-        plain = _graph_logits(plain_runner, prompts, 12)
+    plain_runner = _runner(tmp_path, "bfloat16", "auto", pdl="off")
+    assert not plain_runner.kernels.pdl
+    plain = _graph_logits(plain_runner, prompts, 12)
     del plain_runner
     gc.collect()
     torch.cuda.empty_cache()
     runner = _runner(tmp_path, "bfloat16", "auto")
+    assert runner.kernels.pdl
     with_pdl = _graph_logits(runner, prompts, 12)
     print(f"\nGPU-CHECK pdl vs plain bf16 logits max diff "
           f"{(with_pdl - plain).abs().max().item():.3e}")
@@ -157,9 +161,8 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
     product of the graph is a cuBLASLt one."""
     pytest.importorskip("triton")
     from shard.decode_state import DecodeRows
-    from shard.layers import cublaslt, fused, gemm_tuning
+    from shard.kernels import cublaslt, gemm_tuning
     from shard.layers.linear import linear_weights, lm_head_weights
-    from shard.models.llama import GATE_UP_SILU
     from tests.unit.shard.helpers import make_hf_model
 
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
@@ -173,26 +176,23 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(cublaslt, "matmul", counting)
     make_hf_model("llama", tmp_path)
-    with fused.triton_kernels_disabled(GATE_UP_SILU):
-        try:
-            runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32)
-            assert runner.graphs is not None and 32 in runner.graphs.buckets
-            products = linear_weights(runner.model) + lm_head_weights(runner.model)
-            for w in products:
-                assert gemm_tuning.lookup(32, *w.shape, torch.bfloat16) is not None
-                assert gemm_tuning.lookup(20, *w.shape, torch.bfloat16) is None
-            # the 32-row graph runs every product through its tuned algorithm, no other does
-            assert captured and set(captured) == {32} and len(captured) % len(products) == 0
-            torch.manual_seed(0)
-            contexts = [3 + (7 * i) % 29 for i in range(20)]
-            tables = [list(range(8 * i, 8 * i + 8)) for i in range(20)]  # 32 tokens each
-            rows = DecodeRows.build(list(range(1, 21)), contexts, tables, torch.device("cuda"))
-            with torch.inference_mode():
-                graphed = runner.graphs.run(rows).clone()
-                inputs = rows.model_inputs(runner.block_size, max(contexts) + 1)
-                eager = runner.model.compute_logits(runner.forward(inputs))
-        finally:
-            gemm_tuning.clear()
+    runner = _runner(tmp_path, "bfloat16", "auto", max_batch_size=32, without=("gate_up_silu",))
+    assert runner.graphs is not None and 32 in runner.graphs.buckets
+    products = linear_weights(runner.model) + lm_head_weights(runner.model)
+    table = runner.kernels.gemms
+    for w in products:
+        assert table.lookup(32, *w.shape, torch.bfloat16) is not None
+        assert table.lookup(20, *w.shape, torch.bfloat16) is None
+    # the 32-row graph runs every product through its tuned algorithm, no other does
+    assert captured and set(captured) == {32} and len(captured) % len(products) == 0
+    torch.manual_seed(0)
+    contexts = [3 + (7 * i) % 29 for i in range(20)]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(20)]  # 32 tokens each
+    rows = DecodeRows.build(list(range(1, 21)), contexts, tables, torch.device("cuda"))
+    with torch.inference_mode():
+        graphed = runner.graphs.run(rows).clone()
+        inputs = rows.model_inputs(runner.block_size, max(contexts) + 1)
+        eager = runner.model.compute_logits(runner.forward(inputs))
     err = ((graphed - eager).norm() / eager.norm()).item()
     print(f"\nGPU-CHECK graph (tuned products) vs eager bf16 logits rel_err={err:.2e}")
     assert err < 2e-2
@@ -205,7 +205,7 @@ def test_rows_the_fused_gate_up_kernel_takes_are_not_tuned(tmp_path: Path, monke
     model's LM head (128 x 64) does not share gate/up's shape (256 x 64), as the untied
     one's would (a shared shape is tuned for the LM head)."""
     pytest.importorskip("triton")
-    from shard.layers import gemm_tuning
+    from shard.kernels import gemm_tuning
     from shard.layers.linear import lm_head_weights
     from shard.models.llama import LlamaMLP
     from tests.unit.shard.helpers import make_hf_model
@@ -219,12 +219,11 @@ def test_rows_the_fused_gate_up_kernel_takes_are_not_tuned(tmp_path: Path, monke
         gate_up = mlp.gate_up_proj.weight.shape
         qkv = runner.model.model.layers[0].self_attn.qkv_proj.weight.shape
         assert gate_up not in {w.shape for w in lm_head_weights(runner.model)}
-        assert gemm_tuning.lookup(32, *gate_up, torch.bfloat16) is None
-        assert gemm_tuning.lookup(32, *qkv, torch.bfloat16) is not None
+        assert runner.kernels.gemms.lookup(32, *gate_up, torch.bfloat16) is None
+        assert runner.kernels.gemms.lookup(32, *qkv, torch.bfloat16) is not None
     finally:
         del runner
         gc.collect()
-        gemm_tuning.clear()
 
 
 @needs_cuda

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from shard.decode_inputs_kernel import BLOCK_W, fill_decode_inputs, fill_decode_inputs_torch
+from shard.kernels.decode_inputs import BLOCK_W, fill_decode_inputs, fill_decode_inputs_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

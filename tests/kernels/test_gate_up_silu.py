@@ -15,15 +15,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from shard.layers import fused
-from shard.layers.gate_up_silu_kernel import (
+from shard.kernels.gate_up_silu import (
     MAX_ROWS,
     MIN_ROWS,
     GateUpConfig,
     default_config,
     gate_up_silu,
 )
-from shard.models.llama import GATE_UP_SILU
+from shard.layers import fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -99,24 +98,24 @@ def test_model_logits_with_and_without_the_fused_mlp_bf16(
 
     from shard.config import ShardConfig
     from shard.decode_state import DecodeRows
-    from shard.layers import gate_up_silu_kernel
+    from shard.kernels import gate_up_silu as kernel_module
     from shard.model_runner import ModelRunner
     from tests.unit.shard.helpers import make_hf_model
 
     launches: list[int] = []  # rows of each product the kernel took
-    launch = gate_up_silu_kernel.gate_up_silu
+    launch = kernel_module.gate_up_silu
 
-    def counted(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        out = launch(x, weight)
+    def counted(x: torch.Tensor, weight: torch.Tensor, *, pdl: bool) -> torch.Tensor | None:
+        out = launch(x, weight, pdl=pdl)
         if out is not None:
             launches.append(x.shape[0])
         return out
 
-    monkeypatch.setitem(fused._KERNELS, f"{GATE_UP_SILU}.gate_up_silu", counted)
     make_hf_model("llama", tmp_path)
     runner = ModelRunner(ShardConfig(model_path=str(tmp_path), device="cuda",
                                      dtype="bfloat16", block_size=4, attention_backend="triton",
                                      cuda_graphs="0", gpu_memory_fraction=0.2))
+    monkeypatch.setattr(runner.kernels, "gate_up_silu", counted)
     try:
         runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=32)
         generator = torch.Generator().manual_seed(0)
@@ -130,7 +129,7 @@ def test_model_logits_with_and_without_the_fused_mlp_bf16(
             got = runner.model.compute_logits(runner.forward(inputs))
             layers = runner.model.config.num_hidden_layers  # type: ignore[attr-defined]
             assert launches == [rows] * layers
-            with fused.triton_kernels_disabled(GATE_UP_SILU):
+            with runner.kernels.disabled("gate_up_silu"):
                 want = runner.model.compute_logits(runner.forward(inputs))
             assert len(launches) == layers  # none without the kernel
     finally:

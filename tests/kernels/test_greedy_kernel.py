@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from shard.greedy_kernel import BLOCK, greedy
+from shard.kernels.greedy import BLOCK, greedy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,9 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from shard.layers import fused
-from shard.layers.linear import SKINNY
-from shard.layers.skinny_gemm_kernel import (
+from shard.kernels.skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     default_config,
@@ -103,24 +101,25 @@ def test_model_logits_with_and_without_skinny_kernels_bf16(
 
     from shard.config import ShardConfig
     from shard.decode_state import DecodeRows
-    from shard.layers import skinny_gemm_kernel
+    from shard.kernels import skinny_gemm
     from shard.model_runner import ModelRunner
     from tests.unit.shard.helpers import make_hf_model
 
     launches: list[int] = []  # out_features of each product the kernel took
-    launch = skinny_gemm_kernel.skinny_linear
+    launch = skinny_gemm.skinny_linear
 
-    def counted(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor | None:
-        out = launch(x, weight, *args)  # type: ignore[arg-type]
+    def counted(x: torch.Tensor, weight: torch.Tensor, *args: object,
+                pdl: bool) -> torch.Tensor | None:
+        out = launch(x, weight, *args, pdl=pdl)  # type: ignore[arg-type]
         if out is not None:  # the kernel took the product
             launches.append(weight.shape[0])
         return out
 
-    monkeypatch.setitem(fused._KERNELS, f"{SKINNY}.skinny_linear", counted)
     make_hf_model("llama", tmp_path)
     runner = ModelRunner(ShardConfig(model_path=str(tmp_path), device="cuda",
                                      dtype="bfloat16", block_size=4, attention_backend="triton",
                                      cuda_graphs="0", gpu_memory_fraction=0.2))
+    monkeypatch.setattr(runner.kernels, "skinny_linear", counted)
     try:
         runner.warmup(max_batch_prefill_tokens=256, max_total_tokens=512, max_batch_size=8)
         rows = DecodeRows.build([5, 9, 13], [7, 30, 2],
@@ -135,7 +134,7 @@ def test_model_logits_with_and_without_skinny_kernels_bf16(
             per_layer = [qkv, cfg.hidden_size, cfg.hidden_size]
             layers = cfg.num_hidden_layers
             assert launches == per_layer * layers + [cfg.vocab_size]  # and the LM head
-            with fused.triton_kernels_disabled(SKINNY):
+            with runner.kernels.disabled("skinny_linear"):
                 want = runner.model.compute_logits(runner.forward(inputs))
             assert len(launches) == 3 * layers + 1  # none without the kernels
     finally:

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from shard.attention.layer import Attention
 from shard.attention.torch_backend import TorchAttentionBackend
 from shard.attention.triton_backend import TritonAttentionBackend
-from shard.attention.triton_kernels import (
+from shard.kernels.attention import (
     DecodeConfig,
     PrefillConfig,
     decode_attention,
@@ -20,11 +20,11 @@ from shard.attention.triton_kernels import (
     rope_write,
     write_kv_cache,
 )
+from shard.kernels.rms_norm import add_rms_norm
+from shard.kernels.silu_mul import silu_and_mul
 from shard.layers import fused
 from shard.layers.norm import RMSNorm
-from shard.layers.rms_norm_kernel import add_rms_norm
 from shard.layers.rotary import RotaryEmbedding
-from shard.layers.silu_mul_kernel import silu_and_mul
 from shard.models.config import RopeConfig
 from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
@@ -191,13 +191,13 @@ def test_fused_rope_write_matches_the_unfused_layer(
     outs, caches = [], []
     triton_backend = TritonAttentionBackend()
     sources: list[bool] = []
-    prefill = triton_backend._kernels.prefill_attention
+    prefill = triton_backend._attention.prefill_attention
 
     def spy(*args, new_kv=None, **kwargs):  # type: ignore[no-untyped-def]
         sources.append(new_kv is not None)
         return prefill(*args, new_kv=new_kv, **kwargs)
 
-    monkeypatch.setattr(triton_backend._kernels, "prefill_attention", spy)
+    monkeypatch.setattr(triton_backend._attention, "prefill_attention", spy)
     for backend in (triton_backend, TorchAttentionBackend()):
         layer = Attention(backend, heads, KV_HEADS, head_dim, case.scale)
         layer.kv_cache = case.fresh_cache()

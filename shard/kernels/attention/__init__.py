@@ -10,10 +10,10 @@ All kernels read the cache layout ``[num_blocks, block_size, num_kv_heads, head_
 ``TRITON_INTERPRET=1`` (tests).
 """
 
-from shard.attention.triton_kernels.cache_write import write_kv_cache
-from shard.attention.triton_kernels.decode import DecodeConfig, decode_attention
-from shard.attention.triton_kernels.prefill import PrefillConfig, prefill_attention
-from shard.attention.triton_kernels.rope_write import rope_write
+from shard.kernels.attention.cache_write import write_kv_cache
+from shard.kernels.attention.decode import DecodeConfig, decode_attention
+from shard.kernels.attention.prefill import PrefillConfig, prefill_attention
+from shard.kernels.attention.rope_write import rope_write
 
 __all__ = [
     "DecodeConfig",

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -50,6 +50,8 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Store ``k``/``v`` of each new token at its cache slot, skipping slots < 0.
 
@@ -63,6 +65,8 @@ def write_kv_cache(
             in its own dtype.
         value_cache: like ``key_cache``.
         slot_mapping: [num_tokens] int64 slot of each token; < 0 means "do not write".
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "cache must be contiguous"
@@ -83,5 +87,5 @@ def write_kv_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         ELEMS_PAD=triton.next_power_of_2(num_kv_heads * head_dim),
-        **launch_options(k.device),
+        **launch_options(k.device, pdl),
     )

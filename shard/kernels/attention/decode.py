@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 
@@ -210,6 +210,8 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One decode step: each sequence's single query attends to its whole paged context.
 
@@ -224,6 +226,8 @@ def decode_attention(
         scale: softmax scale (usually head_dim ** -0.5).
         out: optional [batch, num_heads, head_dim] output buffer.
         config: launch parameters (defaults: :class:`DecodeConfig`).
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype.
@@ -245,7 +249,7 @@ def decode_attention(
         part_lse = torch.empty(rows, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
-    pdl = launch_options(q.device)
+    launch = launch_options(q.device, pdl)
     grid = (num_kv_heads, batch) if config.heads_first else (batch, num_kv_heads)
     _decode_kernel[(*grid, splits)](
         q,
@@ -277,7 +281,7 @@ def decode_attention(
         HEADS_FIRST=config.heads_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl,
+        **launch,
     )
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](
@@ -291,6 +295,6 @@ def decode_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-            **pdl,
+            **launch,
         )
     return out

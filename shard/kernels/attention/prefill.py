@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.attention.triton_kernels.decode import LOG2E
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.attention.decode import LOG2E
+from shard.kernels.pdl import launch_options, pdl_start
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of new tokens over their paged contexts.
 
@@ -198,6 +200,8 @@ def prefill_attention(
             output), the new tokens' keys (rotated) and values: attention reads them
             instead of the cache. Only for steps where no sequence has a cached prefix
             (``seq_lens`` equal to the new-token counts; not checked, a host read).
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         [num_tokens, num_heads, head_dim] in q's dtype.
@@ -247,6 +251,6 @@ def prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch_options(q.device),
+        **launch_options(q.device, pdl),
     )
     return out

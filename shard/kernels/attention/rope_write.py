@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import launch_options, pdl_start
+from shard.kernels.pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -130,6 +130,8 @@ def rope_write(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     k_in_place: bool = False,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Rotate (after RMS-normalising each head when weights are given) the queries and
     keys of ``qkv``; write keys and values into the paged cache; return the queries.
@@ -152,6 +154,8 @@ def rope_write(
         k_in_place: also write the rotated keys back over qkv's k heads (every token,
             written to the cache or not), so a prefill can read them from there
             (:func:`.prefill.prefill_attention`'s ``new_kv``).
+        pdl: launch with programmatic dependent launch where it runs
+            (:func:`shard.kernels.pdl.launch_options`).
 
     Returns:
         [num_tokens, num_heads, head_dim] rotated queries, qkv's dtype.
@@ -193,6 +197,6 @@ def rope_write(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
         K_IN_PLACE=k_in_place,
-        **launch_options(qkv.device),
+        **launch_options(qkv.device, pdl),
     )
     return q

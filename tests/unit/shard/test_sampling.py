@@ -4,8 +4,6 @@ warpers), penalties, seeded reproducibility, logprobs and top-n."""
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -263,21 +261,18 @@ def test_token_mask_on_every_path_keeps_raw_logprobs() -> None:
     assert high[0].nonzero().flatten().tolist() == [31]
 
 
-def test_greedy_kernel_failure_on_first_call_falls_back_to_torch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_kernel_failure_on_first_call_falls_back_to_torch() -> None:
     # The kernel's first call (warm-up) decides: a failure there means the torch ops
     # serve from then on; a failure after it has worked is that step's error.
-    from shard import sampling
+    from shard.kernels.choices import KernelChoices
 
-    def broken(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def broken(logits: torch.Tensor, *, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("no kernel image for this device")
 
-    # a stand-in module: the real one would decorate its kernel outside the interpreter
-    monkeypatch.setitem(sys.modules, "shard.greedy_kernel",
-                        types.SimpleNamespace(greedy=broken))
     logits = torch.randn(3, 50)
-    monkeypatch.setattr(sampling._GreedyKernel, "usable", None)
-    assert sampling._greedy_by_kernel(logits) is None
-    assert sampling._GreedyKernel.usable is False
-    monkeypatch.setattr(sampling._GreedyKernel, "usable", True)
+    kernels = KernelChoices(greedy=broken)
+    assert kernels.greedy_sample(logits) is None
+    assert kernels.greedy is None  # dropped: the torch ops from now on
+    worked = KernelChoices(greedy=broken, greedy_worked=True)
     with pytest.raises(RuntimeError, match="no kernel image"):
-        sampling._greedy_by_kernel(logits)
+        worked.greedy_sample(logits)

@@ -16,7 +16,7 @@ import pytest
 from loguru import logger
 
 from shard.config import ShardConfig
-from shard.layers import gemm_tuning
+from shard.kernels import tuning_cache
 from shard.model_runner import ModelRunner
 from tests.unit.shard.helpers import BLOCK_SIZE, DEVICE
 
@@ -27,7 +27,7 @@ IDENTITY: dict[str, Any] = {"format": 1, "device": "NVIDIA H200", "sms": 132,
 
 @pytest.fixture
 def runner_with(llama, monkeypatch: pytest.MonkeyPatch) -> Callable[..., ModelRunner]:
-    monkeypatch.setattr(gemm_tuning, "cache_identity", lambda device: IDENTITY)
+    monkeypatch.setattr(tuning_cache, "cache_identity", lambda device: IDENTITY)
     for name in ("SHARDSERVE_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
 
@@ -47,8 +47,8 @@ def warnings() -> Iterator[list[str]]:
     logger.remove(sink)
 
 
-def _tuning_cache(runner: ModelRunner) -> gemm_tuning.TuningCache | None:
-    return gemm_tuning.cache_for(runner.config, runner.device, runner.log)
+def _tuning_cache(runner: ModelRunner) -> tuning_cache.TuningCache | None:
+    return tuning_cache.cache_for(runner.config, runner.device, runner.log)
 
 
 def _placed(runner: ModelRunner) -> Path:
@@ -65,7 +65,7 @@ def test_the_flag_names_the_folder_with_home_expanded(
     monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "unused"))
     path = _placed(runner_with("~/tuning"))
     assert path.parent == tmp_path / "tuning"
-    assert path == gemm_tuning.cache_file(tmp_path / "tuning", IDENTITY)
+    assert path == tuning_cache.cache_file(tmp_path / "tuning", IDENTITY)
     assert path.name.startswith("NVIDIA-H200-") and path.suffix == ".json"
 
 
@@ -99,5 +99,5 @@ def test_no_cublaslt_keeps_nothing(runner_with, monkeypatch: pytest.MonkeyPatch,
     def missing(device: object) -> dict[str, Any]:
         raise OSError("libcublasLt.so: cannot open shared object file")
 
-    monkeypatch.setattr(gemm_tuning, "cache_identity", missing)
+    monkeypatch.setattr(tuning_cache, "cache_identity", missing)
     assert _tuning_cache(runner_with(str(tmp_path))) is None
