@@ -23,11 +23,17 @@ class PrefillChunk:
 
     ``end < seq.num_tokens`` marks an intermediate chunk: K/V are written, nothing is
     sampled and the sequence keeps prefilling next step.
+
+    ``block_ids`` is the sequence's block table when the chunk was scheduled: the Prefill
+    goes out as scheduled even when the decode planned in the same iteration preempts the
+    sequence (its blocks freed); the shards compute the chunk, the sequence leaves them
+    with the Decode and the chunk's token is discarded (the sequence is no longer running).
     """
 
     seq: Sequence
     cache_len: int
     end: int
+    block_ids: tuple[int, ...]
 
     @property
     def partial(self) -> bool:
@@ -246,7 +252,8 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> PrefillChunk:
         remaining = seq.num_tokens - seq.num_computed
         size = min(remaining, budget) if self._splittable(seq) else remaining
-        return PrefillChunk(seq, seq.num_computed, seq.num_computed + size)
+        return PrefillChunk(seq, seq.num_computed, seq.num_computed + size,
+                            tuple(seq.block_ids))
 
     def on_prefilled(self, chunk: PrefillChunk) -> None:
         """Record that ``chunk`` was computed: index its full blocks in the prefix cache;

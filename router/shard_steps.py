@@ -195,7 +195,7 @@ class ShardSteps:
             id=seq.id,
             input_ids=seq.all_ids(),
             cache_len=chunk.cache_len,
-            block_ids=seq.block_ids,
+            block_ids=chunk.block_ids,  # as scheduled (see PrefillChunk)
             num_tokens=chunk.num_tokens if chunk.partial else 0,
             sampling=pb.SamplingParameters(
                 temperature=sampling.temperature, top_k=sampling.top_k,

@@ -188,6 +188,10 @@ class Engine(EventSource):
             seq.events.put_nowait(ErrorEvent(message=message))
             self.output.remove(seq.id)
             self.metrics.requests.labels("error").inc()
+        # NOTE: blocks enter the prefix index when their step is sent; the failed step
+        # and those abandoned after it may never have computed theirs, and which did is
+        # unknown: the index starts empty (every block is free once the batch is drained)
+        self._new_block_manager(self.block_manager.num_blocks, self.block_manager.block_size)
         self.shards.restart()
         self.inflight.drop()
 
@@ -201,15 +205,19 @@ class Engine(EventSource):
         queued requests stay."""
         assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
         self.shards.reset(client, block_size)
-        hits = self.block_manager.hit_tokens  # a counter: it goes on across restarts
-        self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
-        self.block_manager.hit_tokens = hits
         self.scheduler.config = config
-        self.scheduler.block_manager = self.block_manager
+        self._new_block_manager(num_blocks, block_size)
         self.inflight.drop()
         self._failed_at = None
         for listener in self.on_replaced:
             listener()
+
+    def _new_block_manager(self, num_blocks: int, block_size: int) -> None:
+        """Every block free and the prefix index empty (no request may hold blocks)."""
+        hits = self.block_manager.hit_tokens  # a counter: it goes on across restarts
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.prefix_caching)
+        self.block_manager.hit_tokens = hits
+        self.scheduler.block_manager = self.block_manager
 
     def _metrics_state(self) -> dict[str, float]:
         status = self.status()
