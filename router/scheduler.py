@@ -27,13 +27,16 @@ class PrefillChunk:
     ``block_ids`` is the sequence's block table when the chunk was scheduled: the Prefill
     goes out as scheduled even when the decode planned in the same iteration preempts the
     sequence (its blocks freed); the shards compute the chunk, the sequence leaves them
-    with the Decode and the chunk's token is discarded (the sequence is no longer running).
+    with the Decode and the chunk's token is discarded: ``epoch`` is the sequence's epoch
+    when the chunk was scheduled, which a preemption moves on (a token applies only in
+    the epoch it was sampled for, even once the sequence runs again).
     """
 
     seq: Sequence
     cache_len: int
     end: int
     block_ids: tuple[int, ...]
+    epoch: int
 
     @property
     def partial(self) -> bool:
@@ -253,7 +256,7 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed
         size = min(remaining, budget) if self._splittable(seq) else remaining
         return PrefillChunk(seq, seq.num_computed, seq.num_computed + size,
-                            tuple(seq.block_ids))
+                            tuple(seq.block_ids), seq.epoch)
 
     def on_prefilled(self, chunk: PrefillChunk) -> None:
         """Record that ``chunk`` was computed: index its full blocks in the prefix cache;

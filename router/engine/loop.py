@@ -67,7 +67,7 @@ class Engine(EventSource):
         self.scheduler = Scheduler(config, self.block_manager)
         self.shards = ShardSteps(client, block_size)
         self.output = OutputProcessor(tokenizer, self.scheduler)
-        self.metrics = Metrics(self._metrics_state)
+        self.metrics = Metrics(lambda: _metrics_state(self.status(), len(self.scheduler.running)))
         self.lifecycle = Lifecycle(self.scheduler, self.shards, self.output, self.metrics)
         self.inflight = InFlightSteps(self.metrics, self.trace)
         self.shard_health = ShardHealth()  # the supervisor writes it, health probes read it
@@ -108,7 +108,7 @@ class Engine(EventSource):
             self.count_rejected()
             raise ShuttingDownError("the server is shutting down")
         if (self.scheduler.num_requests >= limit
-                and self.scheduler.num_requests - len(self._cancelled()) >= limit):
+                and self.scheduler.num_requests - len(self.scheduler.cancelled()) >= limit):
             self.count_rejected()
             raise QueueFullError(f"too many concurrent requests (max_concurrent_requests={limit})")
         seq = Sequence(id=next(self._ids), request=request)
@@ -219,16 +219,6 @@ class Engine(EventSource):
         self.block_manager.hit_tokens = hits
         self.scheduler.block_manager = self.block_manager
 
-    def _metrics_state(self) -> dict[str, float]:
-        status = self.status()
-        return {
-            "queue_size": status.queue_size,
-            "running_batch_size": len(self.scheduler.running),
-            "kv_blocks_total": status.kv_blocks_total,
-            "kv_blocks_used": status.kv_blocks_used,
-            "prefix_cache_hit_tokens": status.prefix_cache_hit_tokens,
-        }
-
     # ---- the loop -------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -269,15 +259,16 @@ class Engine(EventSource):
         was already sent in step N+1: it leaves the shards in step N+2 and its extra
         token is discarded (see :meth:`Lifecycle.apply`).
         """
-        for seq in self._cancelled():
+        for seq in self.scheduler.cancelled():
             self.lifecycle.finish(seq, "cancelled")
         plan = self.scheduler.schedule()
         sent: list[InFlight] = []
         if plan.chunks:
             self.lifecycle.admitted([chunk.seq for chunk in plan.chunks])
             task, final = self.shards.prefill(plan.chunks)
-            by_id = {chunk.seq.id: chunk.seq for chunk in plan.chunks}
-            sent.append(InFlight.sent(task, "prefill", [by_id[rid] for rid in final]))
+            by_id = {chunk.seq.id: (chunk.seq, chunk.epoch) for chunk in plan.chunks}
+            sent.append(InFlight(task, "prefill", [by_id[rid] for rid in final],
+                                 time.perf_counter()))
         for seq in plan.preempted:
             logger.info("preempted request {} (out of KV blocks)", seq.id)
             self.shards.release(seq.id)
@@ -305,8 +296,13 @@ class Engine(EventSource):
         self._failed_at = None
         return True
 
-    def _cancelled(self) -> list[Sequence]:
-        """Cancelled requests still in the batch: they leave at the next step, so they
-        no longer count against ``max_concurrent_requests``."""
-        return [seq for seq in (*self.scheduler.running, *self.scheduler.prefilling)
-                if seq.cancelled]
+
+def _metrics_state(status: EngineStatus, running_batch_size: int) -> dict[str, float]:
+    """The engine's gauges for :class:`~router.metrics.Metrics`."""
+    return {
+        "queue_size": status.queue_size,
+        "running_batch_size": running_batch_size,
+        "kv_blocks_total": status.kv_blocks_total,
+        "kv_blocks_used": status.kv_blocks_used,
+        "prefix_cache_hit_tokens": status.prefix_cache_hit_tokens,
+    }
