@@ -106,6 +106,7 @@ def capture_launches(run_wrappers: Any) -> list[Launch]:
 
 def _run_wrappers(pdl: bool) -> None:
     """Every wrapper of ours on small bf16 problems, each asked for ``pdl``."""
+    from benchmarks.kernels.paged_cases import make_case, run_backend
     from shard.attention.triton_backend import TritonAttentionBackend
     from shard.kernels.attention import (
         DecodeConfig,
@@ -119,7 +120,6 @@ def _run_wrappers(pdl: bool) -> None:
     from shard.kernels.rms_norm import add_rms_norm
     from shard.kernels.silu_mul import silu_and_mul
     from shard.kernels.skinny_gemm import skinny_linear
-    from tests.kernels.paged_cases import make_case, run_backend
 
     bf16 = torch.bfloat16
     for seq_lens, q_lens in (([40, 7], [1, 1]), ([40, 7], [30, 7])):  # decode, prefill

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.kernels.paged_cases import make_case, reference, rel_error, run_backend
 from shard.attention import AttentionSpec, get_backend_class
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
-from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

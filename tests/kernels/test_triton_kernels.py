@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks.kernels.paged_cases import make_case, reference, rel_error, run_backend
 from shard.attention.layer import Attention
 from shard.attention.torch_backend import TorchAttentionBackend
 from shard.attention.triton_backend import TritonAttentionBackend
@@ -26,7 +27,6 @@ from shard.layers import fused
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
 from shard.models.config import RopeConfig
-from tests.kernels.paged_cases import make_case, reference, rel_error, run_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_HEADS = 2

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import block_locality, router_step, schedule_sim, shard_step, step_chain
-from benchmarks.workloads import Workload
+from benchmarks.serving.workloads import Workload
+from benchmarks.simulations import block_locality, schedule_sim
+from benchmarks.steps import router_step, shard_step, step_chain
 from router.config import SchedulerConfig
 from router.tokenizer import Tokenizer
 
@@ -90,7 +91,8 @@ def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: 
     # is the virtual device's step.
     env = {**os.environ, "STEP_TRACE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     subprocess.run(
-        [sys.executable, "benchmarks/router_step.py", "--requests", "4", "--new-tokens", "24",
+        [sys.executable, "-m", "benchmarks.steps.router_step", "--requests", "4", "--new-tokens",
+         "24",
          "--repeats", "1", "--modes", "engine", "--streaming", "no", "--device-ms", "5",
          "--shards", "grpc"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
     router, shard = step_chain.read_trace(tmp_path)
@@ -125,7 +127,7 @@ def test_the_step_trace_times_each_hop_of_the_chain(tmp_path) -> None:  # type: 
 
 
 def test_the_locality_schedule_tells_the_allocators_apart() -> None:
-    # serving.py's shape: prompts of 13-634 tokens, 64 new tokens, 8 in flight
+    # cpu_serving.py's shape: prompts of 13-634 tokens, 64 new tokens, 8 in flight
     lens = [13, 14, 17, 24, 51, 171, 323, 633] * 3
     ours = block_locality.schedule_locality(lens, 8, 64, block_locality.BlockManager(4000, 16))
     fifo = block_locality.schedule_locality(lens, 8, 64,

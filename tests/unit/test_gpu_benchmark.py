@@ -1,4 +1,4 @@
-"""Logic of benchmarks/gpu_serving.py that needs no GPU: the workloads (the same requests
+"""Logic of benchmarks/serving/gpu_serving.py that needs no GPU: the workloads (the same requests
 as the nano-vllm runner), decode-step means from the server's metrics, the weight bytes
 of a checkpoint, the table's cells, and the request timeline read from the server's
 log."""
@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.completions_load import LoadRun
-from benchmarks.gpu_peers import HFRun, PeerError, run_nano_vllm
 from benchmarks.gpu_power import HW_SLOWDOWN, SW_POWER_CAP, PowerLog, Sample, parse_sample
-from benchmarks.gpu_report import Report, Row, floor_line, power_table, render
 from benchmarks.harness import decode_step_means, metric_delta, percentile, scrape
-from benchmarks.random_checkpoint import weight_bytes
-from benchmarks.request_timeline import between, read_finished, split_runs, timeline
-from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
+from benchmarks.serving.completions_load import LoadRun
+from benchmarks.serving.gpu_peers import HFRun, PeerError, run_nano_vllm
+from benchmarks.serving.gpu_report import Report, Row, floor_line, power_table, render
+from benchmarks.serving.random_checkpoint import weight_bytes
+from benchmarks.serving.request_timeline import between, read_finished, split_runs, timeline
+from benchmarks.serving.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
 from router.metrics import Metrics
 
 # Built with the runner's own ``workloads(49152)`` (nano_vllm_bench.py): requests, prompt

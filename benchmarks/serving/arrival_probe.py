@@ -11,7 +11,7 @@ parser h11 or httptools, event loop asyncio or uvloop, TCP on loopback or a Unix
 variants whose packages are missing are skipped) it prints when the first and last
 handler ran, counted from the first send, and when the last answer came back.
 
-    python benchmarks/arrival_probe.py --requests 256 --prompt-len 128 --rounds 3
+    python -m benchmarks.serving.arrival_probe --requests 256 --prompt-len 128 --rounds 3
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from benchmarks.harness import metric_delta, scrape
-from benchmarks.workloads import Workload
+from benchmarks.serving.workloads import Workload
 
 
 class TokenCountError(RuntimeError):

@@ -10,8 +10,8 @@ joined by torch.distributed (NCCL on GPUs, gloo on CPU) — no Ray, no gRPC.
 
 Prints a markdown table (device, versions, date) and writes it to ``--out``.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py --tp 1 2 --batch 1 32 128
-    python benchmarks/tp_decode.py --device cpu --tp 1 2 --batch 1 4 --small   # logic check
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.steps.tp_decode --tp 1 2 --batch 1 32 128
+    python -m benchmarks.steps.tp_decode --device cpu --tp 1 2 --batch 1 4 --small   # logic check
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import free_port
 from shard.config import ShardConfig

@@ -8,7 +8,7 @@ in one run that prints one markdown table.
    safetensors, plus the tokenizer files of ``--tokenizer`` (default: the default model's,
    whose vocabulary is 49152). ``--tiny`` or ``--hidden``/``--layers``/... shrink it.
 2. Our server: ``python -m router.cli launch --executor local`` on that folder, warm-up
-   requests, then per workload (benchmarks/workloads.py: bench, batch1, prefill_heavy,
+   requests, then per workload (benchmarks/serving/workloads.py: bench, batch1, prefill_heavy,
    decode_heavy, the nano-vllm runner's prompts) two passes over ``POST /v1/completions``
    with token-id prompts, ``ignore_eos``, greedy, at most ``--concurrency`` requests in
    flight (0 = all at once): non-streaming for output tokens/s; streaming (each prompt's
@@ -31,12 +31,12 @@ Stages run one after another (each engine gets the whole GPU); after each the ta
 far is written to ``--out``. A stage that fails is noted under the table (traceback and
 log tail on stderr) and the next one still runs. Logs of every subprocess go to
 ``--log-dir``. ``--checkpoint-dir`` keeps the checkpoint, so that a second run can reuse
-it (e.g. ``--skip-ours`` for the peers alone). ``benchmarks/gpu_prepare.sh`` packs what a
+it (e.g. ``--skip-ours`` for the peers alone). ``benchmarks/serving/gpu_prepare.sh`` packs what a
 machine without network needs and prints the command for it.
 
-    python benchmarks/gpu_serving.py --nano-vllm .device/peers/nano-vllm \\
+    python -m benchmarks.serving.gpu_serving --nano-vllm .device/peers/nano-vllm \\
         --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --out t.md
-    python benchmarks/gpu_serving.py --device cpu --tiny --arch llama --limit-requests 4
+    python -m benchmarks.serving.gpu_serving --device cpu --tiny --arch llama --limit-requests 4
 """
 
 from __future__ import annotations
@@ -57,13 +57,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import gpu_report
-from benchmarks.completions_load import run_load
-from benchmarks.gpu_peers import run_nano_vllm, run_transformers
 from benchmarks.gpu_power import PowerLog
-from benchmarks.gpu_report import Report, Row
 from benchmarks.harness import (
     REPO_ROOT,
     copy_bandwidth,
@@ -73,7 +67,11 @@ from benchmarks.harness import (
     tail,
     wait_healthy,
 )
-from benchmarks.random_checkpoint import (
+from benchmarks.serving import gpu_report
+from benchmarks.serving.completions_load import run_load
+from benchmarks.serving.gpu_peers import run_nano_vllm, run_transformers
+from benchmarks.serving.gpu_report import Report, Row
+from benchmarks.serving.random_checkpoint import (
     ARCHITECTURES,
     LLAMA3_8B_DIMS,
     TINY_DIMS,
@@ -81,8 +79,8 @@ from benchmarks.random_checkpoint import (
     weight_bytes,
     write_checkpoint,
 )
-from benchmarks.request_timeline import between, read_finished, timeline
-from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
+from benchmarks.serving.request_timeline import between, read_finished, timeline
+from benchmarks.serving.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
 from router.model_files import default_model_dir
 
 

@@ -1,8 +1,8 @@
 """Scheduling policy on the GPU workloads without a GPU: the real engine and scheduler
 over a virtual device whose step times were measured on the H200.
 
-The workloads are those of ``benchmarks/gpu_serving.py`` (same prompts and lengths);
-the shard group is :class:`benchmarks.router_step.TimedShards`: calls run one after
+The workloads are those of ``benchmarks/serving/gpu_serving.py`` (same prompts and lengths);
+the shard group is :class:`benchmarks.steps.router_step.TimedShards`: calls run one after
 another, a Decode takes ``--decode-ms``, a Prefill that long plus ``--prefill-us-per-token``
 per prompt token computed (defaults: the 8B-shaped Qwen3 on the H200, 2026-12-01:
 ~12 ms per decode step at 256-512 sequences, 375 ms per 16384-token prefill). Each
@@ -10,7 +10,7 @@ row runs every request at once through :meth:`Engine.generate` with one set of
 scheduler flags and reports the wall time and output tokens/s; what differs between
 rows is the policy alone. The router's own CPU time is real (this machine's).
 
-    python benchmarks/schedule_sim.py --workloads prefill_heavy decode_heavy \\
+    python -m benchmarks.simulations.schedule_sim --workloads prefill_heavy decode_heavy \\
         --waiting-served-ratio 0.3 0
 """
 
@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.router_step import DEFAULT_TOKENIZER, TimedShards
-from benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload
+from benchmarks.serving.workloads import WORKLOAD_NAMES, Workload, build_workload
+from benchmarks.steps.router_step import DEFAULT_TOKENIZER, TimedShards
 from router.config import SchedulerConfig
 from router.engine.loop import Engine
 from router.request import GenerationRequest, SamplingParams, StoppingParams

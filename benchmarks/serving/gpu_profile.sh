@@ -1,11 +1,11 @@
 #!/bin/bash
-# On the GPU machine (after benchmarks/gpu_prepare.sh here, with .device carried): run the
-# GPU kernel tests, then serve one workload of benchmarks/gpu_serving.py (ours only) and,
+# On the GPU machine (after benchmarks/serving/gpu_prepare.sh here, with .device carried): run the
+# GPU kernel tests, then serve one workload of benchmarks/serving/gpu_serving.py (ours only) and,
 # once WAIT_RUNNING requests run, record the router's and the shard's Python stacks with
 # py-spy (raw collapsed stacks, idle samples included, so busy time can be told from
 # waiting). Everything lands in $OUT: kernels.log, bench.log, serving.md, router.txt,
 # shard.txt.
-#   WORKLOAD=decode_heavy SERVER_ARGS="--steps-in-flight 2" bash benchmarks/gpu_profile.sh
+#   WORKLOAD=decode_heavy SERVER_ARGS="--steps-in-flight 2" bash benchmarks/serving/gpu_profile.sh
 # KERNELS=0 skips the kernel tests (e.g. for a second workload in the same session).
 set -uo pipefail
 workload=${WORKLOAD:-decode_heavy}
@@ -19,7 +19,7 @@ if [ "${KERNELS:-1}" != 0 ]; then
   python3 -m pytest -p no:cacheprovider -q tests/kernels > "$OUT/kernels.log" 2>&1
   tail -3 "$OUT/kernels.log"
 fi
-python3 benchmarks/gpu_serving.py --tokenizer .device/tokenizer --skip-hf \
+python3 -m benchmarks.serving.gpu_serving --tokenizer .device/tokenizer --skip-hf \
   --workloads "$workload" --block-size 16 --max-batch-size 512 --port "$port" \
   --server-args "${SERVER_ARGS:-}" --checkpoint-dir /tmp/ckpt --log-dir "$OUT/logs" \
   --out "$OUT/serving.md" > "$OUT/bench.log" 2>&1 &

@@ -16,16 +16,16 @@ step's end (as a GPU runs the launched steps in order), and each row also gives 
 router's step period (wall time per decode step) against F: with overlapped scheduling
 the period stays at F until the router's own work per step no longer fits beside it.
 ``--shards grpc`` puts that device in a shard process of its own behind the real gRPC
-server and client (:mod:`benchmarks.virtual_shard`), so the period also pays for the
+server and client (:mod:`benchmarks.steps.virtual_shard`), so the period also pays for the
 protocol: serialization and transport both ways, the servicer's step ordering and
 worker threads.
 
 With ``--step-trace-dir DIR`` (default ``$STEP_TRACE_DIR``) the router and the gRPC
-shard process append their step timestamps there (``benchmarks/step_chain.py`` reads
+shard process append their step timestamps there (``benchmarks/steps/step_chain.py`` reads
 them).
 
-    python benchmarks/router_step.py --requests 1 64 256
-    python benchmarks/router_step.py --requests 256 --device-ms 10 --steps-in-flight 1 2 \
+    python -m benchmarks.steps.router_step --requests 1 64 256
+    python -m benchmarks.steps.router_step --requests 256 --device-ms 10 --steps-in-flight 1 2 \
         --shards local grpc
 """
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import free_port
+from benchmarks.harness import REPO_ROOT, free_port
 from router.api.app import create_app
 from router.api.http_server import make_http_server
 from router.api.state import ServerState
@@ -175,7 +175,7 @@ class TimedShards(InstantShards):
 @dataclass(frozen=True)
 class Setup:
     """What every row shares: the virtual device's step (0: answer at once), whether it
-    sits behind gRPC in a shard process of its own (:mod:`benchmarks.virtual_shard`),
+    sits behind gRPC in a shard process of its own (:mod:`benchmarks.steps.virtual_shard`),
     the router's steps in flight, and the router's step trace (the gRPC shard's goes to
     the same folder)."""
 
@@ -202,9 +202,9 @@ async def open_engine(tokenizer: Tokenizer, requests: int, new_tokens: int,
             trace = setup.trace
             trace_dir = str(trace.path.parent) if isinstance(trace, StepTrace) else ""
             process = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.virtual_shard", "--port", str(port),
+                [sys.executable, "-m", "benchmarks.steps.virtual_shard", "--port", str(port),
                  "--step-ms", str(setup.device_s * 1e3), "--step-trace-dir", trace_dir],
-                cwd=Path(__file__).resolve().parents[1])
+                cwd=REPO_ROOT)
             client = ShardClient([f"127.0.0.1:{port}"], trace=setup.trace)
             await client.wait_ready(60.0)
             await client.warmup(config.max_batch_prefill_tokens, config.max_total_tokens)

@@ -12,7 +12,7 @@ the noise floor of the machine.
 
 Prints a markdown table (device, versions, date) and writes it to ``--out``.
 
-    python benchmarks/grammar_decode.py --batch 8 32 --constrained 0 1 4 --steps 30
+    python -m benchmarks.steps.grammar_decode --batch 8 32 --constrained 0 1 4 --steps 30
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.grammar import json_schema_grammar
 from router.model_files import prepare_default_model

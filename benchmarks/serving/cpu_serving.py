@@ -36,7 +36,7 @@ Both sides use the same number of torch threads (``--threads``, default: half th
 leaving the rest to the router process): ``OMP_NUM_THREADS`` for the server processes,
 ``torch.set_num_threads`` for the peer.
 
-Usage: ``python benchmarks/serving.py [--num-prompts 32] [--max-new-tokens 64]
+Usage: ``python -m benchmarks.serving.cpu_serving [--num-prompts 32] [--max-new-tokens 64]
 [--concurrency 1,8,32] [--skip-peer] [--output benchmarks/results/serving-cpu.md]``
 """
 
@@ -58,8 +58,6 @@ from pathlib import Path
 
 import httpx
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (
     cpu_model,

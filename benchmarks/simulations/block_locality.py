@@ -5,7 +5,7 @@ The CPU attention (``TorchAttentionBackend``'s by-sequence path) reads a sequenc
 blocks are consecutive ids in place and copies the blocks of any other sequence into a
 packed buffer first, every layer. Two measurements, printed as markdown:
 
-1. **Schedule** (no model): ``benchmarks/serving.py``'s requests (its prompts, tokenized
+1. **Schedule** (no model): ``benchmarks/serving/cpu_serving.py``'s requests (its prompts, tokenized
    with the default model's tokenizer, ``--max-new-tokens`` each, ``--concurrency`` in
    flight, a new one admitted as one finishes) run through the real ``Scheduler`` and
    ``BlockManager``, once as they allocate and once with the allocation order of a plain
@@ -19,7 +19,8 @@ packed buffer first, every layer. Two measurements, printed as markdown:
    out); steps alternate between the two batches, medians reported with the time the
    gather of non-consecutive blocks takes per step.
 
-    python benchmarks/block_locality.py [--concurrency 8] [--num-prompts 32] [--steps 60]
+    python -m benchmarks.simulations.block_locality [--concurrency 8] [--num-prompts 32] \\
+        [--steps 60]
 """
 
 from __future__ import annotations
@@ -29,13 +30,9 @@ import datetime
 import platform
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.serving import make_prompts
+from benchmarks.serving.cpu_serving import make_prompts
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.request import GenerationRequest, Sequence, StoppingParams

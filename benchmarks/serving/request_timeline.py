@@ -8,7 +8,7 @@ decode phase after it (per step: its length over the most tokens a request gener
 less the first). An in-process peer (nano-vllm's runner adds every prompt at once) has
 no arrival phase.
 
-    python -m benchmarks.request_timeline server.log   # every run in a log, split by gaps
+    python -m benchmarks.serving.request_timeline server.log   # every run in a log, split by gaps
 """
 
 from __future__ import annotations

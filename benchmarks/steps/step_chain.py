@@ -14,17 +14,14 @@ runs beside step k+1 on the device, and the device waits whenever the chain is l
 step k's sampled ids, so it includes the wake-up of the waiting thread. Every point
 carries the router's step number (the shard echoes it in its Decode response).
 
-    python benchmarks/step_chain.py TRACE_DIR [--min-size 200]
+    python -m benchmarks.steps.step_chain TRACE_DIR [--min-size 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import percentile
 

@@ -4,7 +4,7 @@ shard's servicer answers them.
 
 The real engine (scheduler, block manager, ``ShardSteps``, ``ShardClient``) runs
 ``--requests`` short greedy requests against a virtual shard process behind the real
-gRPC server (:mod:`benchmarks.virtual_shard`); every Prefill and Decode is recorded at
+gRPC server (:mod:`benchmarks.steps.virtual_shard`); every Prefill and Decode is recorded at
 the client's gRPC stubs. Once all of them decode, one request of ``--prompt-tokens``
 prompt tokens arrives; it is prefilled in chunks of ``--chunk-tokens`` tokens (the
 prefill token budget), one run per value. The table gives the Decode request and
@@ -14,8 +14,13 @@ Prefill of the long request.
 Only public pieces of the tree on ``sys.path`` are used (the engine, its config and the
 shard client), so the same script measures an older tree of the project:
 
-    python benchmarks/step_wire.py --requests 256 --prompt-tokens 1024 --chunk-tokens 4096 256
-    cd OLD_TREE && PYTHONPATH=$PWD python /path/to/benchmarks/step_wire.py
+    python -m benchmarks.steps.step_wire --requests 256 --prompt-tokens 1024 \\
+        --chunk-tokens 4096 256
+    cd OLD_TREE && PYTHONPATH=$PWD:/path/to/this/tree python -m benchmarks.steps.step_wire
+
+(``benchmarks`` has no ``__init__.py``: the older tree's folder and this one's make one
+namespace package, so the older tree's ``router``, ``shard`` and virtual shard are
+measured, with this tree's script.)
 """
 
 from __future__ import annotations
@@ -119,8 +124,12 @@ async def run(tokenizer: Tokenizer, requests: int, new_tokens: int, prompt_token
     num_blocks = (requests + 1) * ((config.max_total_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE)
     port = free_port()
     root = Path(router.__file__).resolve().parents[1]
-    shard = subprocess.Popen([sys.executable, "-m", "benchmarks.virtual_shard", "--port",
-                              str(port), "--step-ms", "0"], cwd=root)
+    # NOTE: the measured tree's own virtual shard speaks its protocol; trees from before
+    # benchmarks/steps/ kept it at benchmarks/virtual_shard.py
+    module = ("benchmarks.steps.virtual_shard" if (root / "benchmarks/steps").is_dir()
+              else "benchmarks.virtual_shard")
+    shard = subprocess.Popen([sys.executable, "-m", module, "--port", str(port),
+                              "--step-ms", "0"], cwd=root)
     try:
         client = ShardClient([f"127.0.0.1:{port}"])
         await client.wait_ready(60.0)

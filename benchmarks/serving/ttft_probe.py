@@ -11,7 +11,7 @@ through the load client of ``gpu_serving.py`` (connections opened first, ``/metr
 read before and after), ``--gap`` seconds apart. Prints the engine's TTFT per request
 (``ttft_s`` of its log line) and the client's for the streaming ones: p50 and max.
 
-    python benchmarks/ttft_probe.py --model PATH --device cuda --rounds 8
+    python -m benchmarks.serving.ttft_probe --model PATH --device cuda --rounds 8
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.completions_load import run_load
 from benchmarks.harness import free_port, start_server, stop_server, wait_healthy
-from benchmarks.workloads import Workload
+from benchmarks.serving.completions_load import run_load
+from benchmarks.serving.workloads import Workload
 
 FINISHED = re.compile(r"request (\d+) success: prompt_tokens=(\d+) .*ttft_s=([0-9.]+)")
 

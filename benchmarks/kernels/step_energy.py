@@ -26,7 +26,7 @@ sustained (mean over the loop), its rate (TFLOP/s of the products, or TB/s of th
 the class must move), mean power, SM clock p50, the share of samples at the power cap,
 joules per replay, and picojoules per FLOP or per byte.
 
-    python benchmarks/step_energy.py --seconds 4
+    python -m benchmarks.kernels.step_energy --seconds 4
 """
 
 from __future__ import annotations
@@ -36,21 +36,17 @@ import dataclasses
 import datetime
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.gpu_power import PowerLog, PowerStats
-from benchmarks.kernel_sweep import (
+from benchmarks.kernels.kernel_sweep import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
@@ -58,8 +54,8 @@ from benchmarks.kernel_sweep import (
     _weights,
     capture_graph,
 )
+from benchmarks.kernels.paged_cases import PagedCase, make_case
 from shard.kernels.attention import DecodeConfig, decode_attention
-from tests.kernels.paged_cases import PagedCase, make_case
 
 
 @dataclass

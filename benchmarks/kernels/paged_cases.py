@@ -1,6 +1,8 @@
-"""Random paged attention problems shared by the kernel tests (CPU interpreter and GPU)
-and the benchmark: ragged lengths, randomly permuted block tables, partly filled last
-blocks, a cached prefix already in the cache and new tokens still to be written."""
+"""Random paged attention problems for the kernel benchmarks and the kernel tests (CPU
+interpreter and GPU): ragged lengths, randomly permuted block tables, partly filled last
+blocks, a cached prefix already in the cache and new tokens still to be written, and the
+``torch`` backend's answer as the oracle. Here, not in tests/, so that the imports go one
+way: tests import benchmarks, benchmarks never import tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The peers of benchmarks/gpu_serving.py, on the same checkpoint and workloads:
+"""The peers of benchmarks/serving/gpu_serving.py, on the same checkpoint and workloads:
 
 * nano-vllm, through its runner script (``nano_vllm_bench.py``, kept outside the project)
   in a subprocess; the runner prints one JSON line per workload.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import tail
-from benchmarks.workloads import Workload
+from benchmarks.serving.workloads import Workload
 
 
 class PeerError(RuntimeError):

@@ -4,10 +4,10 @@ for each projection of the GPU benchmark's model (Llama-3-8B dimensions, vocabul
 (:mod:`shard.kernels.cublaslt`) is checked against ``F.linear`` and timed in a CUDA graph
 over distinct weight copies (streamed from HBM as in a step). Then the whole step's
 products with the fastest candidate per shape against ``F.linear``, sustained at the
-power cap (:mod:`benchmarks.step_energy`): the energy is what counts where the cap binds.
+power cap (:mod:`benchmarks.kernels.step_energy`): the energy is what counts where the cap binds.
 A script, not a test: prints markdown tables (device, versions, date).
 
-    python benchmarks/gemm_algos.py --rows 256 16384 --seconds 3
+    python -m benchmarks.kernels.gemm_algos --rows 256 16384 --seconds 3
 """
 
 from __future__ import annotations
@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.gpu_power import PowerLog
-from benchmarks.kernel_sweep import PROJECTIONS, _weights, graph_time_us
-from benchmarks.step_energy import Work, measure
+from benchmarks.kernels.kernel_sweep import PROJECTIONS, _weights, graph_time_us
+from benchmarks.kernels.step_energy import Work, measure
 from shard.kernels import cublaslt, gemm_tuning
 
 Product = Callable[[torch.Tensor, torch.Tensor], object]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Fill .device/ (ignored by git) with what benchmarks/gpu_serving.py needs on a GPU machine
+# Fill .device/ (ignored by git) with what benchmarks/serving/gpu_serving.py needs on a GPU machine
 # without network access, and print the command to run there with .device carried along:
 #   .device/whl/        the server's wheels beyond the machine's image (fastapi, uvicorn, ...)
 #   .device/fa-whl/     the flash-attn wheel built for that machine
@@ -7,12 +7,12 @@
 #   .device/tokenizer/  tokenizer files (and config.json, for the BOS/EOS ids) of the default model
 #   .device/whl/ also gets the project's dependencies that image lacks (llguidance, jsonschema,
 #                httptools)
-#   .device/tools/      py-spy (benchmarks/gpu_profile.sh) and pytest, to run tests/kernels there
-# Usage, from anywhere: bash benchmarks/gpu_prepare.sh [SHARED_DIR]
+#   .device/tools/      py-spy (benchmarks/serving/gpu_profile.sh) and pytest, to run tests/kernels there
+# Usage, from anywhere: bash benchmarks/serving/gpu_prepare.sh [SHARED_DIR]
 # SHARED_DIR (default: ../shared beside the checkout) holds gpu/server-wheels.sh,
 # gpu/wheels/flash_attn-*.whl and peers/.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 shared=$(cd "${1:-$root/../shared}" && pwd)
 cd "$root"
 model="${SHARDSERVE_CACHE_DIR:-$HOME/.cache/shardserve}/models/SmolLM2-135M-Instruct"
@@ -46,6 +46,6 @@ if [ "$mib" -ge "$limit_mib" ]; then echo "error: .device is over ${limit_mib} M
 
 site="python3 -m pip install -q --no-index --no-deps --no-compile --target"
 cat <<CMD
-== run on the GPU machine with carry [".device"] (benchmarks/gpu_profile.sh profiles instead):
-$site /tmp/site .device/whl/*.whl && $site /tmp/fa .device/fa-whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD && python3 benchmarks/gpu_serving.py --tokenizer .device/tokenizer --nano-vllm .device/peers/nano-vllm --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --block-size 16 --max-batch-size 512 --latency-requests 64 --server-args "--max-batch-prefill-tokens 16384 --waiting-served-ratio 0" --checkpoint-dir /tmp/ckpt-gpu-serving --log-dir \$OUT/logs --out \$OUT/gpu-serving.md
+== run on the GPU machine with carry [".device"] (benchmarks/serving/gpu_profile.sh profiles instead):
+$site /tmp/site .device/whl/*.whl && $site /tmp/fa .device/fa-whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD && python3 -m benchmarks.serving.gpu_serving --tokenizer .device/tokenizer --nano-vllm .device/peers/nano-vllm --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --block-size 16 --max-batch-size 512 --latency-requests 64 --server-args "--max-batch-prefill-tokens 16384 --waiting-served-ratio 0" --checkpoint-dir /tmp/ckpt-gpu-serving --log-dir \$OUT/logs --out \$OUT/gpu-serving.md
 CMD

@@ -24,7 +24,7 @@ server runs its decode step:
   configuration in both modes
   (not with ``--no-prefill-grid``).
 
-Usage: python benchmarks/kernel_sweep.py [--tokens 1 256 16384] [--no-gemm]
+Usage: python -m benchmarks.kernels.kernel_sweep [--tokens 1 256 16384] [--no-gemm]
        [--no-decode] [--decode-points 1x384 256x384 512x1100] [--quick-decode]
        [--block-sizes 16 64] [--inductor 256] [--prefill-points 16x1024 4x4096]
        [--skinny 1 4 16]
@@ -39,15 +39,12 @@ import functools
 import itertools
 import platform
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.kernels.paged_cases import PagedCase, make_case
 from shard.kernels.attention import (
     DecodeConfig,
     PrefillConfig,
@@ -64,7 +61,6 @@ from shard.kernels.skinny_gemm import (
     default_config,
     skinny_linear,
 )
-from tests.kernels.paged_cases import PagedCase, make_case
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 49152
 
@@ -94,7 +90,7 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 
 def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
     """Median µs of one replay of ``fn`` captured in a CUDA graph. Unlike
-    ``benchmarks/attention.py``'s ``bench`` it does not flush L2 between replays: the
+    ``benchmarks/kernels/attention.py``'s ``bench`` it does not flush L2 between replays: the
     GEMM sweep streams its weights through distinct copies, and it times a fixed
     number of replays of graphs that can take a third of a second."""
     graph = capture_graph(fn)

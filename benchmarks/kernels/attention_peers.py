@@ -1,4 +1,4 @@
-"""Peers for benchmarks/attention.py: FlashInfer, flash-attn and flex_attention with a
+"""Peers for benchmarks/kernels/attention.py: FlashInfer, flash-attn and flex_attention with a
 paged block mask, each built outside the timed region (plans, compiled graphs) and
 returned as a zero-argument callable, or None with a note when it cannot be brought up."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.kernels.paged_cases import PagedCase, reference, rel_error
 from shard.attention.flashinfer_backend import WORKSPACE_BYTES, paged_kv_indices
-from tests.kernels.paged_cases import PagedCase, reference, rel_error
 
 FLEX_BUDGET_S = 150.0  # compile time allowed for flex (one compile per shape)
 

@@ -8,10 +8,10 @@ heads, head dim 128, intermediate 14336, vocabulary 49152) and dummy bf16 weight
 request has a ``--prompt-len``-token random prompt. Prints, per batch size, the median
 step (wall, host included) and the kernels sorted by GPU time per step, as markdown.
 
-    python benchmarks/decode_profile.py --batch 1 256 --top 20 --prefill 16 1024
-    python benchmarks/decode_profile.py --device cpu --small --batch 1 4   # logic check
-    python benchmarks/decode_profile.py --batch 1 8 --no-skinny   # A/B: cuBLAS at 1-16
-    python benchmarks/decode_profile.py --batch 1 256 --pdl both   # A/B: with and without PDL
+    python -m benchmarks.kernels.decode_profile --batch 1 256 --top 20 --prefill 16 1024
+    python -m benchmarks.kernels.decode_profile --device cpu --small --batch 1 4   # logic check
+    python -m benchmarks.kernels.decode_profile --batch 1 8 --no-skinny   # A/B: cuBLAS at 1-16
+    python -m benchmarks.kernels.decode_profile --batch 1 256 --pdl both   # A/B: PDL on and off
 
 Besides the wall step, each batch size gets the captured graph's replay alone (CUDA
 events around 50 back-to-back replays): the device time of the forward, gaps between its
@@ -25,7 +25,6 @@ import contextlib
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -34,10 +33,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.gpu_power import PowerLog, PowerStats
-from benchmarks.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
+from benchmarks.steps.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
 from shard.pending_step import PendingStep

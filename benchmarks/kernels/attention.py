@@ -8,14 +8,13 @@ latency (median of ``triton.testing.do_bench``, which flushes L2 between runs), 
 KV bandwidth = K+V bytes read / latency, and its fraction of the measured device copy
 bandwidth (bytes read + written by a large device-to-device copy).
 
-Usage: python benchmarks/attention.py [--quick] [--out DIR] [--no-flex]
+Usage: python -m benchmarks.kernels.attention [--quick] [--out DIR] [--no-flex]
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,18 +22,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from attention_peers import Peers, flash_attn_version, flashinfer_version
-
 from benchmarks.harness import copy_bandwidth
+from benchmarks.kernels.attention_peers import Peers, flash_attn_version, flashinfer_version
+from benchmarks.kernels.paged_cases import PagedCase, make_case, reference, rel_error
 from shard.kernels.attention import (
     DecodeConfig,
     PrefillConfig,
     decode_attention,
     prefill_attention,
 )
-from tests.kernels.paged_cases import PagedCase, make_case, reference, rel_error
 
 H, HKV, D, BS = 64, 8, 128, 16
 CONTEXTS = [512, 1024, 2048, 4096]

@@ -5,11 +5,11 @@ block appends, token bookkeeping, the results), not the model.
 
 On a GPU this work overlaps the previous step's compute only while it is shorter than
 the step; with the router's work and gRPC both ways it is the chain that must fit in one
-device step (see ``benchmarks/router_step.py --device-ms``). Greedy requests of
+device step (see ``benchmarks/steps/router_step.py --device-ms``). Greedy requests of
 ``--prompt-len`` random tokens, a tiny Qwen3 config, the CPU; best of ``--repeats``
 runs of ``--steps`` steps.
 
-    python benchmarks/shard_step.py --batch 1 64 256
+    python -m benchmarks.steps.shard_step --batch 1 64 256
 """
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.decode_profile import QWEN3_8B_SHAPE, prefill_requests
-from benchmarks.tp_decode import BLOCK
+from benchmarks.kernels.decode_profile import QWEN3_8B_SHAPE, prefill_requests
+from benchmarks.steps.tp_decode import BLOCK
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
 

@@ -1,4 +1,4 @@
-"""The table of benchmarks/gpu_serving.py: what was measured, gathered as the stages run,
+"""The table of benchmarks/serving/gpu_serving.py: what was measured, gathered as the stages run,
 and its markdown rendering (missing measurements shown as ``-``)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from benchmarks.completions_load import LoadRun
-from benchmarks.gpu_peers import HFRun
 from benchmarks.gpu_power import PowerLog, PowerStats
 from benchmarks.harness import cpu_model, decode_step_means, percentile, prefix_hits
-from benchmarks.random_checkpoint import ARCHITECTURES
-from benchmarks.request_timeline import Timeline
-from benchmarks.workloads import Workload
+from benchmarks.serving.completions_load import LoadRun
+from benchmarks.serving.gpu_peers import HFRun
+from benchmarks.serving.random_checkpoint import ARCHITECTURES
+from benchmarks.serving.request_timeline import Timeline
+from benchmarks.serving.workloads import Workload
 
 MS = 1e3
 

@@ -1,7 +1,7 @@
 """A shard process with a virtual device: the real gRPC server and
 :class:`~shard.servicer.ShardServicer`, over a runner that computes nothing and takes
 a fixed time per step, so that the router's period over gRPC can be measured against
-a known device step without a GPU (``benchmarks/router_step.py --shards grpc``).
+a known device step without a GPU (``benchmarks/steps/router_step.py --shards grpc``).
 
 The runner keeps the shard's protocol (requests held by id from their first Prefill
 until finished, chunks, every decoding row in each Decode, step order, launch while the
@@ -9,7 +9,7 @@ previous step computes) and emits each request's ids from a fixed cycle. Its dev
 steps one after another, each from the later of its launch and the previous step's end;
 ``finish_step`` sleeps until the step's end.
 
-    python -m benchmarks.virtual_shard --port 50071 --step-ms 10
+    python -m benchmarks.steps.virtual_shard --port 50071 --step-ms 10
 """
 
 from __future__ import annotations
