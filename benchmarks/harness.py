@@ -1,13 +1,16 @@
-"""Pieces shared by the benchmark scripts: free ports, percentiles, the server as a child
-process (start, wait for ``/health``, stop with its shards), its Prometheus decode-step
+"""Pieces shared by the benchmark scripts: free ports, percentiles, the heading of a
+result table (date, device, versions), the server as a child process through its CLI
+(start, wait for ``/health``, stop with its shards), its Prometheus decode-step
 histograms, and the measured copy bandwidth of a device.
 
-Import as ``benchmarks.harness`` with the repository root on ``sys.path`` (the scripts
-put it there).
+Imported as ``benchmarks.harness`` by scripts run as ``python -m benchmarks.<group>.<name>``
+from the repository root. It imports nothing of ``router`` or ``shard`` (torch only inside
+the functions that need it), so a script can measure an older tree with it.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import platform
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import httpx
@@ -159,6 +163,42 @@ def stop_server(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
 
 
 # ---- device ------------------------------------------------------------------------------
+
+def today() -> str:
+    """Today's date, ``YYYY-MM-DD``."""
+    return datetime.date.today().isoformat()
+
+
+def package_version(package: str) -> str:
+    """The installed version of distribution ``package``, or ``absent``."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def versions(*packages: str) -> str:
+    """``python 3.11.7, torch 2.5.1, ...``: this Python's version, then each distribution's
+    (``absent`` where it is not installed)."""
+    return ", ".join([f"python {platform.python_version()}",
+                      *(f"{p} {package_version(p)}" for p in packages)])
+
+
+def device_name(device: str) -> str:
+    """What runs ``device``: the GPU's name for ``cuda``/``cuda:N``, else the CPU's model
+    name with ``(CPU)``."""
+    if device.startswith("cuda"):
+        import torch
+
+        return str(torch.cuda.get_device_name(device))
+    return f"{cpu_model()} (CPU)"
+
+
+def header(title: str, device: str, *packages: str) -> str:
+    """The line heading a benchmark's table: ``# title, YYYY-MM-DD, device, python X, p Y``
+    (``device`` as :func:`device_name` takes it, ``packages`` as :func:`versions`)."""
+    return f"# {title}, {today()}, {device_name(device)}, {versions(*packages)}"
+
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (or ``platform.processor()``)."""

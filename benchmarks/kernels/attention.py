@@ -14,7 +14,6 @@ Usage: python -m benchmarks.kernels.attention [--quick] [--out DIR] [--no-flex]
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import copy_bandwidth
+from benchmarks.harness import copy_bandwidth, device_name, today, versions
 from benchmarks.kernels.attention_peers import Peers, flash_attn_version, flashinfer_version
+from benchmarks.kernels.kernel_sweep import capture_graph
 from benchmarks.kernels.paged_cases import PagedCase, make_case, reference, rel_error
 from shard.kernels.attention import (
     DecodeConfig,
@@ -36,7 +36,6 @@ H, HKV, D, BS = 64, 8, 128, 16
 CONTEXTS = [512, 1024, 2048, 4096]
 BATCHES = [1, 8, 16, 64, 128, 256]
 PREFILL_TOKENS = [512, 1024, 2048, 4096]
-DATE = "2026-11-29"
 
 
 GRAPH_NOTES: list[str] = []
@@ -52,15 +51,7 @@ def bench(fn: Callable[[], object], rep_ms: int = 60, graph: bool = True) -> flo
     run = fn
     if graph:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
+            run = capture_graph(fn).replay
         except Exception as exc:
             GRAPH_NOTES.append(f"graph capture failed, timed eagerly: {str(exc)[:120]}")
     return float(triton.testing.do_bench(run, warmup=15, rep=rep_ms, return_mode="median")) * 1e3
@@ -250,7 +241,6 @@ def main() -> None:
     if args.quick:
         CONTEXTS[:] = [1024, 4096]
         BATCHES[:] = [1, 64, 256]
-    import triton
 
     t0 = time.time()
     peers = Peers()
@@ -260,9 +250,8 @@ def main() -> None:
     pcfg = PrefillConfig() if args.no_prefill else tune_prefill(log)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     head = [
-        f"device: {torch.cuda.get_device_name()} ({sms} SMs); date {DATE}; "
-        f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, flashinfer {flashinfer_version()}, "
+        f"device: {device_name('cuda')} ({sms} SMs); date {today()}; "
+        f"{versions('torch', 'triton')}, flashinfer {flashinfer_version()}, "
         f"flash-attn {flash_attn_version()}",
         f"measured copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + written)",
         "timing: median of triton.testing.do_bench, L2 flushed before each run, each call "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -34,33 +33,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_power import PowerLog, PowerStats
-from benchmarks.steps.tp_decode import BLOCK, LLAMA3_8B, SMALL, Blocks
+from benchmarks.harness import header
+from benchmarks.steps.dummy_model import BLOCK, QWEN3_8B_SHAPE, SMALL, prefill_requests
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
 from shard.pending_step import PendingStep
-from shard.records import NewRequest, PrefillStep
-from shard.sampling_types import SamplingParams
-
-QWEN3_8B_SHAPE = {**LLAMA3_8B, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                  "attention_bias": False}
-
-
-def prefill_requests(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
-                     per: int = 0) -> list[int]:
-    """Prefill ``batch`` greedy requests of ``prompt_len`` random tokens with blocks for
-    ``steps`` more tokens, ``per`` prompts per Prefill (default: ~8192 tokens each);
-    returns their request ids, in row order (every later decode step steps them all)."""
-    rng = random.Random(0)
-    blocks = Blocks(runner.block_size)
-    vocab = runner.model_config.vocab_size
-    reqs = [NewRequest(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)), 0,
-                       blocks.take(prompt_len + steps + 8), SamplingParams())
-            for i in range(batch)]
-    per = per or max(1, 8192 // prompt_len)
-    for start in range(0, batch, per):
-        runner.prefill(PrefillStep(tuple(reqs[start:start + per])))
-    return [r.request_id for r in reqs]
 
 
 def _kernel_table(prof: torch.profiler.profile, steps: int, top: int,
@@ -266,17 +243,15 @@ def run(args: argparse.Namespace) -> None:
         modes = ["on", "off"] if args.pdl == "both" else [args.pdl]
         with pdl_mode(runner, modes[0]):
             runner.warmup(max(8192, prefill_tokens), 8192, max(args.batch))
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         for i, mode in enumerate(modes):
             with pdl_mode(runner, mode):
                 if i and runner.graphs is not None:
                     runner.graphs.capture()
                 on = pdl_on(runner)
-                print(f"# decode step kernels, {device}, torch "
-                      f"{torch.__version__}, backend {runner.backend.name}, skinny GEMM "
-                      f"kernels {'off' if args.no_skinny else 'on'}, programmatic "
-                      f"dependent launch {'on' if on else 'off'}, "
-                      f"{time.strftime('%Y-%m-%d')}\n")
+                print(header(f"decode step kernels, backend {runner.backend.name}, skinny "
+                             f"GEMM kernels {'off' if args.no_skinny else 'on'}, "
+                             f"programmatic dependent launch {'on' if on else 'off'}",
+                             args.device, "torch") + "\n")
                 if on:
                     print("(with programmatic dependent launch a kernel's time includes "
                           "its wait for the one before it: compare the graph replay "

@@ -13,8 +13,6 @@ A script, not a test: prints markdown tables (device, versions, date).
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_power import PowerLog
+from benchmarks.harness import header
 from benchmarks.kernels.kernel_sweep import PROJECTIONS, _weights, graph_time_us
 from benchmarks.kernels.step_energy import Work, measure
 from shard.kernels import cublaslt, gemm_tuning
@@ -129,9 +128,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32, help="layers of the sustained classes "
                    "(4 at 4096 rows or more)")
     args = p.parse_args()
-    print(f"# cuBLASLt algorithms, {datetime.datetime.now():%Y-%m-%d %H:%M}, "
-          f"{torch.cuda.get_device_name()}, python {platform.python_version()}, "
-          f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+    print(f"{header('cuBLASLt algorithms', 'cuda', 'torch')}, CUDA {torch.version.cuda}, "
           f"{Path(cublaslt._loaded_library_path()).name}\n")
     print("| rows | projection | F.linear µs | heuristic's first µs | best µs | best / F.linear "
           "| candidates | best (cuBLASLt config) |")

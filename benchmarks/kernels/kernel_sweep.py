@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import itertools
-import platform
 import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import header
 from benchmarks.kernels.paged_cases import PagedCase, make_case
 from shard.kernels.attention import (
     DecodeConfig,
@@ -645,9 +644,7 @@ def main() -> None:
     p.add_argument("--max-seqlen", type=int, default=4096,
                    help="max_seqlen_k the server's graphs are captured with")
     args = p.parse_args()
-    print(f"# kernel sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
-          f"python {platform.python_version()}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}")
+    print(f"{header('kernel sweep', 'cuda', 'torch', 'triton')}, CUDA {torch.version.cuda}")
     if not args.no_gemm:
         print("\n## GEMMs\n")
         print("\n".join(gemm_sweep(args.tokens, args.layers)), flush=True)

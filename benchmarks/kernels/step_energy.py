@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -46,6 +44,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.gpu_power import PowerLog, PowerStats
+from benchmarks.harness import header
 from benchmarks.kernels.kernel_sweep import (
     HEAD_DIM,
     HEADS,
@@ -285,9 +284,7 @@ def main() -> None:
                    help="also flash-attn's paged decode (flash_attn_with_kvcache, 256-token "
                         "blocks) over the same contexts")
     args = p.parse_args()
-    print(f"# step energy, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
-          f"python {platform.python_version()}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}\n")
+    print(f"{header('step energy', 'cuda', 'torch', 'triton')}, CUDA {torch.version.cuda}\n")
     batch, ctx, layers = args.batch, args.context, args.layers
     weights = _projection_weights(layers)
     gemms = _gemm_work(f"gemm{batch}", batch, layers, weights, lm_head=True)

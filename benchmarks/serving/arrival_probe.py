@@ -22,7 +22,6 @@ import importlib.util
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from benchmarks.harness import free_port
 
 _APP = '''
 import time
@@ -56,12 +57,6 @@ async def arrivals(request):
 app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
                         Route("/health", health), Route("/arrivals", arrivals)])
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _wait_ready(session: aiohttp.ClientSession, base: str) -> None:
@@ -135,7 +130,7 @@ def main() -> None:
                 connector: dict[str, object] = {"path": path}
                 base = "http://localhost"
             else:
-                port = _free_port()
+                port = free_port()
                 cmd += ["--port", str(port)]
                 connector, base = {}, f"http://127.0.0.1:{port}"
             server = subprocess.Popen(cmd, cwd=tmp)

@@ -46,14 +46,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import date
-from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -70,6 +67,8 @@ from benchmarks.harness import (
     scrape,
     start_server,
     stop_server,
+    today,
+    versions,
     wait_healthy,
 )
 
@@ -285,17 +284,14 @@ def bench_peer(args: argparse.Namespace) -> list[PeerRun]:
 
 def report(args: argparse.Namespace, runs: list[ServerRun], peer: list[PeerRun],
            startup: float, load: tuple[float, float]) -> str:
-    import torch
-    import transformers
 
     ms = 1000.0
     lines = [
         "# Serving benchmark (CPU)", "",
-        f"- date: {date.today().isoformat()}",
+        f"- date: {today()}",
         f"- device: {cpu_model()}, {os.cpu_count()} cores; load average 1 min "
         f"{load[0]:.1f} at start, {load[1]:.1f} at end",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, shardserve {version('shardserve')}",
+        f"- versions: {versions('torch', 'transformers', 'shardserve')}",
         f"- model: {args.model} (float32)",
         f"- parameters: {args.num_prompts} requests per run ({args.num_prompts_c1} at "
         f"concurrency 1), prompts cycling over 8 base prompts of ~15-630 tokens, tagged "

@@ -4,16 +4,20 @@ and its markdown rendering (missing measurements shown as ``-``)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import platform
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu_power import PowerLog, PowerStats
-from benchmarks.harness import cpu_model, decode_step_means, percentile, prefix_hits
+from benchmarks.harness import (
+    cpu_model,
+    decode_step_means,
+    percentile,
+    prefix_hits,
+    today,
+    versions,
+)
 from benchmarks.serving.completions_load import LoadRun
 from benchmarks.serving.gpu_peers import HFRun
 from benchmarks.serving.random_checkpoint import ARCHITECTURES
@@ -52,7 +56,7 @@ class Report:
     hf_setup: str = ""
     notes: list[str] = field(default_factory=list)
     power: PowerLog | None = None  # the GPU's power over the whole run
-    date: str = field(default_factory=lambda: datetime.date.today().isoformat())
+    date: str = field(default_factory=today)
 
     def write(self, out: Path | None) -> str:
         """The markdown text; also written to ``out`` when given."""
@@ -61,13 +65,6 @@ class Report:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
         return text
-
-
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "absent"
 
 
 def new_report(args: argparse.Namespace, workloads: dict[str, Workload]) -> Report:
@@ -84,8 +81,7 @@ def new_report(args: argparse.Namespace, workloads: dict[str, Workload]) -> Repo
     return Report(
         rows={n: Row(w.head(args.limit_requests)) for n, w in workloads.items()},
         device=device,
-        versions=(f"python {platform.python_version()}, torch {torch.__version__}, "
-                  f"triton {_version('triton')}, transformers {_version('transformers')}"),
+        versions=versions("torch", "triton", "transformers"),
         model=(f"{arch}: hidden {args.hidden}, {args.layers} layers, {args.heads}/"
                f"{args.kv_heads} heads, head dim {args.head_dim}, intermediate "
                f"{args.intermediate}, vocabulary {args.vocab}; random {args.dtype} weights "

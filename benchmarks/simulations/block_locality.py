@@ -26,12 +26,11 @@ packed buffer first, every layer. Two measurements, printed as markdown:
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import random
 import statistics
 import time
 
+from benchmarks.harness import header
 from benchmarks.serving.cpu_serving import make_prompts
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
@@ -190,8 +189,7 @@ def main() -> None:
 
     tokenizer = Tokenizer.from_folder(prepare_default_model().path)
     prompt_lens = [len(tokenizer.encode(text)) for text in make_prompts(args.num_prompts, "c8")]
-    print(f"# Block-table locality, {datetime.date.today()}, {platform.machine()}, "
-          f"python {platform.python_version()}\n")
+    print(header("Block-table locality", "cpu", "torch") + "\n")
     print(f"Schedule: {args.num_prompts} requests of {min(prompt_lens)}-{max(prompt_lens)} "
           f"prompt tokens, {args.max_new_tokens} new tokens each, {args.concurrency} in flight, "
           f"block size {BLOCK_SIZE}.\n")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import time
 from pathlib import Path
 
+from benchmarks.harness import header
 from benchmarks.serving.workloads import WORKLOAD_NAMES, Workload, build_workload
 from benchmarks.steps.router_step import DEFAULT_TOKENIZER, TimedShards
 from router.config import SchedulerConfig
@@ -73,10 +73,8 @@ def main() -> None:
 
     logger.remove()
     tokenizer = Tokenizer.from_folder(args.tokenizer)
-    print(f"scheduling on a virtual device ({args.decode_ms:g} ms per decode step, "
-          f"{args.prefill_us_per_token:g} µs per prefill token), "
-          f"{platform.machine()}, Python {platform.python_version()}, "
-          f"{time.strftime('%Y-%m-%d')}")
+    print(header(f"scheduling on a virtual device ({args.decode_ms:g} ms per decode step, "
+                 f"{args.prefill_us_per_token:g} µs per prefill token)", "cpu"))
     print("| workload | waiting served ratio | max waiting tokens | wall (s) | output tok/s |")
     print("|---|---:|---:|---:|---:|")
     for name in args.workloads:

@@ -18,16 +18,14 @@ Prints a markdown table (device, versions, date) and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import device_name, today, versions
 from router.grammar import json_schema_grammar
 from router.model_files import prepare_default_model
 from shard.config import ShardConfig
@@ -155,15 +153,14 @@ def main() -> None:
             rows.append(f"| {batch} | {k} | {control:.2f} | {mixed:.2f} | "
                         f"{mixed - control:+.2f} ({(mixed / control - 1) * 100:+.1f}%) | "
                         f"{mask_ms:.3f} |")
-    cpu = platform.processor() or platform.machine()
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
-        f"CPU ({cpu}, torch threads: {torch.get_num_threads()})"
+    device = device_name(args.device)
+    if not args.device.startswith("cuda"):
+        device += f", torch threads: {torch.get_num_threads()}"
     lines = [
         "# Decode step with grammar-constrained requests",
         "",
-        f"- date: {datetime.date.today()}; device: {device}; model: {model.name} ({dtype})",
-        f"- torch {torch.__version__}, llguidance {version('llguidance')}, "
-        f"python {platform.python_version()}",
+        f"- date: {today()}; device: {device}; model: {model.name} ({dtype})",
+        f"- {versions('torch', 'llguidance')}",
         f"- {args.steps} steps of each batch in turn, medians after 3 warm-up steps ("
         + ("process CPU time per step: the machine is shared" if args.device == "cpu"
            else "wall time per step") + f"), prompts of {PROMPT_LEN} tokens, greedy; "

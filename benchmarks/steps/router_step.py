@@ -39,7 +39,6 @@ import gc
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import REPO_ROOT, free_port
+from benchmarks.harness import REPO_ROOT, free_port, header
 from router.api.app import create_app
 from router.api.http_server import make_http_server
 from router.api.state import ServerState
@@ -394,8 +393,7 @@ def main() -> None:
 
     logger.remove()  # one log line per request would be measured too
     tokenizer = Tokenizer.from_folder(args.tokenizer)
-    print(f"router step cost, {platform.processor() or platform.machine()}, "
-          f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+    print(header("router step cost", "cpu"))
     if args.device_ms:
         print(f"virtual device: {args.device_ms:g} ms per step")
     print("| mode | shards | requests | streaming | steps in flight | CPU ms per step | "

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.kernels.decode_profile import QWEN3_8B_SHAPE, prefill_requests
-from benchmarks.steps.tp_decode import BLOCK
+from benchmarks.harness import header
+from benchmarks.steps.dummy_model import BLOCK, QWEN3_8B_SHAPE, prefill_requests
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
 
@@ -68,9 +67,7 @@ def main() -> None:
         runner = ModelRunner(ShardConfig(model_path=folder, device="cpu", block_size=BLOCK,
                                          dtype="float32", load_format="dummy"))
         runner.warmup(8192, 8192, max(args.batch))
-        print(f"shard host work per decode step, {platform.machine()}, Python "
-              f"{platform.python_version()}, torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d')}")
+        print(header("shard host work per decode step", "cpu", "torch"))
         print("| batch | µs per step | µs per request |")
         print("|---:|---:|---:|")
         for batch in args.batch:

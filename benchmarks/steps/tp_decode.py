@@ -17,11 +17,9 @@ Prints a markdown table (device, versions, date) and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
 import sys
@@ -32,36 +30,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import free_port
+from benchmarks.harness import device_name, free_port, today, versions
+from benchmarks.steps.dummy_model import BLOCK, LLAMA3_8B, SMALL, Blocks, prefill_requests
 from shard.config import ShardConfig
 from shard.distributed import destroy_distributed
 from shard.model_runner import ModelRunner
 from shard.records import NewRequest, PrefillStep
 from shard.sampling_types import SamplingParams
-
-LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192,
-    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-    bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
-)
-SMALL = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-         "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}
-BLOCK = 16
-
-
-class Blocks:
-    """Consecutive block ids of ``size`` tokens handed out in order (the router's job,
-    simplified)."""
-
-    def __init__(self, size: int = BLOCK) -> None:
-        self.size, self.next = size, 0
-
-    def take(self, tokens: int) -> tuple[int, ...]:
-        n = -(-tokens // self.size)
-        self.next += n
-        return tuple(range(self.next - n, self.next))
 
 
 def _runner(args: argparse.Namespace, model: str, rank: int, tp: int, port: int,
@@ -91,15 +66,8 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> l
 
 def _time_decode(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
     """Median decode step time in ms for ``batch`` requests of ``prompt_len`` tokens."""
-    rng = random.Random(0)
-    blocks = Blocks()
-    total = prompt_len + steps + 4
-    vocab = runner.model_config.vocab_size
-    reqs = [NewRequest(i, tuple(rng.randrange(3, vocab) for _ in range(prompt_len)),
-                       0, blocks.take(total), SamplingParams()) for i in range(batch)]
-    per = max(1, 4096 // prompt_len)
-    for start in range(0, batch, per):
-        runner.prefill(PrefillStep(tuple(reqs[start:start + per])))
+    prefill_requests(runner, batch, prompt_len, steps + 3, per=max(1, 4096 // prompt_len),
+                     spare=1)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     times = []
     for step in range(steps + 3):
@@ -190,12 +158,12 @@ def main() -> int:
         job = dict(kind="time", tp=tp, model=str(big), dtype=bf, dummy=True,
                    out=str(tmp / f"time{tp}.json"), graphs=g)
         timings[(tp, g)] = run_job(args, job)
-    dev = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()
     lines = [
         f"# Tensor-parallel decode step time ({'small' if args.small else 'Llama-3-8B'}-shaped, "
         f"dummy {bf} weights)",
         "",
-        f"- date: {datetime.date.today()}; device: {dev} ×{max(args.tp)}; torch {torch.__version__}"
+        f"- date: {today()}; device: {device_name(args.device)} ×{max(args.tp)}; "
+        f"{versions('torch')}"
         f"; NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if args.device != 'cpu' else '-'}"
         f"; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}",
         f"- prompts of {args.prompt_len} tokens, median of {args.steps} decode steps after 3 "
