@@ -1,5 +1,5 @@
 """Timestamps of each decode step's hops through the router, for finding where the
-device waits (``benchmarks/step_chain.py`` reads them beside the shards' own, which
+device waits (``benchmarks/steps/step_chain.py`` reads them beside the shards' own, which
 each shard writes itself: the router's trace is not part of the router ↔ shard
 contract).
 

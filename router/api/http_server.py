@@ -13,7 +13,7 @@ arrived whole is never cut by it, however long its answer streams.
 
 Requests are parsed by httptools (llhttp, in C), uvicorn's fast parser: a burst of 256
 requests reached a minimal app's handlers in half the time h11's pure-Python parser took
-on the lent GPU machine (``benchmarks/arrival_probe.py``).
+on the lent GPU machine (``benchmarks/serving/arrival_probe.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Not sse-starlette's ``EventSourceResponse``: it wraps every write in a timeout scope and
 runs keep-alive and shutdown watchers beside the stream, which cost 22% of the router's
-CPU per decode step with 256 streams (``benchmarks/router_step.py``; the router must
+CPU per decode step with 256 streams (``benchmarks/steps/router_step.py``; the router must
 write one event per stream per step while the device computes the next). Like vLLM's
 OpenAI server, no keep-alive comments are sent; a client that leaves is seen by
 Starlette's disconnect watch and by :func:`router.api.generation.client_gone`.
