@@ -165,7 +165,7 @@ class ShardConfig:
             (a rank of a group of several gets one from :meth:`for_rank`).
         step_trace_dir: Folder where each process of the launch (the router and every
             shard) appends its steps' timestamps, ``<pid>.tsv`` (:mod:`shard.step_trace`,
-            read by ``benchmarks/step_chain.py``); ``""`` = no tracing.
+            read by ``benchmarks/steps/step_chain.py``); ``""`` = no tracing.
         parent_pid: The process that started this shard: once it is no longer the
             shard's parent (it exited, even by SIGKILL), the shard stops itself
             (``python -m shard.server`` only; see :func:`shard.server.watch_parent`).
@@ -223,7 +223,7 @@ class ShardConfig:
         "rendezvous port on rank 0 (needed when world size > 1)", type=int))
     step_trace_dir: str = field(default="", metadata=_flag(
         "folder where the router and every shard append the timestamps of each step's "
-        "hops, one file per process (benchmarks/step_chain.py reads them); empty = off",
+        "hops, one file per process (benchmarks/steps/step_chain.py reads them); empty = off",
         metavar="DIR"))
     parent_pid: int = field(default=0, metadata=_flag(
         "stop once the process with this pid is no longer this shard's parent (it "

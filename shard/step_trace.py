@@ -1,5 +1,5 @@
 """Timestamps of each step's hops through a shard, for finding where the device waits
-(``benchmarks/step_chain.py`` reads them, beside the router's own,
+(``benchmarks/steps/step_chain.py`` reads them, beside the router's own,
 :mod:`router.step_trace`).
 
 Off unless ``--step-trace-dir`` (:attr:`ShardConfig.step_trace_dir`) names a folder:

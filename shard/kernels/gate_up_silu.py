@@ -35,7 +35,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 class GateUpConfig(NamedTuple):
-    """Tiles and pipeline depth (``benchmarks/kernel_sweep.py --gate-up`` sweeps them)."""
+    """Tiles and pipeline depth (``benchmarks/kernels/kernel_sweep.py --gate-up`` sweeps them)."""
 
     block_m: int
     block_n: int

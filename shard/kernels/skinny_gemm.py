@@ -35,7 +35,7 @@ MAX_ROWS = 16
 
 
 class SkinnyConfig(NamedTuple):
-    """Tiles and pipeline depth of the kernel (``benchmarks/kernel_sweep.py --skinny``
+    """Tiles and pipeline depth of the kernel (``benchmarks/kernels/kernel_sweep.py --skinny``
     sweeps them)."""
 
     block_n: int
