@@ -335,8 +335,8 @@ class Validator:
             raise RequestValidationError(
                 field,
                 f"{len(text)} characters is more than max_input_tokens="
-                f"{max_input_tokens} tokens can hold; pass `truncate` to keep "
-                "only the last tokens",
+                f"{max_input_tokens} (--max-input-tokens) tokens can hold; pass `truncate` to "
+                "keep only the last tokens",
             )
 
     def _check_ids(self, ids: Sequence[int], field: str) -> None:
@@ -371,21 +371,23 @@ class Validator:
         if num_input > budgets.max_input_tokens:
             raise RequestValidationError(
                 field,
-                f"{num_input} tokens, more than max_input_tokens={budgets.max_input_tokens}; "
-                "pass `truncate` to keep only the last tokens",
+                f"{num_input} tokens, more than max_input_tokens={budgets.max_input_tokens} "
+                "(--max-input-tokens); pass `truncate` to keep only the last tokens",
             )
         if params.decoder_input_details and num_input > budgets.max_batch_prefill_tokens:
             raise RequestValidationError(
                 "decoder_input_details",
                 f"prompt logprobs need the prompt prefilled in one step: {num_input} tokens is "
-                f"more than max_batch_prefill_tokens={budgets.max_batch_prefill_tokens}",
+                f"more than max_batch_prefill_tokens={budgets.max_batch_prefill_tokens} "
+                "(--max-batch-prefill-tokens)",
             )
         total = num_input + params.max_new_tokens
         if total > budgets.max_total_tokens:
             raise RequestValidationError(
                 "max_new_tokens",
                 f"prompt tokens + max_new_tokens must be <= max_total_tokens="
-                f"{budgets.max_total_tokens}; given {num_input} prompt tokens and "
+                f"{budgets.max_total_tokens} (--max-total-tokens); given {num_input} prompt "
+                "tokens and "
                 f"{params.max_new_tokens} max_new_tokens",
             )
         if total > capacity:

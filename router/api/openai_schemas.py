@@ -246,7 +246,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return logprobs of the chosen tokens.")
     top_logprobs: int | None = Field(
-        None, ge=0, le=20, description="Alternatives per token (needs logprobs)."
+        None, ge=0, description="Alternatives per token (needs logprobs; at most "
+        "--max-top-n-tokens)."
     )
     tools: list[Tool] | None = Field(None, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(

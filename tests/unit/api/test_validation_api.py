@@ -201,3 +201,31 @@ async def test_limits_are_flags_and_named(
     client: httpx.AsyncClient, path_body: tuple[str, dict], field: str
 ) -> None:
     await assert_rejected(client, *path_body, field=field)
+
+
+async def test_chat_top_logprobs_follow_the_flag_and_name_it(
+    make_app: AppFactory, tokenizer: Tokenizer
+) -> None:
+    from router.config import ValidationLimits
+
+    client, _, _ = await make_app(text_script(tokenizer, " fine thanks"),
+                                  ValidationLimits(max_top_n_tokens=25))
+    path, body = chat(logprobs=True, top_logprobs=22)
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 22
+    path, body = chat(logprobs=True, top_logprobs=26)
+    response = await client.post(path, json=body)
+    assert response.status_code == 400
+    assert "--max-top-n-tokens" in response.json()["error"]["message"]
+
+
+async def test_length_limits_name_their_flags(client: httpx.AsyncClient) -> None:
+    too_long = " ".join(f"word{i}" for i in range(100))
+    for path, body, flag in (
+        (*tgi({}, inputs=too_long), "--max-input-tokens"),
+        (*tgi({"max_new_tokens": 10_000}), "--max-total-tokens"),
+    ):
+        response = await client.post(path, json=body)
+        assert response.status_code == 422, response.text
+        assert flag in response.json()["error"], response.json()
