@@ -4,6 +4,7 @@ for a shard count that cannot split the default model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -71,8 +72,28 @@ def two_node_cluster(tmp_path: Path) -> Iterator[str]:
              "--disable-usage-stats", env=env)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, timeout=120,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        _stop_cluster(port)
+
+
+def _stop_cluster(port: int) -> None:
+    """Kill the processes of the Ray cluster whose GCS listens on ``port`` (and their
+    children), not every Ray process of the machine as ``ray stop`` would: a server or
+    another test run beside this one keeps its own Ray."""
+    import psutil
+
+    # the GCS's own flag, and the address every other process of the cluster is given
+    # (the node's IP, not always 127.0.0.1)
+    mark = re.compile(rf"(--gcs_server_port=|:){port}\b")
+    found: dict[int, psutil.Process] = {}
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if any(mark.search(arg) for arg in cmdline):
+            for member in (process, *process.children(recursive=True)):
+                found[member.pid] = member
+    for process in found.values():
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(list(found.values()), timeout=30)
 
 
 def test_tp2_spread_over_two_ray_nodes(
