@@ -108,9 +108,10 @@ class ShardSteps:
     def prefill(
         self, chunks: list[PrefillChunk]
     ) -> tuple[asyncio.Future[pb.PrefillResponse], list[int]]:
-        """Send one Prefill of ``chunks`` (call before the scheduler records them as
-        prefilled): a request the shards hold continues by id, a new one comes in
-        full. The requests whose prompt it completes become decoding rows.
+        """Send one Prefill of ``chunks`` (as :meth:`Scheduler.schedule` gave them): a
+        request the shards hold continues by id, a new one comes in full with the block
+        table its chunk was scheduled with. The requests whose prompt it completes
+        become decoding rows.
 
         Returns:
             The call, and the ids of the requests it samples a first token for, in the
