@@ -40,7 +40,6 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
-
 import grpc
 import torch
 from loguru import logger
