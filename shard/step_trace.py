@@ -53,8 +53,9 @@ class StepTrace:
         atexit.register(self.flush)
 
     def mark(self, point: str, step: int = -1, value: int = 0) -> None:
-        """Record ``point`` of ``step`` now; ``value``: a number the point carries
-        (``answer``: the step's device time in µs)."""
+        """Record ``point`` of ``step`` now; ``value``: a number the point carries (the
+        shard's ``answer``: the step's device time in µs; the router's ``send``: the
+        rows the step steps)."""
         self._rows.append((point, step, time.monotonic_ns(), value))  # list.append is atomic
         if len(self._rows) >= FLUSH_EVERY:
             self.flush()

@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[3]
 # torch-free modules of the shard package that the router may import.
 CONTRACT = {"shard", "shard.config", "shard.default_model", "shard.sampling_types",
             "shard.tokenizer_files", "shard.layers", "shard.layers.tp_layout", "shard.pb",
-            "shard.pb.shard_pb2", "shard.pb.shard_pb2_grpc"}
+            "shard.pb.shard_pb2", "shard.pb.shard_pb2_grpc",
+            # the trace file writer both sides use (no step message carries a trace)
+            "shard.step_trace"}
 # Imported by the Ray executor only to name the actor class; the actor loads the shard
 # runtime in its own process.
 RAY_ENTRY = "shard.actor"
