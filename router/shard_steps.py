@@ -175,8 +175,8 @@ class ShardSteps:
     @staticmethod
     def decode_results(response: pb.DecodeResponse, rows: list[int]) -> StepResults:
         """The tokens of a Decode response (packed ids and logprobs; full generations
-        only for the requests that asked for more), in the order of ``rows``, the ids
-        it stepped."""
+        only for the requests that asked for more), in row order; ``rows``: the ids it
+        stepped, in row order (needed only when the response has full generations)."""
         extras: list[TokenExtras | None] | None = None
         if response.generations:
             by_id = {g.request_id: _extras(g) for g in response.generations}

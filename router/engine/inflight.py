@@ -89,7 +89,9 @@ class InFlightSteps:
             metrics.prefill_step.observe(results.forward_s)
             self._prefill_since_decode = True
         else:
-            results = ShardSteps.decode_results(response, [seq.id for seq, _ in call.sampled])
+            # the ids in row order are read only for the rows' top tokens, if any asked
+            rows = [seq.id for seq, _ in call.sampled] if response.generations else []
+            results = ShardSteps.decode_results(response, rows)
             # With calls overlapped, a step's wall time runs from the later of its send
             # and the previous step's result (the time the shards could work on it). A
             # prefill between the two is the prefill's time, counted by prefill_step.
