@@ -34,7 +34,7 @@ from router.api.auth import OPEN_PATHS, ApiKeyAuth
 from router.api.errors import error_body
 from router.api.generation import ClientDisconnected, GenerationFailed, GrammarFailed
 from router.api.limits import BodySizeLimit
-from router.api.openai import ModelNotFoundError
+from router.api.openai_params import ModelNotFoundError
 from router.api.schemas import Info
 from router.api.state import ServerState, State, server_state
 from router.chat_template import ChatTemplateError

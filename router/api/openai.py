@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -32,6 +31,17 @@ from router.api.openai_logprobs import (
     completion_logprobs,
     echoed_prompt,
 )
+from router.api.openai_params import (
+    COMPLETION_NAMES,
+    DEFAULT_CHAT_MAX_TOKENS,
+    check_n,
+    check_request,
+    check_top_n,
+    finish_reason,
+    openai_field_names,
+    sampling_parameters,
+    usage_of,
+)
 from router.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -48,7 +58,6 @@ from router.api.openai_schemas import (
     ModelList,
     SamplingFields,
     Usage,
-    unsupported_field,
 )
 from router.api.openai_tools import (
     RESPONSE_SCHEMA_FIELD,
@@ -66,114 +75,14 @@ from router.api.sse import SSEResponse, sse_events
 from router.api.state import ServerState, State
 from router.chat_template import encode_chat_prompt, render_chat
 from router.parameters import GenerateParameters
-from router.request import Finish, FinishReason, GenerationRequest, TokenEvent
+from router.request import GenerationRequest, TokenEvent
 from router.validation import (
     RequestValidationError,
     Validator,
     check_text,
-    parameters_from,
 )
 
-# Chat requests without max_tokens generate at most this many tokens.
-DEFAULT_CHAT_MAX_TOKENS = 100
-# The shared validator speaks /generate's names; errors of the OpenAI routes use these.
-COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "top_n_tokens": "logprobs",
-                    "decoder_input_details": "echo", "inputs": "prompt",
-                    "grammar.value": RESPONSE_SCHEMA_FIELD}
-
-
-class ModelNotFoundError(LookupError):
-    """The request's ``model`` is none of the served names (HTTP 404, as vLLM)."""
-
-    def __init__(self, model: str, served: tuple[str, ...]) -> None:
-        self.model = model
-        super().__init__(
-            f"The model `{model}` does not exist; this server serves: {', '.join(served)}"
-        )
-
-
-@contextmanager
-def openai_field_names(names: dict[str, str]) -> Iterator[None]:
-    """Re-raise :class:`RequestValidationError` with OpenAI's field names (``names``:
-    /generate name → OpenAI name) in its field and message."""
-    try:
-        yield
-    except RequestValidationError as error:
-        raise error.renamed(names) from None
-
-
-def finish_reason(finish: Finish | None) -> str | None:
-    """OpenAI's name: ``length`` or ``stop`` (EOS, stop string or stop token)."""
-    if finish is None:
-        return None
-    return "length" if finish.reason is FinishReason.LENGTH else "stop"
-
-
-def _check_request(body: SamplingFields, state: ServerState) -> None:
-    """Refuse unsupported fields (400 naming the field) and unknown models (404)."""
-    refused = unsupported_field(body.model_extra or {})
-    if refused is not None:
-        raise RequestValidationError(*refused)
-    if body.model is not None and body.model not in state.model_names:
-        raise ModelNotFoundError(body.model, state.model_names)
-
-
-def _parameters(
-    body: SamplingFields, max_tokens: int, top_n: int, prompt_logprobs: bool = False,
-    grammar: dict[str, Any] | None = None,
-) -> GenerateParameters:
-    temperature = 1.0 if body.temperature is None else body.temperature
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    values: dict[str, Any] = {
-        "do_sample": temperature > 0.0,
-        "temperature": temperature if temperature > 0.0 else None,
-        "max_new_tokens": max_tokens,
-        "stop": stops,
-        "seed": body.seed,
-        "top_n_tokens": top_n or None,
-        "stop_token_ids": body.stop_token_ids or [],
-        "ignore_eos": body.ignore_eos,
-        "truncate": body.truncate,
-        "decoder_input_details": prompt_logprobs,
-        "grammar": grammar,
-    }
-    for name in ("top_p", "top_k", "min_p", "typical_p", "repetition_penalty",
-                 "frequency_penalty", "presence_penalty"):
-        values[name] = getattr(body, name)
-    if temperature <= 0.0:
-        # temperature 0 is greedy (argmax), whatever warpers come with it.
-        for name in ("top_p", "top_k", "min_p", "typical_p"):
-            values[name] = None
-    return parameters_from(values)
-
-
-def _usage(prompt_tokens: int, completions: list[Completion]) -> Usage:
-    generated = sum(c.num_generated for c in completions)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
-                 total_tokens=prompt_tokens + generated)
-
-
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
-
-
-def _check_n(validator: Validator, body: SamplingFields, best_of: int | None) -> int:
-    """The number of sequences to generate per prompt (best_of, else n)."""
-    validator.check_n(body.n, "n")
-    if best_of is not None:
-        validator.check_n(best_of, "best_of")
-        if best_of < body.n:
-            raise RequestValidationError("best_of", "must be >= n")
-        if body.stream and best_of != body.n:
-            raise RequestValidationError("best_of", "must equal n when streaming")
-    return best_of or body.n
-
-
-def _top_n(validator: Validator, value: int, field: str) -> int:
-    if value > validator.limits.max_top_n_tokens:
-        raise RequestValidationError(
-            field, f"must be <= {validator.limits.max_top_n_tokens} (--max-top-n-tokens)"
-        )
-    return value
 
 
 @router.get("/models", response_model=ModelList)
@@ -187,7 +96,7 @@ async def models(state: State) -> ModelList:
 @router.post("/completions", response_model=CompletionResponse)
 async def completions(body: CompletionRequest, http_request: Request, state: State) -> Any:
     """Text completion (OpenAI ``POST /v1/completions``)."""
-    _check_request(body, state)
+    check_request(body, state)
     with openai_field_names(COMPLETION_NAMES):
         if _token_ids_only(body):  # checked in microseconds: no thread hand-off
             prompts, requests, width = _completion_requests(state.validator, body)
@@ -267,7 +176,7 @@ class _CompletionAnswer:
     def usage_chunk(self, done: list[Completion]) -> str:
         return CompletionChunk(
             id=self.ident, created=self.created, model=self.state.model_id, choices=[],
-            usage=_usage(self.prompt_tokens, done),
+            usage=usage_of(self.prompt_tokens, done),
         ).model_dump_json()
 
     def whole(self, done: list[Completion]) -> CompletionResponse:
@@ -287,7 +196,7 @@ class _CompletionAnswer:
                 result.append(self.choice(p * body.n + j, c, events, len(prefix), out))
         return CompletionResponse(id=self.ident, created=self.created,
                                   model=self.state.model_id, choices=result,
-                                  usage=_usage(self.prompt_tokens, done))
+                                  usage=usage_of(self.prompt_tokens, done))
 
 
 def _token_ids_only(body: CompletionRequest) -> bool:
@@ -303,10 +212,10 @@ def _completion_requests(
     validator: Validator, body: CompletionRequest,
 ) -> tuple[list[str | list[int]], list[GenerationRequest], int]:
     """(prompts, requests: ``width`` per prompt, width = best_of or n)."""
-    width = _check_n(validator, body, body.best_of)
-    top_n = _top_n(validator, body.logprobs or 0, "logprobs")
+    width = check_n(validator, body, body.best_of)
+    top_n = check_top_n(validator, body.logprobs or 0, "logprobs")
     echo_logprobs = body.echo and body.logprobs is not None
-    params = _parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs,
+    params = sampling_parameters(body, body.max_tokens or 16, top_n, prompt_logprobs=echo_logprobs,
                          grammar=response_grammar(body.response_format))
     prompts: list[Any]
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
@@ -333,7 +242,7 @@ async def chat_completions(
     body: ChatCompletionRequest, http_request: Request, state: State
 ) -> Any:
     """Chat completion with the model's chat template (``POST /v1/chat/completions``)."""
-    _check_request(body, state)
+    check_request(body, state)
     request, plan = await _chat_request(state, body)
     requests = state.validator.fan_out(request, body.n)
     answer = _ChatAnswer(state, body, plan, len(request.input_ids))
@@ -360,14 +269,14 @@ async def _chat_request(
     with openai_field_names(names):
         if body.top_logprobs and not body.logprobs:
             raise RequestValidationError("top_logprobs", "needs logprobs: true")
-        _check_n(validator, body, None)
-        top_n = _top_n(validator, body.top_logprobs or 0, "top_logprobs")
+        check_n(validator, body, None)
+        top_n = check_top_n(validator, body.top_logprobs or 0, "top_logprobs")
         max_tokens = (body.max_completion_tokens or body.max_tokens
                       or DEFAULT_CHAT_MAX_TOKENS)
         check_messages(body.messages)
         plan = tool_plan(body, tokenizer)
         names["grammar.value"] = RESPONSE_SCHEMA_FIELD
-        params = _parameters(body, max_tokens, top_n,
+        params = sampling_parameters(body, max_tokens, top_n,
                              grammar=plan.grammar or response_grammar(body.response_format))
         # Rendering and tokenizing run off the event loop: a long prompt must not
         # stop the streams.
@@ -458,7 +367,7 @@ class _ChatAnswer:
         return lines
 
     def usage_chunk(self, done: list[Completion]) -> str:
-        return self.chunk([], usage=_usage(self.prompt_tokens, done))
+        return self.chunk([], usage=usage_of(self.prompt_tokens, done))
 
     def whole(self, done: list[Completion]) -> ChatCompletionResponse:
         """The answer sent whole: one choice per sequence, tool calls parsed."""
@@ -474,7 +383,7 @@ class _ChatAnswer:
             ))
         return ChatCompletionResponse(id=self.ident, created=self.created,
                                       model=self.state.model_id, choices=choices,
-                                      usage=_usage(self.prompt_tokens, done))
+                                      usage=usage_of(self.prompt_tokens, done))
 
 
 async def _sse(
