@@ -72,20 +72,17 @@ class ShardSteps:
 
     Args:
         client: The shard group.
-        block_size: Tokens per KV block.
     """
 
-    def __init__(self, client: ShardClient, block_size: int) -> None:
+    def __init__(self, client: ShardClient) -> None:
         self.client = client
-        self.block_size = block_size
         self._held: set[int] = set()  # request ids the shards hold
         self._rows: list[int] = []  # the decoding rows, in row order
         self._finished: list[int] = []  # held ids that leave with the next step
 
-    def reset(self, client: ShardClient, block_size: int) -> None:
+    def reset(self, client: ShardClient) -> None:
         """Talk to ``client`` from now on; it holds no request yet (a new group)."""
         self.client = client
-        self.block_size = block_size
         self.restart()
 
     def restart(self) -> None:

@@ -65,7 +65,7 @@ class Engine(EventSource):
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_blocks, block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.shards = ShardSteps(client, block_size)
+        self.shards = ShardSteps(client)
         self.output = OutputProcessor(tokenizer, self.scheduler)
         self.metrics = Metrics(lambda: _metrics_state(self.status(), len(self.scheduler.running)))
         self.lifecycle = Lifecycle(self.scheduler, self.shards, self.output, self.metrics)
@@ -204,7 +204,7 @@ class Engine(EventSource):
         Call with the loop stopped and nothing running (after :meth:`fail_all`);
         queued requests stay."""
         assert not self.scheduler.running and not self.scheduler.prefilling, "requests running"
-        self.shards.reset(client, block_size)
+        self.shards.reset(client)
         self.scheduler.config = config
         self._new_block_manager(num_blocks, block_size)
         self.inflight.drop()

@@ -199,7 +199,7 @@ def test_a_recompute_is_sent_once_in_full_then_chunk_by_chunk() -> None:
 
     async def recompute() -> list[Any]:
         client = Client()
-        steps = ShardSteps(client=client, block_size=4)  # type: ignore[arg-type]
+        steps = ShardSteps(client=client)  # type: ignore[arg-type]
         while seq.status is not Status.RUNNING:
             chunks = scheduler.schedule_prefill()
             task, _ = steps.prefill(chunks)
