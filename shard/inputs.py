@@ -116,3 +116,43 @@ def build_inputs(
         metadata=metadata,
         last_token_indices=tensor([n - 1 for n in cu_q[1:]], torch.int64),
     )
+
+
+def concat_inputs(first: ModelInputs, second: ModelInputs) -> ModelInputs:
+    """One forward over ``first``'s sequences, then ``second``'s (a mixed step: the
+    prompt chunks, built on the host, then the decoding rows, built on the device).
+
+    Device ops only: nothing is read back, so rows whose inputs the previous step is
+    still computing can follow. The result is a prefill (varlen) step whenever either
+    part is one; a decode row is a sequence of one new token over its cached context.
+    """
+    a, b = first.metadata, second.metadata
+    width = max(a.block_tables.shape[1], b.block_tables.shape[1])
+
+    def follow(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Prefix sums ``x`` then ``y`` (both starting at 0) continued: [len(x)+len(y)-1]."""
+        return torch.cat([x, y[1:] + x[-1]])
+
+    def pad(tables: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+
+    metadata = AttentionMetadata(
+        is_prefill=a.is_prefill or b.is_prefill,
+        slot_mapping=torch.cat([a.slot_mapping, b.slot_mapping]),
+        cu_seqlens_q=follow(a.cu_seqlens_q, b.cu_seqlens_q),
+        cu_seqlens_k=follow(a.cu_seqlens_k, b.cu_seqlens_k),
+        seq_lens=torch.cat([a.seq_lens, b.seq_lens]),
+        max_seqlen_q=max(a.max_seqlen_q, b.max_seqlen_q),
+        max_seqlen_k=max(a.max_seqlen_k, b.max_seqlen_k),
+        block_tables=torch.cat([pad(a.block_tables), pad(b.block_tables)]),
+        block_size=a.block_size,
+        has_skipped_slots=a.has_skipped_slots or b.has_skipped_slots,
+        has_cached_prefix=a.has_cached_prefix or b.has_cached_prefix,
+    )
+    return ModelInputs(
+        input_ids=torch.cat([first.input_ids, second.input_ids]),
+        positions=torch.cat([first.positions, second.positions]),
+        metadata=metadata,
+        last_token_indices=torch.cat([first.last_token_indices,
+                                      second.last_token_indices + a.num_tokens]),
+    )

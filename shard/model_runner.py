@@ -24,7 +24,7 @@ from shard.errors import NotWarmedUpError
 from shard.grammar import GrammarCompiler, GrammarMatcher
 from shard.host_copy import to_device
 from shard.host_memory import retain_freed_memory
-from shard.inputs import ModelInputs, SeqChunk, build_inputs
+from shard.inputs import ModelInputs, SeqChunk, build_inputs, concat_inputs
 from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 from shard.layers.tp_layout import check_tp_size, kv_heads_per_rank
@@ -34,7 +34,7 @@ from shard.pending_step import PendingStep, StepChain, StepTimer
 from shard.prompt_logprobs import prefill_chunk, prompt_logprobs
 from shard.records import DecodeStep, NewRequest, PrefillStep, ShardInfo, StepOutput
 from shard.requests import RequestState, RequestTable
-from shard.sampling import SamplingRow, TokenSuffix, sample, sample_greedy
+from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample, sample_greedy
 from shard.step_checks import validate_decode, validate_prefill
 from shard.warmup import Warmup
 
@@ -167,17 +167,20 @@ class ModelRunner:
     def launch_prefill(self, step: PrefillStep, trace_step: int = -1) -> PendingStep | StepOutput:
         """Drop the finished requests, then compute the next chunk of each cached request
         and of each new one (new ones are held from now on), and sample the first token
-        of each whose prompt this completes: those become decoding rows. The tokens are
-        read by :meth:`finish_step`. ``trace_step``: the router's step number, for
-        :mod:`shard.step_trace`.
+        of each whose prompt this completes: those become decoding rows. With
+        ``step.decode`` (a mixed step) every decoding row held before the step also
+        computes its next token in the same forward, as :meth:`launch_decode` would.
+        The tokens are read by :meth:`finish_step`. ``trace_step``: the router's step
+        number, for :mod:`shard.step_trace`.
 
         Launching does not wait for the device (unless a request asked for prompt
-        logprobs): the new rows' first tokens stay on the device, where a decode step
+        logprobs, or a row needs the previous step's tokens on the host: a grammar or
+        a penalty): the new rows' first tokens stay on the device, where a decode step
         launched next reads them, so the next step is launched while this one computes.
 
         Returns:
-            the pending step, or an empty :class:`StepOutput` when no prompt is
-            completed (nothing is sampled).
+            the pending step, or an empty :class:`StepOutput` when nothing is sampled
+            (no prompt completed, no row stepped).
 
         Raises:
             ValueError: a step inconsistent with the requests held (see
@@ -190,7 +193,8 @@ class ModelRunner:
         validate_prefill(step, table, self.block_size, self.num_blocks,
                          self.model_config.vocab_size)
         table.finish(step.finished_request_ids)
-        table.append_blocks({c.request_id: c.new_block_ids for c in step.cached_requests
+        table.append_blocks({c.request_id: c.new_block_ids
+                             for c in (*step.cached_requests, *step.row_appends)
                              if c.new_block_ids})
         t0 = time.perf_counter_ns()
         states: list[RequestState] = []
@@ -210,41 +214,55 @@ class ModelRunner:
         wants_logprobs = [False] * len(step.cached_requests) + [
             r.prompt_logprobs for r in step.new_requests]
         inputs = build_inputs(chunks, self.block_size, True, self.device)
+        rows = list(table.decoding) if step.decode and table.rows is not None else []
+        if rows:  # the rows' one token each, after the chunks
+            assert table.rows is not None
+            max_seqlen_k = max(r.seq_len for r in rows) + 1
+            inputs = concat_inputs(inputs, table.rows.model_inputs(self.block_size,
+                                                                   max_seqlen_k))
         # started after the host built the inputs: the device's wait for them counts as
         # idle time before the step
         timer = StepTimer(self.device)
         hidden = self.forward(inputs)
         previous_timer = self.chain.last_timer
-        rows = [i for i, s in enumerate(states) if s.seq_len == len(s.token_ids)]
-        if not rows:
+        completed = [i for i, s in enumerate(states) if s.seq_len == len(s.token_ids)]
+        if not completed and not rows:
             timer.stop()
             self.chain.last_timer = timer
             if self.trace.enabled:
                 timer.synchronize()  # nothing is read back from a partial-only prefill
                 timer.trace_gap_after(previous_timer, trace_step, self.trace)
             return StepOutput((), time.perf_counter_ns() - t0)
-        final = [states[i] for i in rows]
+        final = [states[i] for i in completed]
+        # the rows' logits first (row order), then the completed prompts'
+        picked = [len(chunks) + j for j in range(len(rows))] + completed
         last = inputs.last_token_indices
-        if len(rows) < len(states):
-            # NOTE: not last[rows]: indexing by a host list copies it from pageable
+        if picked != list(range(len(chunks) + len(rows))):
+            # NOTE: not last[picked]: indexing by a host list copies it from pageable
             # memory, which waits for the forward just queued
-            last = last.index_select(0, to_device(rows, torch.int64, last.device))
+            last = last.index_select(0, to_device(picked, torch.int64, last.device))
         logits = self.model.compute_logits(hidden[last])
-        mask = self.grammars.token_mask([s.grammar for s in final], logits.device)
-        out = sample(logits, [_sampling_row(s) for s in final], mask)
+        out = self._sample(logits, [*rows, *final], rows)
+        if rows:
+            assert table.rows is not None
+            table.rows.advance(out.token_ids[: len(rows)])
+            for row in rows:
+                row.advance()
         timer.stop()
         self.chain.last_timer = timer  # stopped first: the next step reads its end event
         prompt_lps = tuple(
             prompt_logprobs(self.model, chunks[i], i, inputs, hidden) if wants_logprobs[i] else ()
-            for i in rows
+            for i in completed
         )
         for state in final:
             state.num_generated += 1  # its first token (recorded when the step is read)
-        # the next input of each new row, read on the device
-        table.join(final, out.token_ids.clone(), self.device)
-        return self.chain.launched(final, out, timer, previous_timer, trace_step=trace_step,
-                                   prompt_logprobs=prompt_lps,
-                                   has_grammar=any(s.grammar is not None for s in final))
+        if final:  # the next input of each new row, read on the device
+            table.join(final, out.token_ids[len(rows):].clone(), self.device)
+        return self.chain.launched(
+            [*rows, *final], out, timer, previous_timer, trace_step=trace_step,
+            prompt_logprobs=((),) * len(rows) + prompt_lps if any(prompt_lps) else (),
+            has_grammar=any(s.grammar is not None for s in (*rows, *final)),
+            num_rows=len(rows))
 
     def decode(self, step: DecodeStep = NO_CHANGE) -> StepOutput:
         """One decode step: :meth:`launch_decode`, then :meth:`finish_step`."""
@@ -284,27 +302,37 @@ class ModelRunner:
         requests = list(table.decoding)
         max_seqlen_k = max(r.seq_len for r in requests) + 1
         logits = self._decode_logits(table.rows, max_seqlen_k)
-        kind = table.kind
-        mask = None
-        if kind.has_grammar:
-            # NOTE: the forward is already queued on the device; the grammar states need
-            # the previous step's tokens, so the host waits for them here and fills the
-            # masks while the device computes this step's logits.
-            self.chain.wait_last()
-            mask = self.grammars.token_mask([r.grammar for r in requests], logits.device)
-        if kind.plain_greedy:
-            out = sample_greedy(logits, mask, self.kernels)
-        else:
-            if kind.has_penalty:
-                self.chain.wait_last()  # penalties read the host's token history
-            out = sample(logits, [_sampling_row(r) for r in requests], mask)
+        out = self._sample(logits, requests, requests)
         table.rows.advance(out.token_ids)
         for r in requests:
             r.advance()
         timer.stop()
         previous_timer, self.chain.last_timer = self.chain.last_timer, timer
         return self.chain.launched(requests, out, timer, previous_timer,
-                                   has_grammar=kind.has_grammar)
+                                   has_grammar=table.kind.has_grammar)
+
+    def _sample(self, logits: torch.Tensor, requests: list[RequestState],
+                rows: list[RequestState]) -> SamplerOutput:
+        """Sample one token per request from ``logits`` [len(requests), vocab];
+        ``rows``: the decoding rows among them (all of them, or a mixed step's leading
+        ones), whose grammar states and penalties need the previous step's tokens.
+
+        NOTE: the forward is already queued on the device when the host waits here for
+        the previous step: it fills the grammar masks while the device computes."""
+        kind = self.requests.kind if rows else None
+        prompts = requests[len(rows):]
+        has_grammar = (kind is not None and kind.has_grammar) or any(
+            r.grammar is not None for r in prompts)
+        mask = None
+        if has_grammar:
+            if kind is not None and kind.has_grammar:
+                self.chain.wait_last()
+            mask = self.grammars.token_mask([r.grammar for r in requests], logits.device)
+        if (kind is None or kind.plain_greedy) and all(r.plain_greedy for r in prompts):
+            return sample_greedy(logits, mask, self.kernels)
+        if kind is not None and kind.has_penalty:
+            self.chain.wait_last()  # penalties read the host's token history
+        return sample(logits, [_sampling_row(r) for r in requests], mask)
 
     @torch.inference_mode()
     def finish_step(self, pending: PendingStep) -> StepOutput:

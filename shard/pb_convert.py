@@ -7,6 +7,8 @@ take the off value; set, they are taken as they are (greedy decoding is requeste
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shard.pb import shard_pb2 as pb
 from shard.records import (
     CachedRequest,
@@ -71,6 +73,8 @@ def prefill_step_from_pb(request: pb.PrefillRequest) -> PrefillStep:
         new_requests=tuple(new_request_from_pb(r) for r in request.new_requests),
         cached_requests=tuple(cached_request_from_pb(r) for r in request.cached_requests),
         finished_request_ids=tuple(request.finished_request_ids),
+        decode=request.decode,
+        row_appends=tuple(cached_request_from_pb(r) for r in request.row_appends),
     )
 
 
@@ -95,10 +99,6 @@ def timings_to_pb(forward_ns: int, total_ns: int) -> pb.Timings:
     return pb.Timings(forward_ns=forward_ns, total_ns=total_ns)
 
 
-def step_generations_to_pb(out: StepOutput) -> list[pb.Generation]:
-    return [generation_to_pb(g) for g in out.generations]
-
-
 def grammar_failures_to_pb(out: StepOutput) -> list[pb.GrammarFailure]:
     return [pb.GrammarFailure(request_id=rid, message=message)
             for rid, message in out.grammar_failures]
@@ -108,13 +108,30 @@ def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
     """Tokens and logprobs as packed arrays in row order; a ``Generation`` message
     only for the requests with top tokens (a step of hundreds of requests stays a few
     kilobytes and parses without a message per request)."""
-    gens = out.generations
-    return pb.DecodeResponse(
-        generations=[generation_to_pb(g) for g in gens if g.top_tokens],
+    response = _rows_to_pb(out.generations)
+    response.timings.CopyFrom(timings_to_pb(out.forward_ns, total_ns))
+    response.grammar_failures.extend(grammar_failures_to_pb(out))
+    return response
+
+
+def prefill_response_to_pb(out: StepOutput, total_ns: int, decode: bool) -> pb.PrefillResponse:
+    """A Prefill's first tokens as ``Generation`` messages; with ``decode`` (a mixed
+    step) the rows' tokens too, packed as a Decode answers them."""
+    response = pb.PrefillResponse(
+        generations=[generation_to_pb(g) for g in out.prompt_generations],
         timings=timings_to_pb(out.forward_ns, total_ns),
-        token_ids=[g.token_id for g in gens],
-        logprobs=[g.logprob for g in gens],
         grammar_failures=grammar_failures_to_pb(out),
+    )
+    if decode:
+        response.decode.CopyFrom(_rows_to_pb(out.row_generations))
+    return response
+
+
+def _rows_to_pb(rows: Sequence[Generation]) -> pb.DecodeResponse:
+    return pb.DecodeResponse(
+        generations=[generation_to_pb(g) for g in rows if g.top_tokens],
+        token_ids=[g.token_id for g in rows],
+        logprobs=[g.logprob for g in rows],
     )
 
 

@@ -43,6 +43,7 @@ class PendingStep:
             only for the requests that asked); empty for a decode.
         has_grammar: some request is constrained by a grammar (the failed ones are
             reported with the step's results).
+        num_rows: a mixed step's decoding rows, the first ``num_rows`` of ``requests``.
     """
 
     requests: list[RequestState]
@@ -54,6 +55,7 @@ class PendingStep:
     previous_timer: StepTimer | None = None
     prompt_logprobs: tuple[tuple[float, ...], ...] = ()
     has_grammar: bool = False
+    num_rows: int = 0
 
 
 class StepTimer:
@@ -131,6 +133,7 @@ class StepChain:
         trace_step: int = -1,
         prompt_logprobs: tuple[tuple[float, ...], ...] = (),
         has_grammar: bool = False,
+        num_rows: int = 0,
     ) -> PendingStep:
         """The launched step whose sampled ``out`` is on its way to the host, chained
         after the last launched one (finished first); the fields are
@@ -144,6 +147,7 @@ class StepChain:
             previous_timer=previous_timer,
             prompt_logprobs=prompt_logprobs,
             has_grammar=has_grammar,
+            num_rows=num_rows,
         )
         self.last = pending
         return pending
@@ -193,7 +197,8 @@ class StepChain:
                         ] if pending.has_grammar else []
         finally:
             pending.finished.set()
-        return StepOutput(tuple(generations), pending.timer.elapsed_ns(), tuple(failures))
+        return StepOutput(tuple(generations), pending.timer.elapsed_ns(), tuple(failures),
+                          num_rows=pending.num_rows)
 
     def reset(self) -> None:
         """Forget the launched steps (a new sequence of steps starts)."""

@@ -79,11 +79,17 @@ class CachedRequest:
 @dataclass(frozen=True)
 class PrefillStep:
     """A Prefill call: requests that leave, then the next chunks of requests being
-    prefilled (``cached_requests``), then new requests, computed in that order."""
+    prefilled (``cached_requests``), then new requests, computed in that order.
+
+    With ``decode`` (a mixed step) every decoding row held also computes one token in
+    the same forward, after the block appends of ``row_appends``, as a
+    :class:`DecodeStep` would."""
 
     new_requests: tuple[NewRequest, ...] = ()
     cached_requests: tuple[CachedRequest, ...] = ()
     finished_request_ids: tuple[int, ...] = ()
+    decode: bool = False
+    row_appends: tuple[CachedRequest, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,11 +132,24 @@ class StepOutput:
         grammar_failures: (request id, why) of each request of the step whose grammar
             is in its failed state (see :class:`shard.grammar.GrammarMatcher`): its
             token of this step is void.
+        num_rows: a mixed step's decoding rows: the first ``num_rows`` generations,
+            in row order, come before the prompts' (0 for any other step).
     """
 
     generations: tuple[Generation, ...]
     forward_ns: int
     grammar_failures: tuple[tuple[int, str], ...] = ()
+    num_rows: int = 0
+
+    @property
+    def row_generations(self) -> tuple[Generation, ...]:
+        """A mixed step's decoding rows, in row order (the first ``num_rows``)."""
+        return self.generations[: self.num_rows]
+
+    @property
+    def prompt_generations(self) -> tuple[Generation, ...]:
+        """A Prefill's first tokens of the prompts it completed (after the rows)."""
+        return self.generations[self.num_rows :]
 
 
 @dataclass(frozen=True)

@@ -215,11 +215,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 pb_convert.prefill_step_from_pb(request), step)),
         )
         self.trace.mark("prefill", step, out.forward_ns // 1000)
-        return pb.PrefillResponse(
-            generations=pb_convert.step_generations_to_pb(out),
-            timings=pb_convert.timings_to_pb(out.forward_ns, time.perf_counter_ns() - t0),
-            grammar_failures=pb_convert.grammar_failures_to_pb(out),
-        )
+        return pb_convert.prefill_response_to_pb(out, time.perf_counter_ns() - t0,
+                                                 request.decode)
 
     async def Decode(
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext

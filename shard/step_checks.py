@@ -81,11 +81,18 @@ def validate_prefill(
         ValueError: nothing to compute; a finished id not held; a cached request not
             held, leaving in the same step, already decoding, or with blocks out of
             range or too few for its chunk; a new request id held (and not leaving) or
-            repeated; a bad new request (:func:`validate_request`).
+            repeated; a bad new request (:func:`validate_request`); in a mixed step,
+            what :func:`validate_decode` refuses of ``row_appends``; row appends
+            without ``decode``.
     """
     if not step.new_requests and not step.cached_requests:
         raise ValueError("a Prefill must compute at least one request")
     staying = _staying(table, step.finished_request_ids)
+    if step.decode:
+        _check_rows(step.row_appends, step.finished_request_ids, staying, table, block_size,
+                    num_blocks)
+    elif step.row_appends:
+        raise ValueError("row_appends are for a mixed step (decode = true)")
     _check_appends(step.cached_requests, staying, num_blocks)
     for c in step.cached_requests:
         state = staying(c.request_id)
@@ -127,16 +134,26 @@ def validate_decode(
             num_tokens other than 0 or 1 (one token per decode step for now).
     """
     staying = _staying(table, step.finished_request_ids)
-    _check_appends(step.cached_requests, staying, num_blocks)
+    _check_rows(step.cached_requests, step.finished_request_ids, staying, table, block_size,
+                num_blocks)
+
+
+def _check_rows(
+    cached: Sequence[CachedRequest], finished: Sequence[int],
+    staying: Callable[[int], RequestState], table: RequestTable, block_size: int,
+    num_blocks: int,
+) -> None:
+    """The decoding rows' part of a Decode or a mixed step (see :func:`validate_decode`)."""
+    _check_appends(cached, staying, num_blocks)
     appended: dict[int, int] = {}
-    for c in step.cached_requests:
+    for c in cached:
         if not staying(c.request_id).decoding:
             raise ValueError(f"request {c.request_id}: its prefill is not complete")
         if c.num_tokens > 1:
             raise ValueError(f"request {c.request_id}: num_tokens={c.num_tokens}: a decode "
                              "step computes one token per request")
         appended[c.request_id] = len(c.new_block_ids)
-    leaving = set(step.finished_request_ids)
+    leaving = set(finished)
     for r in table.decoding:
         if r.request_id in leaving:
             continue

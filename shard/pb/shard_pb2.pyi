@@ -153,18 +153,22 @@ class Timings(_message.Message):
     def __init__(self, forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("finished_request_ids", "cached_requests", "new_requests", "step", "restart")
+    __slots__ = ("finished_request_ids", "cached_requests", "new_requests", "step", "restart", "decode", "row_appends")
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    ROW_APPENDS_FIELD_NUMBER: _ClassVar[int]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     step: int
     restart: bool
-    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., step: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
+    decode: bool
+    row_appends: _containers.RepeatedCompositeFieldContainer[CachedRequest]
+    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., step: _Optional[int] = ..., restart: _Optional[bool] = ..., decode: _Optional[bool] = ..., row_appends: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ...) -> None: ...
 
 class GrammarFailure(_message.Message):
     __slots__ = ("request_id", "message")
@@ -175,14 +179,16 @@ class GrammarFailure(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "timings", "grammar_failures")
+    __slots__ = ("generations", "timings", "grammar_failures", "decode")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     timings: Timings
     grammar_failures: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...
+    decode: DecodeResponse
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("finished_request_ids", "cached_requests", "step", "restart")

@@ -88,7 +88,8 @@ class ShardServiceServicer:
     def Prefill(self, request, context):
         """One step that computes prompt tokens: new requests and the next chunks of requests
         already being prefilled; samples the first token of each request whose prompt it
-        completes (that request then decodes in every later Decode).
+        completes (that request then decodes in every later step). With `decode` set it is
+        a mixed step: the decoding rows also compute their next token in the same forward.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,7 +25,7 @@ from transformers import (
 
 from shard.config import ShardConfig
 from shard.model_runner import ModelRunner
-from shard.records import CachedRequest, DecodeStep, NewRequest, PrefillStep
+from shard.records import CachedRequest, DecodeStep, Generation, NewRequest, PrefillStep
 from shard.sampling_types import SamplingParams
 
 # NOTE: the shard tests run on CPU; SHARD_TEST_DEVICE=cuda runs the model tests on a GPU
@@ -202,9 +202,11 @@ class DecodeDriver:
         self.pool = pool
 
     def step(self, finished: tuple[int, ...] = ()) -> dict[int, int]:
+        return {g.request_id: g.token_id for g in self.step_output(finished)}
+
+    def step_output(self, finished: tuple[int, ...] = ()) -> tuple[Generation, ...]:
         appends = []
         for r in self.runner.requests.decoding:
             if r.request_id not in finished and r.seq_len + 1 > len(r.block_table) * BLOCK_SIZE:
                 appends.append(CachedRequest(r.request_id, tuple(self.pool.take(1))))
-        out = self.runner.decode(DecodeStep(tuple(appends), finished))
-        return {g.request_id: g.token_id for g in out.generations}
+        return self.runner.decode(DecodeStep(tuple(appends), finished)).generations
