@@ -40,9 +40,10 @@ from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool
 from shard.layers.tp_layout import check_tp_size_for_folder
 
 # The shard flags of ``launch``, defined with ShardConfig's fields (defaults, help, types).
-_MODEL_SHARD_FLAGS = ("dtype", "device", "load_format")
+_MODEL_SHARD_FLAGS = ("dtype", "device", "load_format", "quantization")
 _SHARD_FLAGS = ("attention_backend", "cuda_graphs", "pdl", "gemm_tuning", "gemm_tuning_cache",
-                "block_size", "kv_cache_bytes", "gpu_memory_fraction", "step_trace_dir")
+                "block_size", "kv_cache_bytes", "kv_cache_dtype", "gpu_memory_fraction",
+                "step_trace_dir")
 
 # Shard fields whose router flag has another name: TGI's --num-shard, and the router's
 # own log switch, which it hands to the shards.

@@ -53,6 +53,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Names of shard/attention's registry plus "auto" (tests/unit/router/test_cli.py checks
 # that they agree; the registry itself imports torch).
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "flashinfer", "torch")
+# --quantization (vLLM's names): "none", or fp8 weights (shard/quantization/)
+QUANTIZATIONS = ("none", "fp8")
+# --kv-cache-dtype: "auto" (the model's dtype) or fp8 e4m3 (shard/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
 # 2Gi = 2GiB = 2 x 2**30); case does not matter, a trailing B is optional.
@@ -140,6 +144,11 @@ class ShardConfig:
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         load_format: ``"safetensors"`` reads the checkpoint; ``"dummy"`` fills
             random weights from config.json alone (benchmarks).
+        quantization: ``"none"``, or ``"fp8"``: the decoder layers' linear weights in
+            float8 e4m3 with per-output-channel scales, activations quantized per token
+            (:mod:`shard.quantization`); needs CUDA compute capability 8.9+ (or CPU).
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8"``: keys and values in
+            float8 e4m3 with a scale per token and KV head (:mod:`shard.kv_cache`).
         world_size: Tensor-parallel world size.
         attention_backend: Registry name (see :mod:`shard.attention`), or ``"auto"``.
         cuda_graphs: Decode batch sizes captured as CUDA graphs at warmup: ``"auto"``
@@ -186,6 +195,15 @@ class ShardConfig:
     load_format: LoadFormat = field(default="safetensors", metadata=_flag(
         "read the checkpoint, or random weights from config.json alone",
         choices=LOAD_FORMATS))
+    quantization: str = field(default="none", metadata=_flag(
+        "fp8: the decoder layers' weights in fp8 e4m3 with per-output-channel scales, "
+        "activations quantized per token (quantized at load, or read from an FP8 checkpoint); "
+        "a GPU of compute capability 8.9+ (Ada, Hopper) or the CPU",
+        choices=QUANTIZATIONS))
+    kv_cache_dtype: str = field(default="auto", metadata=_flag(
+        "KV cache: auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV head, "
+        "about twice the tokens); a GPU of compute capability 8.9+ or the CPU",
+        choices=KV_CACHE_DTYPES))
     world_size: int = field(default=1, metadata=_flag("tensor-parallel ranks", type=int))
     attention_backend: str = field(default="auto", metadata=_flag(
         "attention kernels; auto = the fastest that runs here (our Triton kernels, then "
@@ -242,6 +260,13 @@ class ShardConfig:
             raise ValueError(f"pdl must be 'auto' or 'off', got {self.pdl!r}")
         if self.gemm_tuning not in ("auto", "off"):
             raise ValueError(f"gemm_tuning must be 'auto' or 'off', got {self.gemm_tuning!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

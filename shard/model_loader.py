@@ -1,6 +1,7 @@
 """Build the model for a :class:`ShardConfig`: parse config.json, pick the class from
 the registry, create parameters directly in the target dtype and device (and sharded
-for this rank's :class:`~shard.distributed.ParallelContext`), load weights."""
+for this rank's :class:`~shard.distributed.ParallelContext`; fp8 where
+``--quantization fp8`` asks, :mod:`shard.quantization`), load weights."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from shard.layers.linear import pack_cpu_weights
 from shard.models.base import CausalLM
 from shard.models.config import ModelConfig
 from shard.models.registry import get_model_class
+from shard.quantization.config import quantization_context, resolve_fp8_weights
 from shard.weights import fill_dummy_weights, load_weights
 
 
@@ -45,11 +47,14 @@ def build_model(
     the references only).
 
     Raises:
-        ValueError: unsupported architecture, or a checkpoint that does not fit the model.
+        ValueError: unsupported architecture, a checkpoint that does not fit the model,
+            or a quantization this checkpoint or device cannot have
+            (:func:`~shard.quantization.config.resolve_fp8_weights`).
         FileNotFoundError: no safetensors in ``config.model_path`` (safetensors format).
     """
     log = logger.bind(rank=config.rank)
     cls = get_model_class(model_config)
+    fp8 = resolve_fp8_weights(config, device)
     log.info(
         "building {} ({} layers, hidden {}, heads {}/{} kv, head_dim {}) in {} on {}",
         model_config.architecture,
@@ -63,12 +68,15 @@ def build_model(
     )
     tp = ParallelContext(config.rank, config.world_size)
     with torch.device(device), _default_dtype(dtype), parallel_context(tp), \
-            kernel_context(kernels if kernels is not None else KernelChoices()):
+            kernel_context(kernels if kernels is not None else KernelChoices()), \
+            quantization_context(fp8):
         model = cls(model_config, backend)
     model.eval()
+    if fp8 is not None:
+        log.info("{}", fp8.describe(dtype))
     if config.load_format == "dummy":
         log.info("filling dummy weights (load_format=dummy)")
-        fill_dummy_weights(model)
+        fill_dummy_weights(model, dtype=dtype)
     else:
         load_weights(model, config.model_path)
     num_params = sum(p.numel() for _, p in model.named_parameters())

@@ -14,6 +14,11 @@ Every parameter carries ``weight_loader(param, loaded[, shard_id])``; ``loaded``
 each rank reads only its own rows/columns from the checkpoint (see :mod:`shard.weights`).
 Every parameter also carries ``checkpoint_shapes``: the full (unsharded) checkpoint
 shape per shard id, used to fill dummy weights sharded exactly like real ones.
+
+Built inside :func:`~shard.quantization.config.quantization_context` with fp8 weights,
+the q/k/v, o, gate/up and down layers hold their weight in float8 e4m3 with a
+``weight_scale`` per output channel (:mod:`shard.layers.fp8`); the embedding and the LM
+head stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, current_parallel
 from shard.kernels.choices import KernelChoices, current_kernels
+from shard.layers import fp8
 from shard.layers.tp_layout import first_kv_head, kv_heads_per_rank, vocab_per_rank
 
 WeightLoader = Callable[..., None]
@@ -138,19 +144,46 @@ class _ParallelLinearBase(nn.Module):
     """Common fields: ``weight [out_local, in_local]``, optional ``bias [out_local]``, and
     ``packed_weight`` (set by :func:`pack_cpu_weights`), ``tp``, the parallel context the
     layer was built in, and ``kernels``, the kernel choices of the model it was built for
-    (:func:`~shard.kernels.choices.current_kernels`)."""
+    (:func:`~shard.kernels.choices.current_kernels`). With fp8 weights (see the module
+    doc) ``weight`` is float8_e4m3fn and ``weight_scale [out_local]`` float32 holds its
+    scales, ``input_scale`` (scalar) a checkpoint's static activation scale or None."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: ParallelContext) -> None:
         super().__init__()
         self.tp = tp
         self.kernels = current_kernels()
         self.packed_weight: torch.Tensor | None = None
-        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight_scale, self.input_scale = fp8.scale_params(out_local, self.weight_loader)
+        dtype = fp8.FP8_DTYPE if self.weight_scale is not None else None
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype),
+                                   requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias``: the fp8 product for fp8 weights, else :func:`_matmul`."""
+        if self.weight_scale is not None:
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+        return _matmul(x, self.weight, self.packed_weight, bias, self.kernels)
+
+    def _rows(self, shard_id: Any) -> tuple[int, int, int]:
+        """Where the output rows of checkpoint tensor ``shard_id`` go: (first row here,
+        rows, first row in the checkpoint tensor)."""
+        raise NotImplementedError
+
+    def _store_rows(self, param: nn.Parameter, shard_id: Any, piece: torch.Tensor,
+                    what: str) -> None:
+        """Copy ``piece`` (this rank's rows of checkpoint tensor ``shard_id``) into
+        ``param``; an fp8 layer's weight quantized per row unless already fp8, its
+        scales loaded (:func:`shard.layers.fp8.store_rows`)."""
+        offset, size, _ = self._rows(shard_id)
+        if self.weight_scale is not None and param is not self.bias:
+            fp8.store_rows(self, param, offset, size, piece, what)
+            return
+        _copy(param.data.narrow(0, offset, size), piece, what)
 
     def _record_shapes(self, shapes: Sequence[tuple[Any, int]], input_size: int) -> None:
         """Checkpoint shapes from ``(shard_id, full output size)`` pairs."""
@@ -179,12 +212,21 @@ class ColumnParallelLinear(_ParallelLinearBase):
         super().__init__(input_size, output_size // tp.size, bias, tp)
         self._record_shapes([(None, output_size)], input_size)
 
+    def _rows(self, shard_id: Any) -> tuple[int, int, int]:
+        rows = self.weight.shape[0]
+        return 0, rows, self.tp.rank * rows
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
-        rows = param.shape[0]
-        _copy(param.data, read_range(loaded, 0, self.tp.rank * rows, rows), "column slice")
+        shard_id = args[0] if args else None
+        if fp8.is_scale(self, param):
+            fp8.load_scale(self, param, loaded, shard_id)
+            return
+        _, size, start = self._rows(shard_id)
+        self._store_rows(param, shard_id, read_range(loaded, 0, start, size),
+                         f"shard {shard_id}" if args else "column slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.packed_weight, self.bias, self.kernels)
+        return self._product(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -201,14 +243,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         self._record_shapes(list(enumerate(output_sizes)), input_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
-        (shard_id,) = args
+    def _rows(self, shard_id: Any) -> tuple[int, int, int]:
         sizes = [s // self.tp.size for s in self.output_sizes]
         index = int(shard_id)
-        offset = sum(sizes[:index])
-        target = param.data.narrow(0, offset, sizes[index])
-        piece = read_range(loaded, 0, self.tp.rank * sizes[index], sizes[index])
-        _copy(target, piece, f"shard {shard_id}")
+        return sum(sizes[:index]), sizes[index], self.tp.rank * sizes[index]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -242,16 +280,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
         self._record_shapes([("q", q_full), ("k", kv_full), ("v", kv_full)], hidden_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
-        (shard_id,) = args
+    def _rows(self, shard_id: Any) -> tuple[int, int, int]:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, self.tp.rank * q_size
-        else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, self.first_kv_head * self.head_dim
-        _copy(param.data.narrow(0, offset, size), read_range(loaded, 0, start, size), shard_id)
+            return 0, q_size, self.tp.rank * q_size
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return offset, kv_size, self.first_kv_head * self.head_dim
 
 
 class RowParallelLinear(_ParallelLinearBase):
@@ -267,15 +302,22 @@ class RowParallelLinear(_ParallelLinearBase):
         super().__init__(input_size // tp.size, output_size, bias, tp)
         self._record_shapes([(None, output_size)], input_size)
 
+    def _rows(self, shard_id: Any) -> tuple[int, int, int]:
+        return 0, self.weight.shape[0], 0  # every output row, scales included
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, *args: Any) -> None:
+        if fp8.is_scale(self, param):
+            fp8.load_scale(self, param, loaded, None)
+            return
         if param.dim() == 1:
             default_weight_loader(param, loaded)
             return
         cols = param.shape[1]
-        _copy(param.data, read_range(loaded, 1, self.tp.rank * cols, cols), "row slice")
+        self._store_rows(param, None, read_range(loaded, 1, self.tp.rank * cols, cols),
+                         "row slice")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(_matmul(x, self.weight, self.packed_weight, None, self.kernels))
+        y = self.tp.all_reduce(self._product(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -386,9 +428,12 @@ def pack_cpu_weights(model: _ModuleTree) -> int:
 def linear_weights(model: _ModuleTree) -> list[torch.Tensor]:
     """The weights of every tensor-parallel linear layer of ``model`` whose product runs
     without a bias (the decoder layers' projections, a row-parallel layer's bias being
-    added after the all-reduce; not the embedding or the LM head), in module order."""
+    added after the all-reduce; not the embedding or the LM head), in module order.
+    fp8 weights are left out: their products run through ``torch._scaled_mm``, which the
+    warm-up's cuBLASLt tuning does not time (yet)."""
     return [m.weight.detach() for m in model.modules() if isinstance(m, _ParallelLinearBase)
-            and (m.bias is None or isinstance(m, RowParallelLinear))]
+            and (m.bias is None or isinstance(m, RowParallelLinear))
+            and m.weight_scale is None]
 
 
 def lm_head_weights(model: _ModuleTree) -> list[torch.Tensor]:

@@ -1,0 +1,127 @@
+"""FP8 numerics: float8 e4m3 quantization by rows and the fp8 linear product.
+
+Format: OCP 8-bit floating point, E4M3 variant (``torch.float8_e4m3fn``: 4 exponent and 3
+mantissa bits, no infinities, largest finite value 448; Micikevicius et al. 2022, "FP8
+Formats for Deep Learning", arXiv:2209.05433). A tensor is stored as ``q = x / scale``
+rounded to e4m3 (round to nearest even, saturated at ±448) and read back as
+``q * scale``; with ``scale = amax / 448`` over the values that share it, the largest
+of them lands on 448 and the relative rounding error of every normal value is at most
+2^-4.
+
+Weights get a scale per output channel (row of ``[out_features, in_features]``),
+activations one per token (row of ``[num_tokens, in_features]``), computed at run time;
+the product ``(x_q · s_x) (W_q · s_w)^T = (x_q W_q^T) ⊙ (s_x s_w^T)`` runs through
+``torch._scaled_mm`` with both scale vectors ("row-wise" scaling: cuBLASLt / CUTLASS's
+fp8 tensor-core path on CUDA compute capability 8.9+, a reference implementation on
+CPU, where it runs every shape).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shard.layers.fused import cuda_compiled
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# The smallest scale: a row of zeros (or of values this small) quantizes to zeros
+# instead of dividing by zero.
+MIN_SCALE = 1e-12
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds float8 values (any fp8 dtype)."""
+    return tensor.dtype in (
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    )
+
+
+@cuda_compiled
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row (last dimension) of ``x`` to e4m3 with its own scale
+    ``amax(|row|) / 448``.
+
+    Args:
+        x: [..., n], any float dtype.
+
+    Returns:
+        (q [..., n] float8_e4m3fn, scale [...] float32), ``x ≈ q * scale[..., None]``.
+    """
+    h = x.to(torch.float32)
+    scale = (h.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (h / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+@cuda_compiled
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize ``x`` [..., n] to e4m3 with a given ``scale`` (a float32 scalar, e.g. a
+    checkpoint's static ``input_scale``); values beyond ``448 * scale`` saturate."""
+    h = x.to(torch.float32) / scale
+    return h.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_rows(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q * scale[..., None]`` in ``dtype``: the inverse of :func:`quantize_rows`.
+
+    Args:
+        q: [..., n] float8.
+        scale: [...] float32 (or a scalar: one scale for all rows).
+    """
+    scale = scale.to(torch.float32)
+    if scale.dim():
+        scale = scale[..., None]
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` through an fp8 product.
+
+    The activations are quantized per token (dynamically), or with ``input_scale``
+    when a checkpoint gives one (static, per tensor); the product runs in
+    ``torch._scaled_mm`` with the activations' and the weight's scales applied to its
+    float32 accumulator. On CUDA the row-wise scaled product writes bfloat16 (the output
+    it supports), cast to ``x``'s dtype for a float16/float32 model; on CPU it writes
+    ``x``'s dtype.
+
+    Args:
+        x: [num_tokens, in_features] (or [..., in_features]), float16/bfloat16/float32.
+        weight: [out_features, in_features] float8_e4m3fn, contiguous.
+        weight_scale: [out_features] float32, one scale per output channel.
+        bias: [out_features] in ``x``'s dtype, added after the product, or None.
+        input_scale: float32 scalar, or None (per-token scales computed here).
+
+    Returns:
+        [..., out_features] in ``x``'s dtype.
+    """
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if input_scale is None:
+        x_q, x_scale = quantize_rows(rows)
+    else:
+        x_q = quantize_with_scale(rows, input_scale)
+        x_scale = input_scale.to(torch.float32).expand(rows.shape[0]).contiguous()
+    out_dtype = x.dtype if not x.is_cuda else torch.bfloat16
+    out = torch._scaled_mm(
+        x_q,
+        weight.t(),
+        scale_a=x_scale[:, None],
+        scale_b=weight_scale[None, :],
+        out_dtype=out_dtype,
+    )
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])
