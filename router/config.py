@@ -104,11 +104,18 @@ class SchedulerConfig:
             steps (which also decode the running batch, unless
             ``decode_during_prefill`` is off).
         decode_during_prefill: A step that prefills newcomers also decodes the running
-            batch (TGI's loop). Off: prefill steps prefill only and the running batch
-            decodes once nothing more can be admitted, or after ``max_waiting_tokens``
-            prefill steps in a row (the prefill-first loop of vLLM's V0 scheduler):
-            fewer decode steps, each over a larger batch, while running streams pause
-            for the prefill steps (a chunked prompt's chunks included).
+            batch, in the same forward (a mixed step; Sarathi-Serve's stall-free
+            batching, vLLM's V1 scheduler): the running batch gets its blocks first and
+            the prompt chunks fill the budget left (``itl_target_s``). Off: prefill
+            steps prefill only and the running batch decodes once nothing more can be
+            admitted, or after ``max_waiting_tokens`` prefill steps in a row (the
+            prefill-first loop of vLLM's V0 scheduler): fewer decode steps, each over a
+            larger batch, while running streams pause for the prefill steps (a chunked
+            prompt's chunks included).
+        itl_target_s: The time a mixed step aims at, seconds: its prompt tokens are as
+            many as the measured step time allows (:mod:`router.prefill_budget`), so
+            that running streams' inter-token gap stays near it. None: 3 decode steps,
+            at least 0.05 s.
         steps_in_flight: Shard steps sent ahead of the one whose tokens the router is
             reading (overlapped scheduling). 1: step N+1 is sent before step N's
             tokens are read, and a request that stops at step N leaves at N+1. 2 gives
@@ -141,10 +148,16 @@ class SchedulerConfig:
     chunked_prefill: bool = field(default=True, metadata=_flag(
         "split long prompts over steps shared with decodes", type=bool))
     decode_during_prefill: bool = field(default=True, metadata=_flag(
-        "on: a step that prefills newcomers also decodes the running batch; off: prefill "
+        "on: a step that prefills newcomers also decodes the running batch, in one "
+        "forward; off: prefill "
         "first, the running batch decodes when nothing more can be admitted or after "
         "--max-waiting-tokens prefill steps in a row (running streams pause during "
         "prefills)", type=bool))
+    itl_target_s: float | None = field(default=None, metadata=_flag(
+        "time to aim at for a step that prefills while requests decode: its prompt "
+        "tokens are sized from measured step times so that running streams' "
+        "inter-token gap stays near it (at most --max-batch-prefill-tokens)", type=float,
+        metavar="SECONDS", default_text="3 decode steps, at least 0.05"))
     steps_in_flight: int = field(default=1, metadata=_flag(
         "shard steps sent ahead of the one being read: 1, or 2 for more slack on a busy "
         "router (a stopped request then computes two discarded tokens instead of one)",
@@ -166,6 +179,8 @@ class SchedulerConfig:
             raise ValueError("--waiting-served-ratio must be >= 0")
         if self.max_waiting_tokens < 0:
             raise ValueError("--max-waiting-tokens must be >= 0")
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise ValueError("--itl-target must be positive (seconds)")
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError("--max-input-tokens must be smaller than --max-total-tokens")
         if not self.chunked_prefill and self.max_input_tokens > self.max_batch_prefill_tokens:

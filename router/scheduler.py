@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from router.block_manager import BlockManager, block_hashes
 from router.config import SchedulerConfig
+from router.prefill_budget import PrefillBudget
 from router.request import Sequence, Status
 
 
@@ -63,20 +64,25 @@ class DecodePlan:
 
 @dataclass
 class SchedulerOutput:
-    """What one engine iteration sends: a prefill of ``chunks`` (when any), then a
-    decode step of ``decoding`` (when any) after appending ``block_appends``.
+    """What one engine iteration sends: a prefill of ``chunks`` and a decode of
+    ``decoding`` after appending ``block_appends``, in one mixed step or one after the
+    other (``mixed``), or whichever there is.
 
     Attributes:
         chunks: Prompt chunks to prefill, continuing ones first.
         decoding: Running sequences to step by one token, in admission order.
         block_appends: Sequence id → new block ids, appended before the decode step.
         preempted: Sequences that lost their blocks to make room (queued again).
+        mixed: ``decoding`` are the sequences that were running before ``chunks``,
+            stepped in the same forward (one mixed step); False: a decode step after the
+            prefill, which the sequences whose prompt it completes join.
     """
 
     chunks: list[PrefillChunk] = field(default_factory=list)
     decoding: list[Sequence] = field(default_factory=list)
     block_appends: dict[int, list[int]] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    mixed: bool = False
 
 
 class Scheduler:
@@ -91,18 +97,50 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps_since_prefill = 0
         self._held_decodes = 0  # prefill steps in a row that held the running batch
+        self.prefill_budget = PrefillBudget(config.itl_target_s)
 
     def schedule(self) -> SchedulerOutput:
-        """This iteration's work: prompt chunks within the prefill budget, then the
-        running sequences that still need a token, with their new blocks. The state is
-        updated as if the work were sent (chunks recorded as prefilled, one more token
-        in flight for each sequence sampled): the engine sends all of it.
+        """This iteration's work: the running sequences that still need a token, with
+        their new blocks, and prompt chunks within the prefill budget; the engine sends
+        both as one mixed step (or whichever there is). The state is updated as if the
+        work were sent (chunks recorded as prefilled, one more token in flight for each
+        sequence sampled): the engine sends all of it.
 
-        Policy (TGI's prefill-first, unless ``decode_during_prefill``): an iteration
-        that prefills holds the running batch, up to ``max_waiting_tokens`` such
-        iterations in a row (newcomers that finish at their prefill could otherwise hold
-        it forever). A sequence whose tokens in flight already reach its limit is not
-        stepped (its last token is being computed).
+        The running batch comes first (vLLM's order): it gets the blocks its next token
+        needs, preempting the latest admitted when they run out, before newcomers are
+        admitted into what is left; the chunks' budget is what fits the ITL target
+        (:class:`~router.prefill_budget.PrefillBudget`) while requests decode. A
+        sequence whose tokens in flight already reach its limit is not stepped (its
+        last token is being computed). Without ``decode_during_prefill``:
+        :meth:`schedule_prefill_first`.
+        """
+        if not self.config.decode_during_prefill:
+            return self.schedule_prefill_first()
+        decoding = [seq for seq in self.running if self._needs_step(seq)]
+        plan = DecodePlan()
+        if decoding:
+            plan = self.plan_decode(decoding)
+            decoding = [seq for seq in decoding if seq.status is Status.RUNNING]
+            for seq in decoding:
+                seq.pending_tokens += 1
+        # NOTE: chunks never write blocks that a row of the same step was given: the
+        # rows were served first, and a sequence preempted for them leaves the shards
+        # before the step (it is not a row of it)
+        chunks = self.schedule_prefill(self.prefill_budget.tokens(
+            self.config.max_batch_prefill_tokens, decoding=bool(decoding)))
+        for chunk in chunks:
+            self.on_prefilled(chunk)
+            if not chunk.partial:
+                chunk.seq.pending_tokens += 1  # its first token
+        return SchedulerOutput(chunks, decoding, plan.block_appends, plan.preempted, mixed=True)
+
+    def schedule_prefill_first(self) -> SchedulerOutput:
+        """:meth:`schedule` without mixed steps: prompt chunks within the prefill
+        budget, then (in a second step) the running sequences.
+
+        Policy (TGI's prefill-first): an iteration that prefills holds the running
+        batch, up to ``max_waiting_tokens`` such iterations in a row (newcomers that
+        finish at their prefill could otherwise hold it forever).
         """
         chunks = self.schedule_prefill()
         for chunk in chunks:  # sent before the decode: a completed prompt decodes too
@@ -110,8 +148,7 @@ class Scheduler:
             if not chunk.partial:
                 chunk.seq.pending_tokens += 1  # its first token
         decoding = [seq for seq in self.running if self._needs_step(seq)]
-        if (chunks and decoding and not self.config.decode_during_prefill
-                and self._held_decodes < self.config.max_waiting_tokens):
+        if chunks and decoding and self._held_decodes < self.config.max_waiting_tokens:
             self._held_decodes += 1
             return SchedulerOutput(chunks)
         if not decoding:
@@ -148,8 +185,9 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule_prefill(self) -> list[PrefillChunk]:
-        """Pick prompt tokens to prefill within ``max_batch_prefill_tokens``.
+    def schedule_prefill(self, budget: int | None = None) -> list[PrefillChunk]:
+        """Pick prompt tokens to prefill within ``budget`` (default
+        ``max_batch_prefill_tokens``).
 
         Sequences already being prefilled continue first; then waiting sequences are
         admitted in order while the batch size and the free blocks allow. An admitted
@@ -160,7 +198,8 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         if not self._should_prefill():
             return chunks
-        budget = self.config.max_batch_prefill_tokens
+        if budget is None:
+            budget = self.config.max_batch_prefill_tokens
         for seq in self.prefilling:
             if budget <= 0:
                 break

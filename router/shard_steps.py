@@ -103,17 +103,24 @@ class ShardSteps:
                 self._rows.remove(request_id)
 
     def prefill(
-        self, chunks: list[PrefillChunk]
+        self, chunks: list[PrefillChunk], stepping: Collection[int] = (),
+        block_appends: dict[int, list[int]] | None = None,
     ) -> tuple[asyncio.Future[pb.PrefillResponse], list[int]]:
         """Send one Prefill of ``chunks`` (as :meth:`Scheduler.schedule` gave them): a
         request the shards hold continues by id, a new one comes in full with the block
         table its chunk was scheduled with. The requests whose prompt it completes
         become decoding rows.
 
+        With ``stepping`` it is a mixed step: the rows in ``stepping`` also compute a
+        token, after ``block_appends`` (row id -> new block ids), and every other row
+        leaves the shards in the same call, as in :meth:`decode`.
+
         Returns:
-            The call, and the ids of the requests it samples a first token for, in the
-            order of its generations.
+            The call, and the ids it samples a token for, in the order of its results
+            (:meth:`prefill_results`): the rows stepped (row order), then the requests
+            whose first token it samples.
         """
+        rows = self._step_rows(stepping) if stepping else []
         cached = [chunk for chunk in chunks if chunk.seq.id in self._held]
         new = [chunk for chunk in chunks if chunk.seq.id not in self._held]
         request = pb.PrefillRequest(
@@ -123,12 +130,14 @@ class ShardSteps:
                 for c in cached
             ],
             new_requests=[self._new_request(chunk) for chunk in new],
+            decode=bool(rows),
+            row_appends=_appends(block_appends) if rows else (),
         )
         task = asyncio.ensure_future(self.client.prefill(request))
         self._held.update(chunk.seq.id for chunk in new)
         final = [chunk.seq.id for chunk in (*cached, *new) if not chunk.partial]
         self._rows.extend(final)
-        return task, final
+        return task, rows + final
 
     def decode(
         self, stepping: Collection[int], block_appends: dict[int, list[int]]
@@ -140,34 +149,51 @@ class ShardSteps:
             The call and the ids it steps, in the order its results come; None when no
             row is in ``stepping`` (the ids that leave go with the next step).
         """
-        for rid in [rid for rid in self._rows if rid not in stepping]:
-            self.release(rid)
-        if not self._rows:
+        rows = self._step_rows(stepping)
+        if not rows:
             return None
         request = pb.DecodeRequest(
             finished_request_ids=self._take_finished(),
-            cached_requests=[pb.CachedRequest(id=rid, new_block_ids=blocks)
-                             for rid, blocks in block_appends.items()],
+            cached_requests=_appends(block_appends),
         )
-        rows = list(self._rows)
         return asyncio.ensure_future(self.client.decode(request, len(rows))), rows
+
+    def _step_rows(self, stepping: Collection[int]) -> list[int]:
+        """The rows a step computes (row order): those in ``stepping``; the others are
+        released (they leave the shards with the step)."""
+        for rid in [rid for rid in self._rows if rid not in stepping]:
+            self.release(rid)
+        return list(self._rows)
 
     def _take_finished(self) -> list[int]:
         finished, self._finished = self._finished, []
         return finished
 
     @staticmethod
-    def prefill_results(response: pb.PrefillResponse) -> StepResults:
-        """The tokens of a Prefill response, in its requests' order."""
+    def prefill_results(response: pb.PrefillResponse, sampled: list[int] | None = None
+                        ) -> StepResults:
+        """The tokens of a Prefill response, in its requests' order; a mixed step's
+        rows first, as :meth:`prefill` listed them (``sampled``: that list of ids,
+        needed only when the response has the rows' full generations)."""
         generations = response.generations
         extras = [_extras(g) for g in generations]
-        return StepResults(
+        results = StepResults(
             token_ids=[g.token_id for g in generations],
             logprobs=[g.logprob for g in generations],
             extras=extras if any(e is not None for e in extras) else None,
             forward_s=response.timings.forward_ns / 1e9,
             grammar_failures={f.request_id: f.message for f in response.grammar_failures},
         )
+        if not response.HasField("decode"):
+            return results
+        rows = (sampled or [])[: len(response.decode.token_ids)]
+        decoded = ShardSteps.decode_results(response.decode, rows)
+        if decoded.extras is not None or results.extras is not None:
+            results.extras = ((decoded.extras or [None] * len(decoded.token_ids))
+                              + (results.extras or [None] * len(results.token_ids)))
+        results.token_ids = decoded.token_ids + results.token_ids
+        results.logprobs = decoded.logprobs + results.logprobs
+        return results
 
     @staticmethod
     def decode_results(response: pb.DecodeResponse, rows: list[int]) -> StepResults:
@@ -210,3 +236,9 @@ class ShardSteps:
             num_generated=len(seq.output_ids),
             grammar=seq.request.grammar,
         )
+
+
+def _appends(block_appends: dict[int, list[int]] | None) -> list[pb.CachedRequest]:
+    """Rows whose block table grows, as a step lists them."""
+    return [pb.CachedRequest(id=rid, new_block_ids=blocks)
+            for rid, blocks in (block_appends or {}).items()]

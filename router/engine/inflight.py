@@ -27,16 +27,19 @@ class InFlight:
 
     Attributes:
         task: the call.
-        kind: "prefill" or "decode".
+        kind: "prefill", "decode" or "mixed" (a prefill whose call also steps the
+            decoding rows).
         sampled: the sequences it samples a token for, in response order, with the
             epoch each was in when sent (a token applies only in that epoch).
         sent_at: ``time.perf_counter()`` when sent, seconds.
+        prompt_tokens: prompt tokens it computes (0 for a decode).
     """
 
     task: asyncio.Future[Any]
     kind: str
     sampled: list[tuple[Sequence, int]]
     sent_at: float
+    prompt_tokens: int = 0
 
     @classmethod
     def sent(cls, task: asyncio.Future[Any], kind: str, sequences: list[Sequence]) -> InFlight:
@@ -84,8 +87,11 @@ class InFlightSteps:
         now = time.perf_counter()
         metrics = self.metrics
         results: StepResults
-        if call.kind == "prefill":
-            results = ShardSteps.prefill_results(response)
+        if call.kind != "decode":
+            # a mixed step's rows come first; their ids matter only for top tokens
+            sampled = ([seq.id for seq, _ in call.sampled]
+                       if call.kind == "mixed" and response.decode.generations else None)
+            results = ShardSteps.prefill_results(response, sampled)
             metrics.prefill_step.observe(results.forward_s)
             self._prefill_since_decode = True
         else:

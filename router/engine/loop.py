@@ -263,17 +263,21 @@ class Engine(EventSource):
             self.lifecycle.finish(seq, "cancelled")
         plan = self.scheduler.schedule()
         sent: list[InFlight] = []
+        stepping = {seq.id: seq for seq in plan.decoding}
+        mixed = bool(plan.chunks) and plan.mixed and bool(stepping)
         if plan.chunks:
             self.lifecycle.admitted([chunk.seq for chunk in plan.chunks])
-            task, final = self.shards.prefill(plan.chunks)
-            by_id = {chunk.seq.id: (chunk.seq, chunk.epoch) for chunk in plan.chunks}
-            sent.append(InFlight(task, "prefill", [by_id[rid] for rid in final],
-                                 time.perf_counter()))
+            task, sampled = (self.shards.prefill(plan.chunks, stepping, plan.block_appends)
+                             if mixed else self.shards.prefill(plan.chunks))
+            by_id = {rid: (seq, seq.epoch) for rid, seq in stepping.items()} | {
+                chunk.seq.id: (chunk.seq, chunk.epoch) for chunk in plan.chunks}
+            sent.append(InFlight(task, "mixed" if mixed else "prefill",
+                                 [by_id[rid] for rid in sampled], time.perf_counter(),
+                                 sum(chunk.num_tokens for chunk in plan.chunks)))
         for seq in plan.preempted:
             logger.info("preempted request {} (out of KV blocks)", seq.id)
             self.shards.release(seq.id)
-        if plan.decoding:
-            stepping = {seq.id: seq for seq in plan.decoding}
+        if plan.decoding and not mixed:
             decode = self.shards.decode(stepping, plan.block_appends)
             assert decode is not None, "running requests that are not rows on the shards"
             task, rows = decode
@@ -292,7 +296,9 @@ class Engine(EventSource):
                 # responses while the shards compute
                 await asyncio.sleep(0)
                 self.output.deliver()
-                self.lifecycle.apply(call.sampled, await self.inflight.read(call))
+                results = await self.inflight.read(call)
+                self.scheduler.prefill_budget.observe(call.prompt_tokens, results.forward_s)
+                self.lifecycle.apply(call.sampled, results)
         self._failed_at = None
         return True
 

@@ -86,7 +86,9 @@ class KvScriptedShardClient(ScriptedShardClient):
                 "(a prefix-cache hit on K/V never computed or since overwritten)")
 
     async def prefill(self, step: pb.PrefillRequest) -> pb.PrefillResponse:
+        rows = self._rows_stepping(step.finished_request_ids) if step.decode else []
         self._enter("Prefill", step.finished_request_ids)
+        self._write_rows(rows, step.row_appends)  # a mixed step's rows, same forward
         for cached in step.cached_requests:
             held = self.held[cached.id]
             held.blocks.extend(cached.new_block_ids)
@@ -100,21 +102,29 @@ class KvScriptedShardClient(ScriptedShardClient):
                    else request.cache_len + request.num_tokens)
             self._write(request.id, request.cache_len, end)
         response = await super().prefill(step)
+        for rid, token in zip(rows, response.decode.token_ids, strict=True):
+            self.held[rid].tokens.append(token)
         for generation in response.generations:
             self.held[generation.request_id].tokens.append(generation.token_id)
         return response
 
     async def decode(self, step: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
-        restarting = self.restart
+        rows = self._rows_stepping(step.finished_request_ids)
         self._enter("Decode", step.finished_request_ids)
-        leaving = set(step.finished_request_ids)
-        rows = [] if restarting else [rid for rid in self.rows if rid not in leaving]
-        for cached in step.cached_requests:
-            self.held[cached.id].blocks.extend(cached.new_block_ids)
-        for rid in rows:  # each row computes the K/V of its last sampled token
-            last = len(self.held[rid].tokens) - 1
-            self._write(rid, last, last + 1)
+        self._write_rows(rows, step.cached_requests)
         response = await super().decode(step, num_rows)
         for rid, token in zip(self.rows, response.token_ids, strict=True):
             self.held[rid].tokens.append(token)
         return response
+
+    def _rows_stepping(self, finished: Sequence[int]) -> list[int]:
+        """The rows a step that decodes computes (none after a restart)."""
+        leaving = set(finished)
+        return [] if self.restart else [rid for rid in self.rows if rid not in leaving]
+
+    def _write_rows(self, rows: list[int], appends: Sequence[pb.CachedRequest]) -> None:
+        for cached in appends:
+            self.held[cached.id].blocks.extend(cached.new_block_ids)
+        for rid in rows:  # each row computes the K/V of its last sampled token
+            last = len(self.held[rid].tokens) - 1
+            self._write(rid, last, last + 1)

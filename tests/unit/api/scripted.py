@@ -77,6 +77,9 @@ class ScriptedShardClient:
 
     async def prefill(self, step: pb.PrefillRequest) -> pb.PrefillResponse:
         self._step(step.finished_request_ids)
+        # a mixed step: the rows held before it step first, as in a Decode
+        decoded = self._decode_rows(step.row_appends) if step.decode else None
+        assert step.decode or not step.row_appends, "row appends without decode"
         computed: list[int] = []
         for cached in step.cached_requests:
             running = self.requests[cached.id]
@@ -111,13 +114,17 @@ class ScriptedShardClient:
                 )
             generations.append(generation)
             self.rows.append(rid)
-        return pb.PrefillResponse(generations=generations)
+        return pb.PrefillResponse(generations=generations, decode=decoded)
 
     async def decode(self, step: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
         self._step(step.finished_request_ids)
-        for cached in step.cached_requests:
-            assert cached.id in self.rows, f"request {cached.id} is not a decoding row"
         assert len(self.rows) == num_rows, f"{len(self.rows)} rows, the router says {num_rows}"
+        return self._decode_rows(step.cached_requests)
+
+    def _decode_rows(self, appends: Sequence[pb.CachedRequest]) -> pb.DecodeResponse:
+        for cached in appends:
+            assert cached.id in self.rows, f"request {cached.id} is not a decoding row"
+        assert self.rows, "a step that decodes with no row held"
         generations = [self._generation(rid) for rid in self.rows]
         return pb.DecodeResponse(
             generations=[g for g in generations if g.top_tokens],

@@ -162,13 +162,14 @@ async def test_cancelled_request_streams_nothing_more(tokenizer: Tokenizer, dept
 
 
 def _record_calls(shard: ScriptedShardClient) -> list[str]:
-    """Wraps the scripted shard: the kinds of its calls in order ("prefill", "decode"),
-    each taking a millisecond of "compute"."""
+    """Wraps the scripted shard: the kinds of its calls in order ("prefill", "mixed"
+    for a prefill that also decodes, "decode"), each taking a millisecond of
+    "compute"."""
     calls: list[str] = []
     prefill, decode = shard.prefill, shard.decode
 
     async def recorded_prefill(step: Any) -> Any:
-        calls.append("prefill")
+        calls.append("mixed" if step.decode else "prefill")
         await asyncio.sleep(0.001)
         return await prefill(step)
 
@@ -208,13 +209,15 @@ async def test_prefill_first_holds_decodes_until_every_newcomer_is_prefilled(
             assert tokens == list(range(100, 106))  # nothing lost or repeated either way
     finally:
         await engine.stop()
-    last_prefill = max(i for i, kind in enumerate(calls) if kind == "prefill")
-    assert calls.count("prefill") == 3
+    last_prefill = max(i for i, kind in enumerate(calls) if kind != "decode")
+    assert calls.count("prefill") + calls.count("mixed") == 3
+    assert "decode" not in calls[:last_prefill]
     if decode_during_prefill:
-        # TGI's loop: every step that prefills also decodes those already running
-        assert calls[:2] == ["prefill", "decode"]
+        # mixed steps: every step that prefills also decodes those already running, in
+        # the same call
+        assert calls[:3] == ["prefill", "mixed", "mixed"]
     else:
-        assert "decode" not in calls[:last_prefill]
+        assert "mixed" not in calls
 
 
 async def test_prefill_first_cannot_hold_the_running_batch_forever(tokenizer: Tokenizer) -> None:

@@ -1,0 +1,51 @@
+"""The prefill budget of a mixed step: sized from measured step times so that a step
+that prefills while requests decode takes about the ITL target."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.prefill_budget import AUTO_TARGET_MIN_S, MIN_TOKENS, PrefillBudget
+
+
+def test_nothing_measured_or_nothing_decoding_gives_the_whole_budget() -> None:
+    budget = PrefillBudget(target_s=0.1)
+    assert budget.tokens(4096, decoding=True) == 4096  # no cost per token measured yet
+    budget.observe(1000, 0.5)
+    assert budget.tokens(4096, decoding=False) == 4096  # no stream to protect
+    assert budget.tokens(4096, decoding=True) == 200  # 0.1 s at 0.5 ms per token
+
+
+@pytest.mark.parametrize("decode_s, per_token_s", [(0.004, 2e-5), (0.3, 6e-3)])
+def test_the_budget_fits_a_linear_step_time_model(decode_s: float, per_token_s: float) -> None:
+    """Steps of a device whose step takes decode_s + per_token_s × prompt tokens: after
+    a few of them the chunk is what fills the (automatic) target, whatever sizes the
+    earlier steps had."""
+    budget = PrefillBudget()
+    budget.observe(0, decode_s)
+    target = max(3 * decode_s, AUTO_TARGET_MIN_S)
+    assert budget.target() == pytest.approx(target)
+    for tokens in (2048, 512, 100, 3000):
+        budget.observe(tokens, decode_s + per_token_s * tokens)
+        budget.observe(0, decode_s)
+    chunk = budget.tokens(1 << 20, decoding=True)
+    assert chunk == pytest.approx((target - decode_s) / per_token_s, rel=0.01)
+    assert decode_s + per_token_s * chunk == pytest.approx(target, rel=0.01)
+
+
+def test_rows_slower_than_the_target_still_let_a_prompt_go_on() -> None:
+    budget = PrefillBudget(target_s=0.01)
+    budget.observe(0, 0.05)  # the rows alone take longer than the target
+    budget.observe(256, 0.05 + 256e-4)
+    assert budget.tokens(4096, decoding=True) == MIN_TOKENS
+    assert budget.tokens(16, decoding=True) == 16  # never above the most of one step
+
+
+def test_the_target_follows_the_decode_step() -> None:
+    budget = PrefillBudget()
+    assert budget.target() is None
+    budget.observe(0, 0.3)
+    assert budget.target() == pytest.approx(0.9)
+    for _ in range(40):
+        budget.observe(0, 0.001)
+    assert budget.target() == pytest.approx(AUTO_TARGET_MIN_S)
