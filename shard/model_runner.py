@@ -32,6 +32,7 @@ from shard.model_loader import build_model
 from shard.models.config import ModelConfig
 from shard.pending_step import PendingStep, StepChain, StepTimer
 from shard.prompt_logprobs import prefill_chunk, prompt_logprobs
+from shard.quantization.config import resolve_kv_cache_dtype
 from shard.records import DecodeStep, NewRequest, PrefillStep, ShardInfo, StepOutput
 from shard.requests import RequestState, RequestTable
 from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample, sample_greedy
@@ -71,7 +72,8 @@ class ModelRunner:
         spec = AttentionSpec(device=self.device, dtype=self.dtype,
                              num_heads=mc.num_attention_heads // tp,
                              num_kv_heads=kv_heads_per_rank(mc.num_key_value_heads, tp),
-                             head_dim=mc.head_dim, block_size=config.block_size)
+                             head_dim=mc.head_dim, block_size=config.block_size,
+                             kv_cache_dtype=resolve_kv_cache_dtype(config, self.dtype, self.device))
         # our kernels, PDL (--pdl) and the GEMM table (tuned at warm-up)
         self.kernels = KernelChoices.load(self.device, config.pdl, self.log)
         self.backend, self.backend_reason = select_backend(config.attention_backend, spec,

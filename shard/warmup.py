@@ -9,6 +9,9 @@ CUDA: run the worst-case prefill with a temporary cache just big enough for it,
 measure peak memory, then give the KV cache what is left of
 ``total × gpu_memory_fraction`` (the vLLM profiling approach).
 Either way the real cache is then allocated and the worst-case prefill runs through it.
+Blocks are counted in the cache's own dtype (``--kv-cache-dtype``): an fp8 block, with its
+scales, takes about half the bytes of a bfloat16 one, so the same budget holds about
+twice the tokens (see :mod:`shard.kv_cache`).
 With decode CUDA graphs, their memory pool is measured by a capture over the temporary
 cache and left out of the KV budget; the graphs are captured again over the real cache.
 Each of these phases is announced (see shard/progress.py): warm-up can take tens of
@@ -31,6 +34,7 @@ from shard.kernels import gemm_tuning, tuning_cache
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.linear import linear_weights, lm_head_weights
 from shard.progress import PhaseProgress
+from shard.quantization.config import resolve_kv_cache_dtype
 from shard.sampling import SamplingRow, sample, sample_greedy
 from shard.sampling_types import SamplingParams
 
@@ -153,6 +157,8 @@ class Warmup:
         self.config = runner.config
         self.device = runner.device
         self.log = runner.log
+        # the model's dtype, or fp8 (--kv-cache-dtype fp8)
+        self.kv_dtype = resolve_kv_cache_dtype(self.config, runner.dtype, self.device)
 
     @torch.inference_mode()
     def run(self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int,
@@ -167,7 +173,7 @@ class Warmup:
         if max_batch_prefill_tokens <= 0 or max_total_tokens <= 0:
             raise ValueError("max_batch_prefill_tokens and max_total_tokens must be > 0")
         block_size = runner.block_size
-        per_block = bytes_per_block(runner.model_config, block_size, runner.dtype,
+        per_block = bytes_per_block(runner.model_config, block_size, self.kv_dtype,
                                     self.config.world_size)
         chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, block_size)
         tune = gemm_tuning.tunes(self.config, self.device, runner.dtype)
@@ -201,7 +207,8 @@ class Warmup:
                 self._capture_graphs(buckets, max_total_tokens)
                 self.log.info("captured decode CUDA graphs for batch sizes {} in {:.1f} s",
                               list(buckets), time.perf_counter() - started)
-        self.log.info("warmup done: {} KV blocks of {} tokens", num_blocks, block_size)
+        self.log.info("warmup done: {} KV blocks of {} tokens ({} bytes per block, {})",
+                      num_blocks, block_size, per_block, self._describe_kv())
         return num_blocks
 
     def _tune_products(self, max_batch_prefill_tokens: int, buckets: Sequence[int]) -> None:
@@ -240,11 +247,19 @@ class Warmup:
             attn.kv_cache = None
         runner.kv_cache = []
 
+    def _describe_kv(self) -> str:
+        """What the KV cache holds, for the log."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return f"{str(self.kv_dtype).removeprefix('torch.')} keys and values"
+        return ("fp8 KV cache: float8_e4m3fn keys and values, a float32 scale per token and "
+                "KV head")
+
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCacheLayer]:
         runner = self.runner
+        fp8 = self.kv_dtype == torch.float8_e4m3fn  # token-major only
         return allocate_kv_cache(runner.model_config, num_blocks, runner.block_size,
-                                 runner.dtype, self.device, self.config.world_size,
-                                 head_major=runner.backend.kv_head_major(self.device))
+                                 self.kv_dtype, self.device, self.config.world_size,
+                                 head_major=not fp8 and runner.backend.kv_head_major(self.device))
 
     def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
         """The worst-case prefill and its sampling (both samplers), through the bound

@@ -13,6 +13,10 @@ from shard.attention.metadata import AttentionMetadata
 from shard.kernels.choices import KernelChoices
 from shard.kv_cache import KVCacheLayer
 
+# Why a backend without fp8 KV kernels of ours skips an fp8 cache.
+FP8_KV_REFUSAL = ("its kernels do not read our fp8 KV cache (--kv-cache-dtype fp8: e4m3 with a "
+                  "scale per token and head); the triton and torch backends do")
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -25,6 +29,8 @@ class AttentionSpec:
         num_kv_heads: key/value heads on this rank.
         head_dim: per-head dimension.
         block_size: tokens per KV block.
+        kv_cache_dtype: the KV cache's dtype when it is not ``dtype``
+            (float8_e4m3fn: ``--kv-cache-dtype fp8``, see :mod:`shard.kv_cache`).
     """
 
     device: torch.device
@@ -33,6 +39,12 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """Whether the KV cache is fp8 (with scales)."""
+        return self.kv_cache_dtype == torch.float8_e4m3fn
 
 
 class AttentionBackend(abc.ABC):

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from shard.attention.base import AttentionBackend, AttentionSpec
+from shard.attention.base import FP8_KV_REFUSAL, AttentionBackend, AttentionSpec
 from shard.attention.kv_write import KVWriter
 from shard.attention.metadata import AttentionMetadata
 from shard.kernels.choices import KernelChoices
@@ -53,6 +53,8 @@ class FlashAttnBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        if spec.fp8_kv_cache:
+            return False, FP8_KV_REFUSAL
         module, reason = import_flash_attn()
         if module is None:
             return False, reason

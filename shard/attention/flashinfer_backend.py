@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from shard.attention.base import AttentionBackend, AttentionSpec
+from shard.attention.base import FP8_KV_REFUSAL, AttentionBackend, AttentionSpec
 from shard.attention.kv_write import KVWriter
 from shard.attention.metadata import AttentionMetadata
 from shard.kernels.choices import KernelChoices
@@ -82,6 +82,8 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
+        if spec.fp8_kv_cache:
+            return False, FP8_KV_REFUSAL
         module, reason = import_flashinfer()
         if module is None:
             return False, reason

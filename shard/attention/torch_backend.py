@@ -12,9 +12,15 @@ softmax partials (:func:`paged_decode_attention`).
 By sequence (the default on CPU): one SDPA call per sequence over exactly its context,
 read in place where its blocks are consecutive (:func:`prefill_attention_by_sequence`,
 :func:`decode_attention_by_sequence`). No padded work, and no launch cost to pay.
+
+An fp8 cache (:mod:`shard.kv_cache`) is read dequantized, each sequence's context as it
+is gathered, and a prefill's new tokens are attended as the cache holds them
+(:meth:`KVCacheLayer.read_back`), as our Triton kernels read them from the cache.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert metadata is self._metadata, "prepare(metadata) must run before forward"
         kv_cache.write(k, v, metadata.slot_mapping, metadata.has_skipped_slots)
+        k, v = kv_cache.read_back(k, v)
         contexts = self._contexts
         if not metadata.is_prefill:
             if contexts is not None:
@@ -155,7 +162,7 @@ def prefill_attention_by_sequence(
             k_i, v_i = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
             mask, causal = None, True
         else:
-            k_i, v_i = contexts.keys_values(kv_cache, i, gathered)
+            k_i, v_i = contexts.keys_values(kv_cache, i, gathered, q.dtype)
             qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
             causal = False
@@ -210,24 +217,31 @@ class SequenceContexts:
             if gathered
             else None
         )
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        # one pair per shape and dtype for the forward (cache, and an fp8 cache's
+        # scales): a layer's copy is dead once the layer is done
+        self._buffers: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def buffers(self, kv_cache: KVCacheLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def buffers(self, kv_cache: KVCacheLayer) -> Gathered | None:
         """This layer's gathered blocks, key and value each a [num_kv_heads, rows,
-        head_dim] view in the cache's layout (see :mod:`shard.kv_cache`), or None when
-        every placed sequence is read in place."""
-        index = self.gather_index
-        if index is None:
+        head_dim] view in the cache's layout (see :mod:`shard.kv_cache`), with an fp8
+        cache's scales gathered alike (:meth:`KVCacheLayer.scales`), or None when every
+        placed sequence is read in place."""
+        if self.gather_index is None:
             return None
+        scales = kv_cache.scales()
+        return (self._gather(kv_cache), None if scales is None else self._gather(scales))
+
+    def _gather(self, kv_cache: KVCacheLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self.gather_index
+        assert index is not None
         head_major = kv_cache.head_major
         _, block_size, num_kv_heads, head_dim = kv_cache.key.shape
         shape = ((num_kv_heads, len(index), block_size * head_dim) if head_major
                  else (len(index), block_size * num_kv_heads * head_dim))
-        if self._buffers is None or self._buffers[0].shape != shape or (
-            self._buffers[0].dtype != kv_cache.key.dtype
-        ):  # one pair for the forward: a layer's copy is dead once the layer is done
-            self._buffers = (kv_cache.key.new_empty(shape), kv_cache.value.new_empty(shape))
-        k_buf, v_buf = self._buffers
+        key = (shape, kv_cache.key.dtype)
+        if key not in self._buffers:
+            self._buffers[key] = (kv_cache.key.new_empty(shape), kv_cache.value.new_empty(shape))
+        k_buf, v_buf = self._buffers[key]
         return (_gather_blocks(kv_cache.key, index, k_buf, head_major),
                 _gather_blocks(kv_cache.value, index, v_buf, head_major))
 
@@ -235,21 +249,41 @@ class SequenceContexts:
         self,
         kv_cache: KVCacheLayer,
         i: int,
-        gathered: tuple[torch.Tensor, torch.Tensor] | None,
+        gathered: Gathered | None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of placed sequence ``i``, each a [1, num_kv_heads, seq_len,
         head_dim] view (the layout SDPA takes) of the cache or of ``gathered``, this
-        layer's :meth:`buffers`."""
+        layer's :meth:`buffers`; from an fp8 cache, dequantized into ``dtype`` (None:
+        float32) instead."""
         where = self.where[i]
         assert where is not None, f"sequence {i} does not read its context from the cache"
         is_view, row = where
+        end = row + self.seq_lens[i]
+        scales = kv_cache.scales()
         if is_view:
             key, value = kv_cache.heads_view()
+            key_scale, value_scale = scales.heads_view() if scales is not None else (key, value)
         else:
             assert gathered is not None
-            key, value = gathered
-        end = row + self.seq_lens[i]
-        return key[None, :, row:end], value[None, :, row:end]
+            (key, value), gathered_scales = gathered
+            key_scale, value_scale = gathered_scales or (key, value)
+        key, value = key[None, :, row:end], value[None, :, row:end]
+        if scales is None:
+            return key, value
+        dtype = dtype or torch.float32
+        return (_dequantize(key, key_scale[None, :, row:end], dtype),
+                _dequantize(value, value_scale[None, :, row:end], dtype))
+
+
+# gathered (key, value) blocks, and an fp8 cache's gathered (key scale, value scale)
+Gathered = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 ``x`` [..., head_dim] times ``scale`` [..., 1] (a head_dim-1 view of the
+    scales, see :meth:`KVCacheLayer.scales`), in ``dtype``."""
+    return (x.to(torch.float32) * scale).to(dtype)
 
 
 def _gather_blocks(
@@ -292,11 +326,12 @@ def decode_attention_by_sequence(
     num_kv_heads = kv_cache.key.shape[2]
     gathered = contexts.buffers(kv_cache)
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    dtype = q.dtype if kv_cache.quantized else kv_cache.key.dtype
     outs = [
         F.scaled_dot_product_attention(
-            q_i, *contexts.keys_values(kv_cache, i, gathered), scale=scale
+            q_i, *contexts.keys_values(kv_cache, i, gathered, dtype), scale=scale
         )
-        for i, q_i in enumerate(q_grouped.to(kv_cache.key.dtype).split(1))
+        for i, q_i in enumerate(q_grouped.to(dtype).split(1))
     ]
     return torch.cat(outs).view(batch, num_heads, head_dim).to(q.dtype)
 
@@ -361,6 +396,10 @@ def paged_decode_attention(
     # k/v: [pairs, num_kv_heads, block_size, head_dim], gathered through a transposed view.
     k = kv_cache.key.transpose(1, 2)[blocks].to(q.dtype)
     v = kv_cache.value.transpose(1, 2)[blocks].to(q.dtype)
+    scales = kv_cache.scales()
+    if scales is not None:
+        k = _dequantize(k, scales.key.transpose(1, 2)[blocks], q.dtype)
+        v = _dequantize(v, scales.value.transpose(1, 2)[blocks], q.dtype)
     q_pairs = q.view(batch, num_kv_heads, group, head_dim)[seq_of]  # [pairs, kv, group, d]
     scores = torch.matmul(q_pairs, k.transpose(2, 3)).float() * scale  # [pairs, kv, g, bs]
     positions = first_pos[:, None] + torch.arange(block_size, device=device)[None, :]
@@ -388,8 +427,9 @@ def gather_kv(
         max_seqlen_k: tokens to keep per sequence (<= max_blocks * block_size).
 
     Returns:
-        (keys, values), each [batch, max_seqlen_k, num_kv_heads, head_dim]; positions
-        beyond a sequence's seq_len hold whatever the padded blocks contain.
+        (keys, values), each [batch, max_seqlen_k, num_kv_heads, head_dim], in the
+        cache's dtype (float32, dequantized, from an fp8 cache); positions beyond a
+        sequence's seq_len hold whatever the padded blocks contain.
     """
     batch, max_blocks = block_tables.shape
     bt = block_tables.long()
@@ -399,6 +439,11 @@ def gather_kv(
     values = kv_cache.value[bt].reshape(
         batch, max_blocks * kv_cache.block_size, *kv_cache.value.shape[2:]
     )
+    scales = kv_cache.scales()
+    if scales is not None:
+        key_scales, value_scales = gather_kv(scales, block_tables, max_seqlen_k)
+        return (_dequantize(keys[:, :max_seqlen_k], key_scales, torch.float32),
+                _dequantize(values[:, :max_seqlen_k], value_scales, torch.float32))
     return keys[:, :max_seqlen_k], values[:, :max_seqlen_k]
 
 

@@ -36,6 +36,8 @@ class TritonAttentionBackend(AttentionBackend):
     with no cached prefix that comes through :meth:`rope_write`: it reads the rotated
     keys and the values from the QKV output itself (15–19% faster on the H200 than
     through the block tables, ``benchmarks/results/kernels-h200.md``; the same bits).
+    An fp8 cache (:mod:`shard.kv_cache`) is written quantized and read dequantized in
+    registers by every kernel; its prefills always read the cache.
     """
 
     name = "triton"
@@ -62,6 +64,8 @@ class TritonAttentionBackend(AttentionBackend):
             return False, f"dtype {spec.dtype} not in {SUPPORTED_DTYPES}"
         if spec.head_dim > MAX_HEAD_DIM:
             return False, f"head_dim={spec.head_dim} > {MAX_HEAD_DIM}"
+        if spec.fp8_kv_cache and torch.cuda.get_device_capability(spec.device) < (8, 9):
+            return False, "an fp8 KV cache needs compute capability 8.9+ (e4m3 conversions)"
         return True, f"our Triton paged kernels (triton {triton.__version__})"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
@@ -78,7 +82,8 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         self._attention.write_kv_cache(k, v, kv_cache.key, kv_cache.value,
-                                       metadata.slot_mapping, pdl=self.kernels.pdl)
+                                       metadata.slot_mapping, kv_cache.key_scale,
+                                       kv_cache.value_scale, pdl=self.kernels.pdl)
         return self.attend(q, kv_cache, metadata, scale)
 
     def rope_write(
@@ -96,7 +101,9 @@ class TritonAttentionBackend(AttentionBackend):
         q: torch.Tensor = self._attention.rope_write(
             qkv, num_heads, kv_cache.key.shape[2], cos, sin, kv_cache.key, kv_cache.value,
             metadata.slot_mapping, q_weight, k_weight, eps,
-            k_in_place=self._reads_new_kv(metadata, kv_cache, qkv), pdl=self.kernels.pdl,
+            k_in_place=self._reads_new_kv(metadata, kv_cache, qkv),
+            key_scale=kv_cache.key_scale, value_scale=kv_cache.value_scale,
+            pdl=self.kernels.pdl,
         )
         return q
 
@@ -132,6 +139,8 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.max_seqlen_q,
                 scale,
                 new_kv=new_kv,
+                key_scale=kv_cache.key_scale,
+                value_scale=kv_cache.value_scale,
                 pdl=self.kernels.pdl,
             )
             return out
@@ -143,6 +152,8 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.max_seqlen_k,
             scale,
+            key_scale=kv_cache.key_scale,
+            value_scale=kv_cache.value_scale,
             pdl=self.kernels.pdl,
         )
         return out

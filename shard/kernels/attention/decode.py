@@ -9,6 +9,11 @@ the ``num_heads / num_kv_heads`` query heads that share that KV head as the rows
 matrix, so each KV tile is read from memory once for the whole group. With one split the
 program writes the output directly; otherwise it writes a partial output and its
 log-sum-exp (base 2) and a second kernel combines the splits.
+
+From an fp8 cache (:mod:`shard.kv_cache`) a tile's keys and values are converted to the
+query's dtype in registers and each token's scales applied to what they multiply:
+``q·(k_q s_k) = (q·k_q) s_k`` scales a column of the scores, ``p (v_q s_v) = (p s_v)
+v_q`` a column of the probabilities, so the products run on the raw e4m3 values.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -68,6 +75,8 @@ def _decode_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,
+    stride_ss,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -80,6 +89,7 @@ def _decode_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
@@ -125,14 +135,19 @@ def _decode_kernel(
             + d[None, :]
         )
         kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if QUANT:  # each token's key scale multiplies its column of scores
+            scale_off = page * stride_sb + (n % BLOCK_SIZE) * stride_ss + kvh
+            s *= tl.load(k_scale_ptr + scale_off, mask=nmask, other=0.0)[None, :]
         s = tl.where(nmask[None, :], s, float("-inf"))  # s: [GROUP_PAD, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        if QUANT:  # and its value scale its column of probabilities
+            p *= tl.load(v_scale_ptr + scale_off, mask=nmask, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -210,6 +225,8 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -217,7 +234,8 @@ def decode_attention(
 
     Args:
         q: [batch, num_heads, head_dim], fp16/bf16/fp32, last dim contiguous.
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's dtype.
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's dtype
+            (or float8_e4m3fn with ``key_scale``).
         value_cache: like ``key_cache``.
         block_tables: [batch, max_blocks] int32 block ids of each sequence, in order.
         seq_lens: [batch] int32 context length in tokens (including the new token,
@@ -226,6 +244,8 @@ def decode_attention(
         scale: softmax scale (usually head_dim ** -0.5).
         out: optional [batch, num_heads, head_dim] output buffer.
         config: launch parameters (defaults: :class:`DecodeConfig`).
+        key_scale, value_scale: [num_blocks, block_size, num_kv_heads] float32,
+            contiguous: the scales of an fp8 cache (both or neither).
         pdl: launch with programmatic dependent launch where it runs
             (:func:`shard.kernels.pdl.launch_options`).
 
@@ -238,8 +258,10 @@ def decode_attention(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "cache must be contiguous"
     assert q.stride(-1) == 1, "q's last dim must be contiguous"
+    assert (key_scale is None) == (value_scale is None), "key and value scales go together"
     group = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
+    scales = (key_scale, value_scale) if key_scale is not None else (key_cache, value_cache)
     if out is None:
         out = torch.empty_like(q)
     splits = num_decode_splits(batch, num_kv_heads, max_seqlen_k, config)
@@ -255,6 +277,7 @@ def decode_attention(
         q,
         key_cache,
         value_cache,
+        *scales,
         block_tables,
         seq_lens,
         out,
@@ -267,6 +290,8 @@ def decode_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
+        block_size * num_kv_heads,
+        num_kv_heads,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -279,6 +304,7 @@ def decode_attention(
         SINGLE_SPLIT=splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HEADS_FIRST=config.heads_first,
+        QUANT=key_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,

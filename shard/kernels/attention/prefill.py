@@ -14,6 +14,10 @@ is in its batch decides the source).
 The causal mask is bottom-right aligned: query ``j`` sits at position
 ``seq_lens[i] - q_len_i + j`` and sees keys ``0..`` that position. Key tiles entirely
 below a query tile's first position run unmasked; only the tiles on the diagonal mask.
+
+From an fp8 cache the keys and values are dequantized in registers as the decode kernel
+does (:mod:`.decode`): each token's scales applied to its column of scores and of
+probabilities.
 """
 
 from __future__ import annotations
@@ -50,31 +54,38 @@ class PrefillConfig:
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row, kvh, qpos, seq_len, d, dmask,
-    scale_log2, stride_kb, stride_kt, stride_kh,
+    q, acc, m_i, l_i, start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh, qpos, seq_len, d,
+    dmask, scale_log2, stride_kb, stride_kt, stride_kh, stride_sb, stride_ss,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One online-softmax step over keys ``[start, start + BLOCK_N)``: through the block
-    table (``PAGED``), or at token ``n`` of ``k_ptr``, already offset to the sequence."""
+    table (``PAGED``), or at token ``n`` of ``k_ptr``, already offset to the sequence;
+    with ``QUANT`` (paged only) fp8 keys and values scaled by ``ks_ptr`` / ``vs_ptr``."""
     n = start + tl.arange(0, BLOCK_N)
     nmask = n < seq_len
     if PAGED:
         page = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         row = page * stride_kb + (n % BLOCK_SIZE) * stride_kt
+        scale_off = page * stride_sb + (n % BLOCK_SIZE) * stride_ss + kvh
     else:
         row = n.to(tl.int64) * stride_kt
+        scale_off = row  # unused: the new K/V are never fp8
     kv_off = row[:, None] + kvh * stride_kh + d[None, :]
     kv_mask = nmask[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if QUANT:
+        s *= tl.load(ks_ptr + scale_off, mask=nmask, other=0.0)[None, :]
     if MASKED:
         s = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    if QUANT:
+        p *= tl.load(vs_ptr + scale_off, mask=nmask, other=0.0)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -87,6 +98,8 @@ def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -97,6 +110,8 @@ def _prefill_kernel(
     stride_kb,
     stride_kt,
     stride_kh,
+    stride_sb,
+    stride_ss,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -108,6 +123,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
@@ -146,15 +162,15 @@ def _prefill_kernel(
         v_ptr += q_start.to(tl.int64) * stride_kt
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row, kvh, qpos, seq_len, d,
-            dmask, scale_log2, stride_kb, stride_kt, stride_kh,
-            BLOCK_SIZE, BLOCK_N, False, PAGED, DOT_PRECISION,
+            q, acc, m_i, l_i, start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh, qpos,
+            seq_len, d, dmask, scale_log2, stride_kb, stride_kt, stride_kh, stride_sb,
+            stride_ss, BLOCK_SIZE, BLOCK_N, False, PAGED, DOT_PRECISION, QUANT,
         )
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row, kvh, qpos, seq_len, d,
-            dmask, scale_log2, stride_kb, stride_kt, stride_kh,
-            BLOCK_SIZE, BLOCK_N, True, PAGED, DOT_PRECISION,
+            q, acc, m_i, l_i, start, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh, qpos,
+            seq_len, d, dmask, scale_log2, stride_kb, stride_kt, stride_kh, stride_sb,
+            stride_ss, BLOCK_SIZE, BLOCK_N, True, PAGED, DOT_PRECISION, QUANT,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -177,6 +193,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -186,7 +204,8 @@ def prefill_attention(
         q: [num_tokens, num_heads, head_dim], fp16/bf16/fp32, last dim contiguous; the
             new tokens of all sequences, concatenated in batch order.
         key_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's
-            dtype; already holds every context token, the new ones included.
+            dtype (or float8_e4m3fn with ``key_scale``); already holds every context
+            token, the new ones included.
         value_cache: like ``key_cache``.
         block_tables: [batch, max_blocks] int32.
         cu_seqlens_q: [batch + 1] int32 prefix sums of the new-token counts.
@@ -200,6 +219,9 @@ def prefill_attention(
             output), the new tokens' keys (rotated) and values: attention reads them
             instead of the cache. Only for steps where no sequence has a cached prefix
             (``seq_lens`` equal to the new-token counts; not checked, a host read).
+        key_scale, value_scale: [num_blocks, block_size, num_kv_heads] float32,
+            contiguous: the scales of an fp8 cache (both or neither; not with
+            ``new_kv``).
         pdl: launch with programmatic dependent launch where it runs
             (:func:`shard.kernels.pdl.launch_options`).
 
@@ -213,10 +235,13 @@ def prefill_attention(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "cache must be contiguous"
     assert q.stride(-1) == 1, "q's last dim must be contiguous"
+    assert (key_scale is None) == (value_scale is None), "key and value scales go together"
+    assert key_scale is None or new_kv is None, "new_kv is never fp8"
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
+    scales = (key_scale, value_scale) if key_scale is not None else (key_cache, value_cache)
     if new_kv is None:
         keys, values = key_cache, value_cache
         kv_strides = key_cache.stride()[:3]
@@ -230,6 +255,7 @@ def prefill_attention(
         q,
         keys,
         values,
+        *scales,
         block_tables,
         cu_seqlens_q,
         seq_lens,
@@ -238,6 +264,8 @@ def prefill_attention(
         q.stride(0),
         q.stride(1),
         *kv_strides,
+        block_size * num_kv_heads,
+        num_kv_heads,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -249,6 +277,7 @@ def prefill_attention(
         BLOCK_N=config.block_n,
         PAGED=new_kv is None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        QUANT=key_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(q.device, pdl),

@@ -6,6 +6,9 @@ write of k and v by slot mapping (PagedAttention, Kwon et al. 2023).
 Eagerly these are four to six kernels per layer (two norms, rotary, the cache write);
 in a batch-1 decode step of a 32-layer model each costs a launch-sized slice of GPU time
 whatever its size, so one kernel instead saves ~100 launches a step.
+
+Into an fp8 cache the keys and values are quantized as they are written, each head
+vector with its own scale (:mod:`shard.kv_cache`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels.attention.cache_write import FP8_MAX, MIN_SCALE, round_to_e4m3
 from shard.kernels.pdl import launch_options, pdl_start
 
 
@@ -35,6 +39,22 @@ def _rotate(x1, x2, cos_ptr, sin_ptr, w1, w2, d, in_half, eps, HEAD_DIM: tl.cons
 
 
 @triton.jit
+def _store_halves(cache_ptr, scale_ptr, x1, x2, dst, scale_dst, mask, head_mask,
+                  HALF: tl.constexpr, QUANT: tl.constexpr):
+    # x1, x2: [heads, HALF_PAD] float32 halves of each head vector, stored at dst and
+    # dst + HALF; into an fp8 cache (QUANT) divided by the vector's scale amax / 448,
+    # stored at scale_ptr + scale_dst [heads].
+    if QUANT:
+        amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+        scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+        x1 = round_to_e4m3(tl.clamp(x1 / scale[:, None], -FP8_MAX, FP8_MAX))
+        x2 = round_to_e4m3(tl.clamp(x2 / scale[:, None], -FP8_MAX, FP8_MAX))
+        tl.store(scale_ptr + scale_dst, scale, mask=head_mask)
+    tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_write_kernel(
     qkv_ptr,
     q_out_ptr,
@@ -44,6 +64,8 @@ def _rope_write_kernel(
     k_weight_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
     slot_mapping_ptr,
     stride_qkv_t,
     stride_q_out_t,
@@ -58,6 +80,7 @@ def _rope_write_kernel(
     HALF_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
     K_IN_PLACE: tl.constexpr,
+    QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
@@ -90,10 +113,12 @@ def _rope_write_kernel(
         slot = tl.load(slot_mapping_ptr + t)
         head_mask = (kvh < NUM_KV_HEADS)[:, None] & in_half[None, :]
         # NOTE: a broadcast slot, not the scalar: the interpreter rejects a scalar mask.
-        kv_mask = head_mask & ((kvh * 0 + slot) >= 0)[:, None]
+        written = (kvh < NUM_KV_HEADS) & ((kvh * 0 + slot) >= 0)
+        kv_mask = head_mask & written[:, None]
         first = (NUM_HEADS + (part - 1) * NUM_KV_HEADS) * HEAD_DIM  # k, then v
         kv_src = row + first + kvh[:, None] * HEAD_DIM + d[None, :]
         kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kvh[:, None] * HEAD_DIM + d[None, :]
+        scale_dst = slot * NUM_KV_HEADS + kvh
         if part == 1:
             k1 = tl.load(kv_src, mask=head_mask, other=0.0).to(tl.float32)
             k2 = tl.load(kv_src + HALF, mask=head_mask, other=0.0).to(tl.float32)
@@ -101,20 +126,16 @@ def _rope_write_kernel(
             kw2 = tl.load(k_weight_ptr + HALF + d, mask=in_half, other=0.0)
             k_out1, k_out2 = _rotate(k1, k2, cos_ptr + rope, sin_ptr + rope, kw1, kw2, d,
                                      in_half, eps, HEAD_DIM, HALF, HAS_NORM, dtype)
-            tl.store(key_cache_ptr + kv_dst, k_out1.to(key_cache_ptr.dtype.element_ty),
-                     mask=kv_mask)
-            tl.store(key_cache_ptr + kv_dst + HALF, k_out2.to(key_cache_ptr.dtype.element_ty),
-                     mask=kv_mask)
+            _store_halves(key_cache_ptr, key_scale_ptr, k_out1, k_out2, kv_dst, scale_dst,
+                          kv_mask, written, HALF, QUANT)
             if K_IN_PLACE:
                 tl.store(kv_src, k_out1.to(dtype), mask=head_mask)
                 tl.store(kv_src + HALF, k_out2.to(dtype), mask=head_mask)
-        else:  # v: copied to the cache as it is
-            v1 = tl.load(kv_src, mask=kv_mask)
-            v2 = tl.load(kv_src + HALF, mask=kv_mask)
-            tl.store(value_cache_ptr + kv_dst, v1.to(value_cache_ptr.dtype.element_ty),
-                     mask=kv_mask)
-            tl.store(value_cache_ptr + kv_dst + HALF, v2.to(value_cache_ptr.dtype.element_ty),
-                     mask=kv_mask)
+        else:  # v: copied to the cache as it is (or quantized)
+            v1 = tl.load(kv_src, mask=kv_mask, other=0.0).to(tl.float32)
+            v2 = tl.load(kv_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+            _store_halves(value_cache_ptr, value_scale_ptr, v1, v2, kv_dst, scale_dst,
+                          kv_mask, written, HALF, QUANT)
 
 
 def rope_write(
@@ -130,6 +151,8 @@ def rope_write(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     k_in_place: bool = False,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -154,6 +177,9 @@ def rope_write(
         k_in_place: also write the rotated keys back over qkv's k heads (every token,
             written to the cache or not), so a prefill can read them from there
             (:func:`.prefill.prefill_attention`'s ``new_kv``).
+        key_scale, value_scale: [num_blocks, block_size, num_kv_heads] float32,
+            contiguous: the scales of an fp8 cache (both or neither), whose keys and
+            values are quantized per token and head as they are written.
         pdl: launch with programmatic dependent launch where it runs
             (:func:`shard.kernels.pdl.launch_options`).
 
@@ -168,6 +194,7 @@ def rope_write(
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "cache must be contiguous"
     assert key_cache.shape[2] == num_kv_heads, "cache heads"
     assert (q_weight is None) == (k_weight is None), "q and k norm weights go together"
+    assert (key_scale is None) == (value_scale is None), "key and value scales go together"
     q = torch.empty(num_tokens, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     if num_tokens == 0:
         return q
@@ -183,6 +210,8 @@ def rope_write(
         k_weight if has_norm else q,
         key_cache,
         value_cache,
+        key_scale if key_scale is not None else key_cache,
+        value_scale if value_scale is not None else value_cache,
         slot_mapping,
         qkv.stride(0),
         q.stride(0),
@@ -197,6 +226,7 @@ def rope_write(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
         K_IN_PLACE=k_in_place,
+        QUANT=key_scale is not None,
         **launch_options(qkv.device, pdl),
     )
     return q
