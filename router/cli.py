@@ -2,6 +2,7 @@
 
 Subcommands:
     launch   start the shards (Ray by default) and serve the HTTP and gRPC APIs
+    serve    the same as N replicas on Ray Serve (:mod:`router.serve.app`)
     prepare  convert the default model into the cache folder (done by ``launch`` too)
     client   ask a running server's public gRPC API for a completion
              (:mod:`router.grpc_api.client`)
@@ -36,6 +37,7 @@ from router.grpc_api.client import DEFAULT_TEXTS as CLIENT_DEFAULT_TEXTS
 from router.grpc_api.client import add_client_flags, run_client
 from router.log import setup_logging
 from router.model_files import prepare_default_model, resolve_model
+from router.serve.config import ServeConfig
 from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool
 from shard.layers.tp_layout import check_tp_size_for_folder
 
@@ -98,13 +100,13 @@ _SHARD_METAVARS = {"num_shard": "N", "block_size": "TOKENS", "gpu_memory_fractio
 # Defaults in words: of --model, and of config fields derived at start-up.
 _DEFAULT_TEXTS = {"model": "SmolLM2-135M-Instruct, converted once"} | CLIENT_DEFAULT_TEXTS | {
     _dest(flag.spelling(name)): flag.default_text
-    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig)
+    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig, ServeConfig)
     for name, (flag, _) in config_flags(config_class).items() if flag.default_text
 }
 # Flags whose value the help never shows (it may come from the environment).
 _SECRET_DESTS = frozenset(
     _dest(flag.spelling(name))
-    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig)
+    for config_class in (SchedulerConfig, ValidationLimits, ServerConfig, ServeConfig)
     for name, (flag, _) in config_flags(config_class).items() if flag.secret
 )
 _DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens")
@@ -299,6 +301,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                                      description="Start the shards and serve the HTTP and "
                                      "gRPC APIs. Every flag can also come from the environment "
                                      "variable shown with it; the command line wins."))
+    serve = sub.add_parser("serve", help="serve N replicas (each with its own shards) on "
+                           "Ray Serve", formatter_class=_HelpFormatter,
+                           description="Serve --replicas replicas of the server, each a "
+                           "router with its own shard group, as a Ray Serve application "
+                           "routed by prefix-cache affinity and load. Takes launch's flags "
+                           "too; --port and --grpc-port are Ray Serve's proxies'.")
+    _add_launch_flags(serve)
+    add_config_flags(serve.add_argument_group("replicas"), ServeConfig)
     sub.add_parser("prepare", help="convert the default model into the cache folder")
     add_client_flags(sub.add_parser("client", help="ask a running server for a completion "
                                     "through its public gRPC API",
@@ -364,6 +374,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Turn parsed ``serve`` flags into a validated :class:`ServeConfig`.
+
+    Raises:
+        ValueError: a flag has an invalid value (the message names it).
+    """
+    return ServeConfig(**config_values(ServeConfig, args))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardserve`` command; returns the exit code."""
     parser = build_parser()
@@ -380,9 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_client(args)
     try:
         config = config_from_args(args)
+        serve_config = serve_config_from_args(args) if args.command == "serve" else None
     except (ValueError, FileNotFoundError) as error:
         logger.error("{}", error)
         return 2
+    if serve_config is not None:
+        from router.serve.app import run as run_replicas
+
+        return run_replicas(config, serve_config)
     from router.launcher import run
     from router.shard_client import ShardError
     from router.startup_errors import StartupError

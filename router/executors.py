@@ -204,17 +204,21 @@ class RayExecutor:
         placement: ``"pack"`` (default) or ``"spread"`` (``STRICT_SPREAD``: one rank
             per node; fails to place with fewer nodes than ranks).
         placement_timeout_s: How long to wait for the placement group, seconds.
+        placement_group: A placement group made for the ranks by someone else (a Ray
+            Serve replica's: bundle ``rank`` holds rank ``rank``), used as it is and
+            never removed here; None = make one (and remove it in :meth:`stop_group`).
     """
 
     def __init__(
         self, config: ShardConfig, ray_address: str | None = None, placement: str = "pack",
-        placement_timeout_s: float = 300.0,
+        placement_timeout_s: float = 300.0, placement_group: Any = None,
     ) -> None:
         self.config = config
         self.ray_address = ray_address
         self.placement = placement
         self.placement_timeout_s = placement_timeout_s
         self.actors: list[Any] = []
+        self._given_group = placement_group
         self._placement_group: Any = None
         self._started_ray = False
         self._ray_lost = False
@@ -254,10 +258,13 @@ class RayExecutor:
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         strategy = "STRICT_SPREAD" if self.placement == "spread" else "PACK"
         bundles = [bundle] * num_shard
-        self._placement_group = placement_group(bundles, strategy=strategy)
-        logger.info("waiting for a placement group of {} x {} ({})", num_shard, bundle, strategy)
-        await wait_for_placement(self._placement_group, bundles, strategy,
-                                 self.placement_timeout_s)
+        if self._given_group is not None:
+            group = self._given_group  # placed already (its owner waited for it)
+        else:
+            group = self._placement_group = placement_group(bundles, strategy=strategy)
+            logger.info("waiting for a placement group of {} x {} ({})", num_shard, bundle,
+                        strategy)
+            await wait_for_placement(group, bundles, strategy, self.placement_timeout_s)
         logger.info("placement group ready; starting {} shard actor(s)", num_shard)
         actor_class = ray.remote(ShardActor)
         for rank in range(num_shard):
@@ -265,7 +272,7 @@ class RayExecutor:
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement_group, placement_group_bundle_index=rank
+                    placement_group=group, placement_group_bundle_index=rank
                 ),
             )
             self.actors.append(options.remote(self.config, rank))

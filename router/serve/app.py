@@ -1,0 +1,198 @@
+"""``shardserve serve``: N replicas as one Ray Serve application.
+
+The application is two deployments: ``Replica`` (:class:`~router.serve.replica.ReplicaServer`,
+``--replicas`` of them, autoscaled on ongoing requests between ``--min-replicas`` and
+``--max-replicas``, each in a placement group of one bundle per rank) routed by
+:class:`~router.serve.request_router.ShardserveRequestRouter`, and ``Ingress``
+(:class:`~router.serve.ingress.Ingress`) behind Ray Serve's HTTP proxy (``--host``,
+``--port``) and gRPC proxy (``--grpc-port``).
+
+Locally, a Ray instance is started with enough logical CPUs for the most replicas'
+ranks (as ``launch`` does for one group); with ``--ray-address`` the application runs on
+that cluster. On a Ray cluster managed by KubeRay, a ``RayService`` deploys
+:func:`app_builder` with the same flags (``deploy/kuberay-service/``).
+
+A rolling restart (a new configuration deployed over the running one) and scale-down
+stop replicas one by one: Ray Serve routes no new call to a stopping replica and waits
+up to ``--graceful-timeout`` for its calls before the replica fails the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import threading
+from typing import Any
+
+from loguru import logger
+
+from router.config import ServerConfig
+from router.serve.config import ServeConfig
+
+# gRPC services Ray Serve's gRPC proxy serves (the ingress has a method for each call).
+GRPC_SERVICERS = [
+    "router.serve.grpc_services.add_text_generation",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+# Seconds between two ``record_routing_stats`` reads of a replica, and their deadline.
+ROUTING_STATS_PERIOD_S = 0.5
+ROUTING_STATS_TIMEOUT_S = 5.0
+# Health checks of a replica (``check_health``): period and deadline, seconds.
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
+# Calls the ingress replica takes at once.
+INGRESS_MAX_ONGOING = 4096
+
+
+def replica_bundles(config: ServerConfig, use_gpu: bool) -> list[dict[str, float]]:
+    """One placement-group bundle per rank of a replica (1 CPU, and 1 GPU on GPUs), as
+    ``launch``'s group has; the replica actor (no CPU) shares rank 0's."""
+    bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    return [dict(bundle) for _ in range(config.shard.world_size)]
+
+
+def _uses_gpu(config: ServerConfig) -> bool:
+    import ray
+
+    device = config.shard.device
+    return device.startswith("cuda") or (
+        device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+    )
+
+
+def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
+    """The Ray Serve application (``Ingress`` bound to ``Replica``), on a running Ray."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from router.serve.ingress import Ingress
+    from router.serve.replica import ReplicaServer
+    from router.serve.request_router import ShardserveRequestRouter
+
+    low, high = serve_config.scale_bounds
+    scaling: dict[str, Any] = {"num_replicas": serve_config.replicas}
+    if serve_config.autoscaling:
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": low,
+                "max_replicas": high,
+                "initial_replicas": serve_config.replicas,
+                "target_ongoing_requests": serve_config.target_ongoing_requests,
+                "upscale_delay_s": 10.0,
+                "downscale_delay_s": 60.0,
+            }
+        }
+    router_options: dict[str, Any] = {
+        "request_router_class": ShardserveRequestRouter,
+        "request_router_kwargs": {
+            "policy": serve_config.routing,
+            "max_gap": serve_config.affinity_max_gap,
+        },
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        "request_routing_stats_timeout_s": ROUTING_STATS_TIMEOUT_S,
+    }
+    deployment: Any = serve.deployment  # typed as a decorator only
+    replica = deployment(
+        ReplicaServer,
+        name="Replica",
+        ray_actor_options={"num_cpus": 0},
+        placement_group_bundles=replica_bundles(config, _uses_gpu(config)),
+        placement_group_strategy="STRICT_SPREAD" if config.placement == "spread" else "PACK",
+        max_ongoing_requests=config.scheduler.max_concurrent_requests,
+        graceful_shutdown_timeout_s=float(config.graceful_timeout_s),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        request_router_config=RequestRouterConfig(**router_options),
+        **scaling,
+    )
+    ingress = deployment(
+        serve.ingress()(Ingress),
+        name="Ingress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+        num_replicas=1,
+    )
+    return ingress.bind(replica.bind(config, serve_config.app_name), config, serve_config.app_name)
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """Ray Serve application builder (``import_path: router.serve.app:app_builder``)
+    for a config file or a KubeRay RayService: ``args["flags"]`` holds the
+    ``shardserve serve`` flags as one command line.
+
+    Raises:
+        ValueError: a flag is invalid (the message names it).
+    """
+    from router.cli import build_parser, config_from_args, serve_config_from_args
+
+    argv = ["serve", *shlex.split(args.get("flags", ""))]
+    parsed = build_parser().parse_args(argv)
+    return build_app(config_from_args(parsed), serve_config_from_args(parsed))
+
+
+def run(config: ServerConfig, serve_config: ServeConfig) -> int:
+    """Blocking entry point of ``shardserve serve``: deploy, serve until SIGINT or
+    SIGTERM, then delete the application (replicas drain for ``--graceful-timeout``)."""
+    import ray
+    from ray import serve
+
+    low, high = serve_config.scale_bounds
+    if config.ray_address is None:
+        num_cpus = max(os.cpu_count() or 1, high * config.shard.world_size)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        logger.info(
+            "started a local Ray instance with {} CPUs for up to {} replica(s) of {} rank(s)",
+            num_cpus,
+            high,
+            config.shard.world_size,
+        )
+    else:
+        ray.init(address=config.ray_address, log_to_driver=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    grpc_options = (
+        {"port": config.grpc_port, "grpc_servicer_functions": GRPC_SERVICERS}
+        if config.grpc_port
+        else None
+    )
+    serve.start(http_options={"host": config.host, "port": config.port}, grpc_options=grpc_options)
+    try:
+        logger.info(
+            "deploying {} replica(s) ({}-{}), routing by {}",
+            serve_config.replicas,
+            low,
+            high,
+            serve_config.routing,
+        )
+        serve.run(
+            build_app(config, serve_config),
+            name=serve_config.app_name,
+            route_prefix="/",
+            blocking=False,
+        )
+        if config.grpc_port:
+            logger.info("serving the gRPC API on {}:{}", config.host, config.grpc_port)
+        logger.info("serving on http://{}:{}", config.host, config.port)
+        stop.wait()
+        logger.info("draining (graceful timeout {} s)", config.graceful_timeout_s)
+        serve.delete(serve_config.app_name)
+    finally:
+        _remove_board(serve_config.app_name)
+        serve.shutdown()
+        ray.shutdown()
+        logger.info("stopped")
+    return 0
+
+
+def _remove_board(app_name: str) -> None:
+    """Kill the application's board actor (detached, so it outlives the replicas)."""
+    import ray
+
+    from router.serve.replica import BOARD_NAMESPACE, board_name
+
+    try:
+        ray.kill(ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE))
+    except ValueError:
+        pass  # never created
