@@ -48,6 +48,7 @@ from router.status_log import StatusLogger
 from router.step_deadline import StepDeadline
 from router.step_trace import Trace, step_trace
 from router.tokenizer import Tokenizer
+from shard.config import quantization_details
 from shard.pb.shard_pb2 import InfoResponse
 
 SHARD_START_TIMEOUT_S = 1800.0
@@ -183,7 +184,12 @@ async def build_engine(
         num_shard=first.world_size,
         attention_backend=first.attention_backend,
         version=package_version(),
+        quantization=config.shard.quantization,
+        kv_cache_dtype="float8_e4m3fn" if config.shard.kv_cache_dtype == "fp8" else first.dtype,
+        quantization_details=quantization_details(config.shard),
     )
+    if facts.quantization_details:
+        logger.info("quantized: {}", facts.quantization_details)
     return engine, facts, warmup
 
 

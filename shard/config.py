@@ -341,6 +341,25 @@ class ShardConfig:
         return dtype
 
 
+# What --quantization fp8 and --kv-cache-dtype fp8 store, and how (the start-up log and
+# /info: see quantization_details).
+FP8_WEIGHTS_DETAILS = (
+    "fp8 weights: the decoder layers' linear weights in float8_e4m3fn with a float32 scale "
+    "per output channel, activations quantized to float8_e4m3fn per token (or with a "
+    "checkpoint's static scale), products via torch._scaled_mm; embeddings, LM head and "
+    "norms stay in the model dtype")
+FP8_KV_DETAILS = ("fp8 KV cache: keys and values in float8_e4m3fn with a float32 scale per "
+                  "token and KV head")
+
+
+def quantization_details(config: ShardConfig) -> str:
+    """What ``config`` quantizes and how, in words ("" when nothing is)."""
+    parts = [FP8_WEIGHTS_DETAILS] if config.quantization == "fp8" else []
+    if config.kv_cache_dtype == "fp8":
+        parts.append(FP8_KV_DETAILS)
+    return "; ".join(parts)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` → ``"bfloat16"`` (the spelling used by ``Info``)."""
     return str(dtype).removeprefix("torch.")

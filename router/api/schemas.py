@@ -120,6 +120,10 @@ class Info(BaseModel):
     model_device_type: str
     num_shard: int
     attention_backend: str
+    quantization: str = Field(description="Weights: none, or fp8 (--quantization).")
+    kv_cache_dtype: str = Field(description="Dtype of the KV cache's keys and values.")
+    quantization_details: str = Field(
+        description="What is quantized and how, in words; empty when nothing is.")
     block_size: int
     kv_blocks_total: int
     kv_blocks_free: int

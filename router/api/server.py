@@ -49,6 +49,10 @@ class ModelFacts:
     num_shard: int
     attention_backend: str
     version: str
+    # --quantization, the KV cache's dtype, and both in words (shard.config)
+    quantization: str = "none"
+    kv_cache_dtype: str = ""
+    quantization_details: str = ""
 
 
 def make_state(engine: EngineApi, budgets: Budgets, tokenizer: Tokenizer,
@@ -70,6 +74,9 @@ def make_state(engine: EngineApi, budgets: Budgets, tokenizer: Tokenizer,
         num_shard=facts.num_shard,
         attention_backend=facts.attention_backend,
         version=facts.version,
+        quantization=facts.quantization,
+        kv_cache_dtype=facts.kv_cache_dtype or facts.dtype,
+        quantization_details=facts.quantization_details,
         max_request_bytes=config.max_request_bytes,
         model_aliases=config.served_model_names[1:],
         api_key=config.api_key,

@@ -37,6 +37,9 @@ class ServerState:
     attention_backend: str
     version: str
     max_request_bytes: int = 1 << 20
+    quantization: str = "none"
+    kv_cache_dtype: str = ""
+    quantization_details: str = ""
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)
     metrics_require_api_key: bool = False
