@@ -122,24 +122,26 @@ class SchedulerConfig:
             the router a whole step of slack at the cost of a second discarded token.
     """
 
-    # The three token budgets' flags default to none: derive_budgets fills them in from
-    # the model and the KV cache at start-up; these defaults serve code and tests.
+    # The derived budgets' flags default to none: derive_budgets fills them in from the
+    # model, the device and the KV cache at start-up; these defaults serve code and tests.
     max_batch_prefill_tokens: int = field(default=4096, metadata=_flag(
         "prompt tokens per prefill step, the chunk of chunked prefill", type=int,
         metavar="TOKENS",
-        default_text="512 on CPU, 2048 on GPU; max-input-tokens with --chunked-prefill off"))
+        default_text="512 on CPU, 16384 on GPU; max-input-tokens with --chunked-prefill off"))
     max_batch_size: int = field(default=64, metadata=_flag(
-        "requests in the running batch", type=int, metavar="N", aliases=("--max-num-seqs",)))
+        "requests in the running batch", type=int, metavar="N", aliases=("--max-num-seqs",),
+        default_text="64 on CPU; on GPU one per 1024 tokens the KV cache holds, 64-512"))
     max_input_tokens: int = field(default=2048, metadata=_flag(
         "longest prompt", type=int, metavar="TOKENS", default_text="max-total-tokens - 1"))
     max_total_tokens: int = field(default=4096, metadata=_flag(
         "longest prompt + output", type=int, metavar="TOKENS", aliases=("--max-model-len",),
         default_text="min(context, 4096, KV capacity)"))
     max_concurrent_requests: int = field(default=128, metadata=_flag(
-        "queued + running requests; more are refused with 429", type=int, metavar="N"))
+        "queued + running requests; more are refused with 429", type=int, metavar="N",
+        default_text="2 x max-batch-size, at least 128"))
     waiting_served_ratio: float = field(default=0.3, metadata=_flag(
         "while a batch runs, prefill newcomers once there are this many per running "
-        "request ...", type=float, metavar="RATIO"))
+        "request ...", type=float, metavar="RATIO", default_text="0.3 on CPU, 0 on GPU"))
     max_waiting_tokens: int = field(default=20, metadata=_flag(
         "... or after this many decode steps since the last prefill", type=int,
         metavar="STEPS"))
@@ -191,32 +193,57 @@ class SchedulerConfig:
 
 
 # Prompt tokens per prefill step when --max-batch-prefill-tokens is not given and chunked
-# prefill is on. A longer prompt runs as several chunks, each followed by a decode step
-# of the running batch, so it delays running streams by one chunk's compute at a time
-# instead of its whole prefill. GPUs take chunks of the size vLLM and SGLang default to
-# for online serving (2048 tokens); a CPU computes a chunk several times slower, so it
-# takes smaller ones.
-PREFILL_CHUNK_TOKENS = {"cpu": 512, "cuda": 2048}
+# prefill is on: the most of one step. While requests decode, a step's prompt tokens are
+# fewer, sized by --itl-target (router/prefill_budget.py); this bound is what a step
+# takes when nothing decodes (a burst of arrivals on an idle server). On a GPU, 16384
+# (nano-vllm's and SGLang's large-GPU budget; vLLM takes 8192): on the H200 it gave
+# +6% over 2048 at 512 x 1024 prompt tokens (benchmarks/results/gpu-serving-h200.md).
+# A CPU computes a step tens of times slower and takes 512.
+PREFILL_CHUNK_TOKENS = {"cpu": 512, "cuda": 16384}
+# Running batch on a GPU when --max-batch-size is not given: one request per this many
+# tokens of KV capacity (the requests of the batch then hold 1024 tokens each on
+# average without preemption; the scheduler preempts when they hold more) ...
+GPU_BATCH_KV_TOKENS = 1024
+# ... within these bounds (the decode CUDA graphs are captured up to the upper one; vLLM
+# runs 256-1024 sequences on large GPUs, nano-vllm 512); a CPU runs 64.
+GPU_BATCH_SIZE = (64, 512)
+CPU_BATCH_SIZE = 64
+# Waiting requests per running one before newcomers are admitted into a running batch
+# (TGI's --waiting-served-ratio, 0.3): on a GPU 0, every step admits what fits, since a
+# mixed step carries newcomers' prompts beside the running batch at little cost to it
+# (measured in benchmarks/results/gpu-serving-h200.md: 0 with the tuned flags of run 8).
+WAITING_SERVED_RATIO = {"cpu": 0.3, "cuda": 0.0}
+# Queued + running requests before 429, per request of the running batch (at least TGI's
+# 128).
+CONCURRENT_PER_BATCH_ROW = 2
+MIN_CONCURRENT_REQUESTS = 128
 
 
 def derive_budgets(
-    given: dict[str, int | None],
+    given: dict[str, Any],
     max_position_embeddings: int,
     kv_capacity_tokens: int | None = None,
     chunked_prefill: bool = True,
     device_type: str = "cuda",
-) -> dict[str, int]:
-    """Token budgets from flags, filling unset ones (``None``) from the model and memory.
+) -> dict[str, Any]:
+    """Budgets from flags, filling unset ones (``None``) from the model, the device and
+    memory.
 
     Defaults: ``max_total_tokens`` = min(max_position_embeddings, 4096, KV capacity);
     ``max_input_tokens`` = max_total_tokens - 1; ``max_batch_prefill_tokens`` =
     min(max_input_tokens + 1, chunk) with chunked prefill, where chunk is
-    ``PREFILL_CHUNK_TOKENS[device_type]`` (512 on CPU, 2048 on GPU); without chunked
-    prefill, max_input_tokens (a prompt is prefilled in one step).
+    ``PREFILL_CHUNK_TOKENS[device_type]`` (512 on CPU, 16384 on GPU); without chunked
+    prefill, max_input_tokens (a prompt is prefilled in one step). ``max_batch_size``:
+    64 on CPU; on GPU the KV capacity / ``GPU_BATCH_KV_TOKENS`` within
+    ``GPU_BATCH_SIZE`` (the upper bound before the capacity is known, which sizes the
+    decode CUDA graphs). ``waiting_served_ratio``: ``WAITING_SERVED_RATIO[device_type]``.
+    ``max_concurrent_requests``: ``CONCURRENT_PER_BATCH_ROW`` × max_batch_size, at least
+    ``MIN_CONCURRENT_REQUESTS``.
 
     Args:
-        given: ``max_total_tokens``, ``max_input_tokens``, ``max_batch_prefill_tokens``
-            as passed on the command line (``None`` = derive).
+        given: ``max_total_tokens``, ``max_input_tokens``, ``max_batch_prefill_tokens``,
+            ``max_batch_size``, ``waiting_served_ratio``, ``max_concurrent_requests`` as
+            passed on the command line (``None`` or missing = derive).
         max_position_embeddings: The model's context length, tokens.
         kv_capacity_tokens: Tokens the KV cache holds (known after Warmup).
         chunked_prefill: Whether long prompts may be split over steps.
@@ -238,8 +265,19 @@ def derive_budgets(
     prefill = given.get("max_batch_prefill_tokens") or (
         min(inputs + 1, chunk) if chunked_prefill else inputs
     )
+    batch = given.get("max_batch_size")
+    if batch is None:
+        low, high = GPU_BATCH_SIZE
+        batch = (CPU_BATCH_SIZE if device_type == "cpu" else high if kv_capacity_tokens is None
+                 else min(max(kv_capacity_tokens // GPU_BATCH_KV_TOKENS, low), high))
+    ratio = given.get("waiting_served_ratio")
+    if ratio is None:
+        ratio = WAITING_SERVED_RATIO.get(device_type, WAITING_SERVED_RATIO["cuda"])
+    concurrent = given.get("max_concurrent_requests") or max(
+        CONCURRENT_PER_BATCH_ROW * batch, MIN_CONCURRENT_REQUESTS)
     return {"max_total_tokens": total, "max_input_tokens": inputs,
-            "max_batch_prefill_tokens": prefill}
+            "max_batch_prefill_tokens": prefill, "max_batch_size": batch,
+            "waiting_served_ratio": ratio, "max_concurrent_requests": concurrent}
 
 
 @dataclass(frozen=True)
@@ -312,7 +350,7 @@ class ServerConfig:
         "torch.distributed rendezvous port on rank 0 (0 = a free one)", type=int,
         metavar="PORT"))
     # Token budgets as given on the command line (None = derive; see derive_budgets).
-    budget_flags: dict[str, int | None] = field(default_factory=dict)
+    budget_flags: dict[str, Any] = field(default_factory=dict)
     # Names the model answers to (OpenAI ``model``); the first is the reported one.
     # Empty = the shard's model id.
     served_model_names: tuple[str, ...] = field(default=(), metadata=_flag(

@@ -130,12 +130,7 @@ def warmed_up_budgets(
         chunked_prefill=config.scheduler.chunked_prefill,
         device_type=info.device.split(":")[0],
     )
-    return dataclasses.replace(
-        config.scheduler,
-        max_total_tokens=budgets["max_total_tokens"],
-        max_input_tokens=budgets["max_input_tokens"],
-        max_batch_prefill_tokens=budgets["max_batch_prefill_tokens"],
-    )
+    return dataclasses.replace(config.scheduler, **budgets)
 
 
 async def build_engine(
@@ -150,7 +145,7 @@ async def build_engine(
                             device_type=device_type)
     warmup = WarmupBudgets(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
-        config.scheduler.max_batch_size,
+        before["max_batch_size"],
         max_total_tokens_derived=config.budget_flags.get("max_total_tokens") is None,
     )
     logger.info("warming up {} shard(s) on {}: sizing the KV cache and a worst-case prefill of "
@@ -167,9 +162,11 @@ async def build_engine(
         "the warm-up", quiet=quiet)
     logger.info("warm-up done in {:.1f} s", time.monotonic() - started)
     scheduler = warmed_up_budgets(config, first, num_blocks)
-    logger.info("budgets: max_total_tokens={} max_input_tokens={} max_batch_prefill_tokens={}",
+    logger.info("budgets: max_total_tokens={} max_input_tokens={} max_batch_prefill_tokens={} "
+                "max_batch_size={} waiting_served_ratio={} max_concurrent_requests={}",
                 scheduler.max_total_tokens, scheduler.max_input_tokens,
-                scheduler.max_batch_prefill_tokens)
+                scheduler.max_batch_prefill_tokens, scheduler.max_batch_size,
+                scheduler.waiting_served_ratio, scheduler.max_concurrent_requests)
     logger.info(
         "shards ready: {} rank(s), {} on {}, attention {}, {} KV blocks of {} tokens",
         len(infos), first.dtype, first.device, first.attention_backend, num_blocks,

@@ -26,6 +26,10 @@ in one run that prints one markdown table.
    step (embedding table left out unless tied) / device copy bandwidth measured in this
    run (bytes read + written by a large ``Tensor.copy_``), with batch1's TPOT p50 as a
    multiple of it.
+7. With ``--fp8``: our server a second time with fp8 weights and an fp8 KV cache
+   (``--quantization fp8 --kv-cache-dtype fp8``) over the same workloads, and a table of
+   both beside nano-vllm (benchmarks/serving/fp8_compare.py): batch1 TPOT and the fp8
+   weight-read floor, decode_heavy and prefill_heavy tok/s, KV capacity in tokens.
 
 Stages run one after another (each engine gets the whole GPU); after each the table so
 far is written to ``--out``. A stage that fails is noted under the table (traceback and
@@ -67,7 +71,7 @@ from benchmarks.harness import (
     tail,
     wait_healthy,
 )
-from benchmarks.serving import gpu_report
+from benchmarks.serving import fp8_compare, gpu_report
 from benchmarks.serving.completions_load import run_load
 from benchmarks.serving.gpu_peers import run_nano_vllm, run_transformers
 from benchmarks.serving.gpu_report import Report, Row
@@ -107,6 +111,8 @@ def warmup_workload(vocab: int, n: int, seed: int) -> Workload:
 
 
 def server_flags(args: argparse.Namespace, most_requests: int) -> list[str]:
+    if args.our_defaults:  # every budget as the server derives it
+        return ["--device", args.device, *shlex.split(args.server_args)]
     return ["--device", args.device, "--dtype", args.dtype,
             "--attention-backend", args.attention_backend, "--block-size", str(args.block_size),
             "--max-batch-size", str(args.max_batch_size),
@@ -116,13 +122,15 @@ def server_flags(args: argparse.Namespace, most_requests: int) -> list[str]:
 
 
 def bench_ours(args: argparse.Namespace, ckpt: Path, workloads: list[Workload],
-               report: Report) -> None:
-    """Serve ``ckpt`` and run every workload (throughput, then latency pass) into
-    ``report``'s rows; server info and start-up time into the report."""
+               report: Report, extra_flags: tuple[str, ...] = (),
+               log_name: str = "server.log") -> None:
+    """Serve ``ckpt`` (with ``extra_flags`` after the others) and run every workload
+    (throughput, then latency pass) into ``report``'s rows; server info and start-up time
+    into the report."""
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
-    log_path = args.log_dir / "server.log"
-    flags = server_flags(args, max(len(w.prompts) for w in workloads))
+    log_path = args.log_dir / log_name
+    flags = [*server_flags(args, max(len(w.prompts) for w in workloads)), *extra_flags]
     report.server_flags = " ".join(flags)
     path = [*([args.extra_site] if args.extra_site else []), *_pythonpath(), str(REPO_ROOT)]
     env = {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(path)}
@@ -212,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s = p.add_argument_group("our server")
     s.add_argument("--skip-ours", action="store_true",
                    help="peers only (e.g. a second run on a reused --checkpoint-dir)")
+    s.add_argument("--our-defaults", action="store_true",
+                   help="launch our server with its default flags (only --device and "
+                        "--server-args): the options below are not passed")
     s.add_argument("--attention-backend", default="auto")
     s.add_argument("--block-size", type=int, default=256,
                    help="tokens per KV block (256: flash-attn's paged block, nano-vllm's)")
@@ -220,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--server-args", default="", help="more launch flags, one string")
     s.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
     s.add_argument("--startup-timeout", type=float, default=600)
+    s.add_argument("--fp8", action="store_true",
+                   help="then our server again with " + " ".join(fp8_compare.FP8_FLAGS)
+                        + ", and the FP8 table (both, and nano-vllm)")
     w = p.add_argument_group("workloads")
     w.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
     w.add_argument("--concurrency", type=int, default=0,
@@ -273,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"logs in {args.log_dir}")
     workloads = {n: build_workload(n, args.vocab) for n in args.workloads}
     report = gpu_report.new_report(args, workloads)
+    fp8 = gpu_report.new_report(args, workloads) if args.fp8 else None  # --fp8's pass
+    fp8_bytes: int | None = None
     stage = Stage(report, args.out)
     tmp = None if args.checkpoint_dir else Path(tempfile.mkdtemp(prefix="gpu-serving-ckpt-"))
     ckpt = args.checkpoint_dir or tmp
@@ -290,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         ours = [w.head(args.limit_requests) for w in workloads.values()]
         if not args.skip_ours:
             stage.run("our server", bench_ours, args, ckpt, ours, report)
+        if fp8 is not None:
+            fp8_bytes = fp8_compare.fp8_weight_bytes(ckpt)
+            stage.run("our server, fp8", bench_ours, args, ckpt, ours, fp8,
+                      tuple(fp8_compare.FP8_FLAGS), "server-fp8.log")
         if args.nano_vllm:
             records = stage.run("nano-vllm", run_nano_vllm, args.nano_vllm_runner,
                                 args.nano_vllm, args.extra_site, ckpt, args.workloads,
@@ -312,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     text = report.write(args.out)
+    if fp8 is not None:
+        text += fp8_compare.render(report, fp8, fp8_bytes)
+        if args.out is not None:
+            args.out.write_text(text)
     print(text)
     return 0
 

@@ -11,13 +11,35 @@ UNSET: dict[str, int | None] = {
 }
 
 
-@pytest.mark.parametrize(("device_type", "chunk"), [("cpu", 512), ("cuda", 2048)])
-def test_default_prefill_chunk_is_smaller_than_the_longest_prompt(
-    device_type: str, chunk: int
-) -> None:
+@pytest.mark.parametrize(("device_type", "chunk"), [("cpu", 512), ("cuda", 4096)])
+def test_default_prefill_budget(device_type: str, chunk: int) -> None:
+    """512 tokens a step on CPU; on GPU 16384, here the longest prompt + 1 (4096)."""
     budgets = derive_budgets(UNSET, max_position_embeddings=8192, device_type=device_type)
-    assert budgets == {"max_total_tokens": 4096, "max_input_tokens": 4095,
-                       "max_batch_prefill_tokens": chunk}
+    assert {name: budgets[name] for name in UNSET} == {
+        "max_total_tokens": 4096, "max_input_tokens": 4095, "max_batch_prefill_tokens": chunk}
+    longer = derive_budgets({**UNSET, "max_total_tokens": 32768}, 32768, device_type=device_type)
+    assert longer["max_batch_prefill_tokens"] == {"cpu": 512, "cuda": 16384}[device_type]
+
+
+@pytest.mark.parametrize(("kv_tokens", "batch"), [
+    (None, 512),  # before the KV cache is sized: the graphs' bound
+    (20_000, 64), (380_000, 371), (850_000, 512)])
+def test_gpu_running_batch_follows_the_kv_capacity(kv_tokens: int | None, batch: int) -> None:
+    budgets = derive_budgets(UNSET, 8192, kv_capacity_tokens=kv_tokens, device_type="cuda")
+    assert budgets["max_batch_size"] == batch
+    assert budgets["max_concurrent_requests"] == max(2 * batch, 128)
+    assert budgets["waiting_served_ratio"] == 0.0
+
+
+def test_cpu_defaults_and_given_values() -> None:
+    budgets = derive_budgets(UNSET, 8192, kv_capacity_tokens=1 << 20, device_type="cpu")
+    assert (budgets["max_batch_size"], budgets["waiting_served_ratio"],
+            budgets["max_concurrent_requests"]) == (64, 0.3, 128)
+    given = {**UNSET, "max_batch_size": 32, "waiting_served_ratio": 0.5,
+             "max_concurrent_requests": 40}
+    budgets = derive_budgets(given, 8192, kv_capacity_tokens=1 << 20, device_type="cuda")
+    assert (budgets["max_batch_size"], budgets["waiting_served_ratio"],
+            budgets["max_concurrent_requests"]) == (32, 0.5, 40)
 
 
 def test_short_contexts_and_given_flags_keep_their_budgets() -> None:

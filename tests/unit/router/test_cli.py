@@ -261,11 +261,16 @@ def test_launch_flags_are_the_config_fields_flags() -> None:
 def test_default_config_is_the_config_classes_defaults(default_model_dir: Path) -> None:
     config = config_from_args(launch_parser().parse_args(["--model", str(default_model_dir)]))
     assert config.limits == ValidationLimits()
-    scheduler = dataclasses.replace(config.scheduler, max_batch_prefill_tokens=4096,
-                                    max_input_tokens=2048, max_total_tokens=4096)
-    assert scheduler == SchedulerConfig()
+    derived = SchedulerConfig()
+    scheduler = dataclasses.replace(
+        config.scheduler, max_batch_prefill_tokens=4096, max_input_tokens=2048,
+        max_total_tokens=4096, max_batch_size=derived.max_batch_size,
+        waiting_served_ratio=derived.waiting_served_ratio,
+        max_concurrent_requests=derived.max_concurrent_requests)
+    assert scheduler == derived
     assert config.budget_flags == dict.fromkeys(
-        ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens"))
+        ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens", "max_batch_size",
+         "waiting_served_ratio", "max_concurrent_requests"))
     expected = ServerConfig(shard=config.shard, budget_flags=config.budget_flags,
                             served_model_names=(default_model_dir.name,))
     assert dataclasses.replace(config, scheduler=SchedulerConfig(),
