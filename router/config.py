@@ -115,7 +115,7 @@ class SchedulerConfig:
         itl_target_s: The time a mixed step aims at, seconds: its prompt tokens are as
             many as the measured step time allows (:mod:`router.prefill_budget`), so
             that running streams' inter-token gap stays near it. None: 3 decode steps,
-            at least 0.05 s.
+            at least 0.2 s.
         steps_in_flight: Shard steps sent ahead of the one whose tokens the router is
             reading (overlapped scheduling). 1: step N+1 is sent before step N's
             tokens are read, and a request that stops at step N leaves at N+1. 2 gives
@@ -127,7 +127,8 @@ class SchedulerConfig:
     max_batch_prefill_tokens: int = field(default=4096, metadata=_flag(
         "prompt tokens per prefill step, the chunk of chunked prefill", type=int,
         metavar="TOKENS",
-        default_text="512 on CPU, 16384 on GPU; max-input-tokens with --chunked-prefill off"))
+        default_text="512 on CPU (at most max-input-tokens + 1), 16384 on GPU; "
+                     "max-input-tokens with --chunked-prefill off"))
     max_batch_size: int = field(default=64, metadata=_flag(
         "requests in the running batch", type=int, metavar="N", aliases=("--max-num-seqs",),
         default_text="64 on CPU; on GPU one per 1024 tokens the KV cache holds, 64-512"))
@@ -159,7 +160,7 @@ class SchedulerConfig:
         "time to aim at for a step that prefills while requests decode: its prompt "
         "tokens are sized from measured step times so that running streams' "
         "inter-token gap stays near it (at most --max-batch-prefill-tokens)", type=float,
-        metavar="SECONDS", default_text="3 decode steps, at least 0.05"))
+        metavar="SECONDS", default_text="3 decode steps, at least 0.2"))
     steps_in_flight: int = field(default=1, metadata=_flag(
         "shard steps sent ahead of the one being read: 1, or 2 for more slack on a busy "
         "router (a stopped request then computes two discarded tokens instead of one)",
@@ -231,8 +232,8 @@ def derive_budgets(
 
     Defaults: ``max_total_tokens`` = min(max_position_embeddings, 4096, KV capacity);
     ``max_input_tokens`` = max_total_tokens - 1; ``max_batch_prefill_tokens`` =
-    min(max_input_tokens + 1, chunk) with chunked prefill, where chunk is
-    ``PREFILL_CHUNK_TOKENS[device_type]`` (512 on CPU, 16384 on GPU); without chunked
+    ``PREFILL_CHUNK_TOKENS[device_type]`` with chunked prefill (512 on CPU, at most
+    max_input_tokens + 1; 16384 on GPU, whatever the longest prompt); without chunked
     prefill, max_input_tokens (a prompt is prefilled in one step). ``max_batch_size``:
     64 on CPU; on GPU the KV capacity / ``GPU_BATCH_KV_TOKENS`` within
     ``GPU_BATCH_SIZE`` (the upper bound before the capacity is known, which sizes the
@@ -262,8 +263,10 @@ def derive_budgets(
         total = min(max_position_embeddings, 4096, kv_capacity_tokens or 4096)
     inputs = given.get("max_input_tokens") or max(total - 1, 1)
     chunk = PREFILL_CHUNK_TOKENS.get(device_type, PREFILL_CHUNK_TOKENS["cuda"])
+    # NOTE: not bounded by the longest prompt on a GPU: a step carries several prompts
     prefill = given.get("max_batch_prefill_tokens") or (
-        min(inputs + 1, chunk) if chunked_prefill else inputs
+        (min(inputs + 1, chunk) if device_type == "cpu" else chunk) if chunked_prefill
+        else inputs
     )
     batch = given.get("max_batch_size")
     if batch is None:

@@ -17,9 +17,12 @@ DECAY = 0.2
 # Without --itl-target: a step that prefills while requests decode may take this many
 # decode steps ...
 AUTO_TARGET_DECODE_STEPS = 3.0
-# ... and at least this long, seconds (a GPU's decode step is a few milliseconds, and a
-# prompt split much finer than that costs more steps than it saves gap).
-AUTO_TARGET_MIN_S = 0.05
+# ... and at least this long, seconds. A GPU's decode step is a few milliseconds, but
+# prompt tokens cost least in large steps: on an H100 (8B model, 512 x 1024-token
+# prompts) steps of 50 ms computed ~970 prompt tokens each at 0.73x nano-vllm's
+# throughput (benchmarks/results/gpu-serving-h200.md); 0.2 s is the order of vLLM's
+# 8192-token and SGLang's 8192-16384-token budgets on that model.
+AUTO_TARGET_MIN_S = 0.2
 # Fewest prompt tokens a step that prefills carries: a prompt goes on even when the
 # rows alone take the whole target.
 MIN_TOKENS = 32
