@@ -4,7 +4,7 @@ round-robin / least-loaded by ``--routing``).
 
 Ray Serve asks :meth:`ShardserveRequestRouter.choose_replicas` for ranked candidates,
 probes the first rank's queue length and sends the call to a replica of the first rank
-that accepts it (below ``max_ongoing_requests``); the later ranks are the fall-back.
+that accepts it (below ``max_ongoing_requests``).
 Each call's :class:`~router.serve.affinity.RouteHint` travels as its ``route`` keyword
 argument; replicas' loads come from their ``record_routing_stats`` (pushed by Ray
 Serve's controller every period) and from our own count of calls in flight.
@@ -47,6 +47,12 @@ class ShardserveRequestRouter(RequestRouter):
     """Ray Serve request router over :class:`ReplicaChooser` (exact request matching,
     no FIFO reordering: a replica chosen for a call's prefix serves that call)."""
 
+    # NOTE: a probe that misses its deadline drops the replica from this round; on a
+    # loaded CPU host Ray Serve's default (0.1 s) is missed often, which sent calls away
+    # from the replica holding their prefix.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 5.0
+
     def initialize_state(self, policy: str = "affinity", max_gap: int = 4, **kwargs: Any) -> None:
         """Called by Ray Serve with ``request_router_kwargs``: the policy (``--routing``)
         and the load band of affinity (``--affinity-max-gap``, requests)."""
@@ -63,7 +69,9 @@ class ShardserveRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        """[[the chosen replica], [the others, least loaded first]]."""
+        """[[the chosen replica]]: no fall-back rank. Ray Serve sends the call there once
+        the replica answers its queue-length probe below ``max_ongoing_requests``, else
+        asks again after a back-off (and we choose again, on fresher loads)."""
         if not candidate_replicas:
             return []
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
@@ -83,12 +91,7 @@ class ShardserveRequestRouter(RequestRouter):
                 counts[decision.reason] = counts.get(decision.reason, 0) + 1
             self._reasons[request_id] = decision.reason
             self.chooser.routed(decision.replica, hint, request_id)
-        loads = self.chooser.loads
-        others = sorted(
-            (k for k in by_key if k != decision.replica),
-            key=lambda k: loads[k].ongoing if k in loads else 0,
-        )
-        return [[by_key[decision.replica]], [by_key[k] for k in others]]
+        return [[by_key[decision.replica]]]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
