@@ -10,7 +10,7 @@ The application is two deployments: ``Replica`` (:class:`~router.serve.replica.R
 Locally, a Ray instance is started with enough logical CPUs for the most replicas'
 ranks (as ``launch`` does for one group); with ``--ray-address`` the application runs on
 that cluster. On a Ray cluster managed by KubeRay, a ``RayService`` deploys
-:func:`app_builder` with the same flags (``deploy/kuberay-service/``).
+:func:`router.serve.builder.app_builder` with the same flags (``deploy/kuberay-service/``).
 
 A rolling restart (a new configuration deployed over the running one) and scale-down
 stop replicas one by one: Ray Serve routes no new call to a stopping replica and waits
@@ -20,7 +20,6 @@ up to ``--graceful-timeout`` for its calls before the replica fails the rest.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import threading
 from typing import Any
@@ -114,21 +113,6 @@ def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
         num_replicas=1,
     )
     return ingress.bind(replica.bind(config, serve_config.app_name), config, serve_config.app_name)
-
-
-def app_builder(args: dict[str, str]) -> Any:
-    """Ray Serve application builder (``import_path: router.serve.app:app_builder``)
-    for a config file or a KubeRay RayService: ``args["flags"]`` holds the
-    ``shardserve serve`` flags as one command line.
-
-    Raises:
-        ValueError: a flag is invalid (the message names it).
-    """
-    from router.cli import build_parser, config_from_args, serve_config_from_args
-
-    argv = ["serve", *shlex.split(args.get("flags", ""))]
-    parsed = build_parser().parse_args(argv)
-    return build_app(config_from_args(parsed), serve_config_from_args(parsed))
 
 
 def run(config: ServerConfig, serve_config: ServeConfig) -> int:
