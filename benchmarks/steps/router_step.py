@@ -77,6 +77,7 @@ class InstantShards:
     generated: dict[int, int] = field(default_factory=dict)
     held: dict[int, list[int]] = field(default_factory=dict)  # id -> [cached, total]
     rows: list[int] = field(default_factory=list)  # decoding rows, in row order
+    stepping: list[int] = field(default_factory=list)  # the last mixed step's rows
     restart: bool = False
     hung_rank: int | None = None
 
@@ -102,8 +103,10 @@ class InstantShards:
         self.rows = [rid for rid in self.rows if rid not in leaving]
 
     def _prefill_tokens(self, request: pb.PrefillRequest) -> tuple[int, list[int]]:
-        """Apply ``request``: tokens it computes, and the ids whose prompt it completes."""
+        """Apply ``request``: tokens it computes, and the ids whose prompt it completes
+        (a mixed step's rows, those held before it, go to ``stepping``)."""
         self._finish(request.finished_request_ids)
+        self.stepping = list(self.rows) if request.decode else []
         tokens, completed = 0, []
         for c in request.cached_requests:
             held = self.held[c.id]
@@ -124,9 +127,17 @@ class InstantShards:
 
     async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         _, completed = self._prefill_tokens(request)
+        return self._prefill_response(request, completed)
+
+    def _prefill_response(self, request: pb.PrefillRequest,
+                          completed: list[int]) -> pb.PrefillResponse:
+        """First tokens of ``completed``; a mixed step's rows' tokens first."""
+        rows = self.stepping  # chosen before the first tokens, as a shard samples them
+        decoded = pb.DecodeResponse(token_ids=[self._next(rid) for rid in rows],
+                                    logprobs=[-0.5] * len(rows)) if request.decode else None
         return pb.PrefillResponse(generations=[
             pb.Generation(request_id=rid, token_id=self._next(rid), logprob=-0.5)
-            for rid in completed])
+            for rid in completed], decode=decoded)
 
     async def decode(self, request: pb.DecodeRequest, num_rows: int) -> pb.DecodeResponse:
         self._finish(request.finished_request_ids)
@@ -159,9 +170,7 @@ class TimedShards(InstantShards):
 
     async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         tokens, completed = self._prefill_tokens(request)
-        response = pb.PrefillResponse(generations=[
-            pb.Generation(request_id=rid, token_id=self._next(rid), logprob=-0.5)
-            for rid in completed])
+        response = self._prefill_response(request, completed)
         await self._occupy(self.step_s + tokens * self.prefill_token_s)
         return response
 

@@ -107,6 +107,7 @@ class VirtualRunner:
     def launch_prefill(self, step: PrefillStep,
                        trace_step: int = -1) -> PendingStep | StepOutput:
         self._finish(step.finished_request_ids)
+        rows = list(self._rows) if step.decode else []  # a mixed step's rows ride along
         tokens = 0
         completed = []
         for c in step.cached_requests:
@@ -124,12 +125,12 @@ class VirtualRunner:
             if not r.partial:
                 completed.append(r.request_id)
         seconds = self.step_s + tokens * self.prefill_token_s
-        if not completed:
+        if not completed and not rows:
             _, idle_s = self._occupy(seconds)
             self.trace.mark("device_gap", trace_step, int(idle_s * 1e6))
             return StepOutput((), int(seconds * 1e9))
         self._rows.extend(completed)
-        return self._pending(completed, seconds)
+        return self._pending(rows + completed, seconds, num_rows=len(rows))
 
     def launch_decode(self, step: DecodeStep = NO_CHANGE) -> PendingStep | StepOutput:
         self._finish(step.finished_request_ids)
@@ -137,9 +138,10 @@ class VirtualRunner:
             return StepOutput((), 0)
         return self._pending(list(self._rows), self.step_s)
 
-    def _pending(self, ids: list[int], seconds: float) -> _VirtualPending:
-        """A step of ``seconds`` queued on the virtual device, its tokens chosen now."""
-        pending = _VirtualPending([], None, None)  # type: ignore[arg-type]
+    def _pending(self, ids: list[int], seconds: float, num_rows: int = 0) -> _VirtualPending:
+        """A step of ``seconds`` queued on the virtual device, its tokens chosen now
+        (``num_rows``: a mixed step's rows, the first ids)."""
+        pending = _VirtualPending([], None, None, num_rows=num_rows)  # type: ignore[arg-type]
         pending.ends_at, pending.idle_s = self._occupy(seconds)
         pending.seconds = seconds
         pending.tokens = tuple(self._next(rid) for rid in ids)
@@ -150,7 +152,7 @@ class VirtualRunner:
         time.sleep(max(0.0, pending.ends_at - time.perf_counter()))
         self.trace.mark("ready", pending.trace_step)
         self.trace.mark("device_gap", pending.trace_step, int(pending.idle_s * 1e6))
-        return StepOutput(pending.tokens, int(pending.seconds * 1e9))
+        return StepOutput(pending.tokens, int(pending.seconds * 1e9), num_rows=pending.num_rows)
 
     def reset(self) -> None:
         """Drop every request held (a restart step, or Warmup)."""
