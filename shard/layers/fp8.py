@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from shard.quantization.config import current_fp8_weights
-from shard.quantization.fp8 import FP8_DTYPE, fp8_linear, is_fp8, quantize_rows
+from shard.quantization.fp8 import FP8_DTYPE, fp8_linear, is_fp8, quantize_rows_mse
 
 __all__ = [
     "FP8_DTYPE",
@@ -84,7 +84,8 @@ def store_rows(
     """Write checkpoint rows ``piece`` [size, in_local] at rows ``[offset, offset + size)``
     of ``layer``'s fp8 ``param`` (its weight): copied as they are when already fp8 (their
     scales come with the checkpoint's ``weight_scale``), else quantized per row on the
-    weight's device, their scales written beside them.
+    weight's device (:func:`~shard.quantization.fp8.quantize_rows_mse`), their scales
+    written beside them.
 
     Raises:
         ValueError: on a shape mismatch.
@@ -103,7 +104,7 @@ def store_rows(
         target.copy_(piece)
         return
     assert layer.weight_scale is not None, "store_rows is for fp8 layers"
-    q, scale = quantize_rows(piece.to(target.device))
+    q, scale = quantize_rows_mse(piece.to(target.device))
     target.copy_(q)
     layer.weight_scale.data.narrow(0, offset, size).copy_(scale)
 

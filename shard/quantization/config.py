@@ -53,7 +53,7 @@ class Fp8Weights:
             "read from the fp8 checkpoint (its weight_scale per tensor or per "
             "channel, applied per output channel)"
             if self.from_checkpoint
-            else "quantized at load with one scale per output channel"
+            else "quantized at load with one scale per output channel, chosen by squared error"
         )
         acts = (
             "static per-tensor scales from the checkpoint"
