@@ -33,9 +33,14 @@ KV_FULL = 0.95
 DEFAULT_REPLICA_BLOCKS = 4096
 # Conversations remembered (LRU) for stickiness.
 MAX_CONVERSATIONS = 100_000
-# Decision reason → calls routed for it by the request routers of this process (the
-# ingress's /metrics shows it; see router/serve/request_router.py).
+# What the request routers of this process decided (the ingress's /metrics shows it;
+# see router/serve/request_router.py): calls by decision reason; calls sent away from
+# the replica holding their longest cached run, by why (``Decision.passed_over``); and
+# per replica the prompt blocks the index expected it to hold (to compare with the
+# replica's own prefix-cache hit counter).
 ROUTING_DECISIONS: dict[str, int] = {}
+ROUTING_PASSED_OVER: dict[str, int] = {}
+ROUTING_EXPECTED_HIT_BLOCKS: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -153,13 +158,25 @@ class PrefixIndex:
 
 @dataclass(frozen=True)
 class Decision:
-    """A chosen replica and why: ``prefix`` (holds the longest cached run within the
-    load band), ``conversation`` (the conversation's replica), ``least_loaded`` (nothing
-    cached in the band, or the policy), ``round_robin`` (the policy)."""
+    """A chosen replica and why.
+
+    Attributes:
+        replica: The chosen replica.
+        reason: ``prefix`` (holds the longest cached run within the load band),
+            ``conversation`` (the conversation's replica), ``least_loaded`` (nothing
+            cached in the band, or the policy), ``round_robin`` (the policy).
+        cached_blocks: Leading prompt blocks the index says the chosen replica holds.
+        passed_over: Why the replica holding the longest cached run was not chosen:
+            ``load`` (out of the load band), ``kv_full`` (its KV cache is full),
+            ``conversation`` (the conversation's replica came first), ``policy``
+            (round-robin / least-loaded ignore the cache); None when it was chosen or
+            nothing is cached.
+    """
 
     replica: str
     reason: str
     cached_blocks: int = 0
+    passed_over: str | None = None
 
 
 @dataclass
@@ -178,6 +195,7 @@ class ReplicaChooser:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     loads: dict[str, ReplicaLoad] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)
+    passed_over: dict[str, int] = field(default_factory=dict)
     _conversations: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _requests: dict[str, str] = field(default_factory=dict)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
@@ -224,28 +242,45 @@ class ReplicaChooser:
         """
         if not candidates:
             raise ValueError("no replica to choose from")
+        depth: dict[str, int] = {}
+        if hint is not None and hint.block_hashes:
+            matched = self.index.match(hint.block_hashes)
+            depth = {r: matched[r] for r in candidates if r in matched}
         if self.policy == "round_robin":
-            return self._count(
-                Decision(candidates[next(self._turn) % len(candidates)], "round_robin")
-            )
+            turn = candidates[next(self._turn) % len(candidates)]
+            return self._decided(turn, "round_robin", depth)
         least = self._least_loaded(candidates)
         if self.policy == "least_loaded" or hint is None:
-            return self._count(Decision(least, "least_loaded"))
+            return self._decided(least, "least_loaded", depth)
         ceiling = self._effective(least) + self.max_gap
         sticky = self._conversations.get(hint.conversation) if hint.conversation else None
         if sticky is not None and sticky in candidates and self._effective(sticky) <= ceiling:
-            cached = self.index.match(hint.block_hashes).get(sticky, 0)
-            return self._count(Decision(sticky, "conversation", cached))
-        depth = self.index.match(hint.block_hashes) if hint.block_hashes else {}
+            return self._decided(sticky, "conversation", depth)
         band = [r for r in candidates if depth.get(r, 0) and self._effective(r) <= ceiling]
         if not band:
-            return self._count(Decision(least, "least_loaded"))
+            return self._decided(least, "least_loaded", depth)
         best = max(band, key=lambda r: (depth[r], -self._effective(r)))
-        return self._count(Decision(best, "prefix", depth[best]))
+        return self._decided(best, "prefix", depth)
 
-    def _count(self, decision: Decision) -> Decision:
-        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
-        return decision
+    def _decided(self, replica: str, reason: str, depth: Mapping[str, int]) -> Decision:
+        """The decision for ``replica``, with why the deepest holder in ``depth`` (replica
+        → cached leading blocks) was passed over, counted in ``decisions`` and
+        ``passed_over``."""
+        passed_over = None
+        deepest = max(depth.values(), default=0)
+        if deepest > depth.get(replica, 0):
+            holder = next(r for r, blocks in depth.items() if blocks == deepest)
+            if self.policy != "affinity":
+                passed_over = "policy"
+            elif reason == "conversation":
+                passed_over = "conversation"
+            elif self.loads.get(holder, ReplicaLoad()).kv_used >= KV_FULL:
+                passed_over = "kv_full"
+            else:
+                passed_over = "load"
+            self.passed_over[passed_over] = self.passed_over.get(passed_over, 0) + 1
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        return Decision(replica, reason, depth.get(replica, 0), passed_over)
 
     def routed(self, replica: str, hint: RouteHint | None, request_id: str) -> None:
         """``request_id`` went to ``replica``: count it in flight, index its prompt

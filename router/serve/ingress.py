@@ -37,7 +37,12 @@ from router.config import ServerConfig
 from router.log import setup_logging
 from router.pb import generate_pb2 as pb
 from router.serve import grpc_services  # noqa: F401 (importable pickles of the messages)
-from router.serve.affinity import ROUTING_DECISIONS, RouteHint
+from router.serve.affinity import (
+    ROUTING_DECISIONS,
+    ROUTING_EXPECTED_HIT_BLOCKS,
+    ROUTING_PASSED_OVER,
+    RouteHint,
+)
 from router.serve.asgi_call import HttpCall, HttpStart
 from router.serve.board import merge_expositions
 from router.serve.config import CONVERSATION_HEADER
@@ -89,17 +94,33 @@ class Ingress:
 
     async def metrics(self, request: Request) -> Response:
         """Every live replica's metrics (label ``replica``) and this ingress's routing
-        decisions, as one Prometheus text exposition."""
+        counters (decisions, passed-over holders, expected prefix hits per replica), as
+        one Prometheus text exposition."""
         posts = await self.board.read.remote()
-        lines = [
-            "# HELP shardserve_routing_decisions_total Calls routed, by why their "
-            "replica was chosen (this ingress replica)",
-            "# TYPE shardserve_routing_decisions_total counter",
-        ]
-        lines += [
-            f'shardserve_routing_decisions_total{{reason="{reason}"}} {count}'
-            for reason, count in sorted(ROUTING_DECISIONS.items())
-        ]
+        lines = _counter(
+            "shardserve_routing_decisions_total",
+            "Calls routed, by why their replica was chosen (this ingress replica)",
+            "reason",
+            ROUTING_DECISIONS,
+        )
+        lines += _counter(
+            "shardserve_routing_passed_over_total",
+            "Calls not sent to the replica holding their longest cached prefix, by why "
+            "(this ingress replica)",
+            "reason",
+            ROUTING_PASSED_OVER,
+        )
+        block_size = self.hints.block_size
+        lines += _counter(
+            "shardserve_routing_expected_hit_tokens_total",
+            "Prompt tokens the routing index expected each replica's prefix cache to "
+            "hold for the calls sent there (compare shardserve_prefix_cache_hit_tokens_total)",
+            "replica",
+            {
+                replica: blocks * block_size
+                for replica, blocks in ROUTING_EXPECTED_HIT_BLOCKS.items()
+            },
+        )
         extra = ("\n".join(lines) + "\n").encode()
         return Response(
             merge_expositions(posts, extra), media_type="text/plain; version=0.0.4; charset=utf-8"
@@ -214,6 +235,12 @@ class Ingress:
         return await self._unary(
             HEALTH_CHECK, request, grpc_context, None, health_pb2.HealthCheckResponse
         )
+
+
+def _counter(name: str, documentation: str, label: str, counts: dict[str, int]) -> list[str]:
+    """A counter family's exposition lines: one sample per ``counts`` key as ``label``."""
+    lines = [f"# HELP {name} {documentation}", f"# TYPE {name} counter"]
+    return lines + [f'{name}{{{label}="{key}"}} {count}' for key, count in sorted(counts.items())]
 
 
 def _code_name(code: int) -> str:

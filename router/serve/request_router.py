@@ -10,7 +10,8 @@ argument; replicas' loads come from their ``record_routing_stats`` (pushed by Ra
 Serve's controller every period) and from our own count of calls in flight.
 
 The decision counts of this process are kept in
-:data:`router.serve.affinity.ROUTING_DECISIONS` for the ingress's ``/metrics``. NOTE:
+:data:`router.serve.affinity.ROUTING_DECISIONS` (and the passed-over and expected-hit
+counters beside it) for the ingress's ``/metrics``. NOTE:
 Ray Serve pickles this module by value into each process that routes (its globals are
 copies there), so shared state is reached through another module, imported by name.
 """
@@ -28,7 +29,7 @@ from ray.serve.request_router import (
 )
 
 from router.serve import affinity
-from router.serve.affinity import ReplicaChooser, RouteHint
+from router.serve.affinity import Decision, ReplicaChooser, RouteHint
 
 
 def replica_key(replica_id: ReplicaID) -> str:
@@ -41,6 +42,18 @@ def _hint(pending_request: PendingRequest | None) -> RouteHint | None:
         return None
     route = pending_request.kwargs.get("route")
     return route if isinstance(route, RouteHint) else None
+
+
+def _book(decision: Decision) -> None:
+    """Count a call's first decision in this process's routing counters (a call asked
+    again after a back-off is counted once)."""
+    reasons = affinity.ROUTING_DECISIONS
+    reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
+    if decision.passed_over is not None:
+        passed = affinity.ROUTING_PASSED_OVER
+        passed[decision.passed_over] = passed.get(decision.passed_over, 0) + 1
+    expected = affinity.ROUTING_EXPECTED_HIT_BLOCKS
+    expected[decision.replica] = expected.get(decision.replica, 0) + decision.cached_blocks
 
 
 class ShardserveRequestRouter(RequestRouter):
@@ -87,8 +100,7 @@ class ShardserveRequestRouter(RequestRouter):
             # call is booked here, and moved if on_request_routed names another.
             request_id = pending_request.metadata.internal_request_id
             if request_id not in self._reasons:
-                counts = affinity.ROUTING_DECISIONS
-                counts[decision.reason] = counts.get(decision.reason, 0) + 1
+                _book(decision)
             self._reasons[request_id] = decision.reason
             self.chooser.routed(decision.replica, hint, request_id)
         return [[by_key[decision.replica]]]
