@@ -350,6 +350,12 @@ class Scheduler:
                 group.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.status is Status.RUNNING:
+            # NOTE: its answer joins the prefix cache too (a chat's next turn repeats it):
+            # the K/V of every token but the last sampled one are computed.
+            size = self.block_manager.block_size
+            self.block_manager.register(self._hashes(seq)[: (seq.num_tokens - 1) // size],
+                                        seq.block_ids)
         self._release(seq)
         seq.status = Status.FINISHED
 

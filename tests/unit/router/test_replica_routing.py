@@ -1,5 +1,6 @@
 """The replica routing policy (router/serve/affinity.py), its route hints (the same
-block digests as the replicas' prefix caches) and the per-replica /metrics join."""
+block digests as the replicas' prefix caches), the per-replica /metrics join, and a
+replica's prefix cache keeping a chat's answers for its next turn."""
 
 from __future__ import annotations
 
@@ -80,6 +81,32 @@ def test_a_full_kv_cache_takes_a_replica_out_of_the_band() -> None:
     chooser.report("a", {"queue_size": 0, "running": 0, "kv_blocks_total": 100,
                          "kv_blocks_used": 10})
     assert chooser.choose(["a", "b"], hint).replica == "a"
+
+
+def test_a_passed_over_holder_is_counted_with_why() -> None:
+    chooser = ReplicaChooser(max_gap=0)
+    chooser.set_replicas(["a", "b"])
+    hint = RouteHint(chain(*SYSTEM, 1, 2, 3, 4))
+    chooser.routed("a", hint, "r0")  # a holds 5 blocks and is one request ahead
+    chooser.routed("b", RouteHint(chain(*SYSTEM)), "r1")
+    chooser.completed("r1")
+    decision = chooser.choose(["a", "b"], hint)
+    assert (decision.replica, decision.reason, decision.cached_blocks) == ("b", "prefix", 4)
+    assert decision.passed_over == "load"
+    chooser.completed("r0")
+    chooser.report("a", {"queue_size": 0, "running": 0, "kv_blocks_total": 100,
+                         "kv_blocks_used": 100})
+    assert chooser.choose(["a", "b"], hint).passed_over == "kv_full"
+    chooser.report("a", {"queue_size": 0, "running": 0, "kv_blocks_total": 100,
+                         "kv_blocks_used": 0})
+    decision = chooser.choose(["a", "b"], hint)
+    assert (decision.replica, decision.cached_blocks, decision.passed_over) == ("a", 5, None)
+    assert chooser.passed_over == {"load": 1, "kv_full": 1}
+    robin = ReplicaChooser(policy="round_robin")
+    robin.routed("a", hint, "r0")
+    decisions = [robin.choose(["a", "b"], hint) for _ in range(2)]
+    assert [(d.replica, d.cached_blocks, d.passed_over) for d in decisions] == [
+        ("a", 5, None), ("b", 0, "policy")]
 
 
 def test_reported_load_counts_other_routers_requests() -> None:
@@ -191,3 +218,38 @@ def test_metrics_join_labels_every_replica() -> None:
     assert text.count(b"# TYPE shardserve_queue_size") == 1
     with pytest.raises(ValueError, match="not a sample line"):
         merge_expositions({"r1": b"{oops} 1\n"})
+
+
+async def test_a_chat_turn_is_served_from_the_previous_answer_blocks(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # Turn 2's prompt is turn 1's prompt + answer + a new message: the answer's full
+    # blocks come from the cache too, on blocks holding its tokens (the scripted shard
+    # checks every hit).
+    from router.config import SchedulerConfig
+    from router.engine.loop import Engine
+    from router.request import GenerationRequest, SamplingParams, StoppingParams, TokenEvent
+    from tests.unit.api.kv_scripted import KvScriptedShardClient
+
+    def script(prompt: tuple[int, ...]) -> list[int]:
+        return [200 + (sum(prompt) + i) % 50 for i in range(64)]
+
+    def request(prompt: tuple[int, ...], tokens: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompt, SamplingParams(), StoppingParams(max_new_tokens=tokens, ignore_eos=True)
+        )
+
+    shard = KvScriptedShardClient(script, num_blocks=64, block_size=BLOCK)
+    config = SchedulerConfig(max_input_tokens=96, max_total_tokens=128,
+                             max_batch_prefill_tokens=256, steps_in_flight=2)
+    engine = Engine(shard, tokenizer, config, shard.num_blocks, shard.block_size)  # type: ignore[arg-type]
+    engine.start()
+    try:
+        prompt = tuple(range(10, 30))  # 20 tokens, 5 blocks
+        answer = [e.id async for e in engine.generate(request(prompt, 10))
+                  if isinstance(e, TokenEvent)]
+        turn2 = (*prompt, *answer, 7, 8, 9)
+        second = [e async for e in engine.generate(request(turn2, 4))]
+        # 30 tokens were in its sequence, 29 with K/V: 7 full blocks of 4
+        assert shard.prefilled[-1].cache_len == 28 and len(second) == 4
+        assert engine.block_manager.hit_tokens == 28
+    finally:
+        await engine.stop()
