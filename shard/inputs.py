@@ -148,6 +148,9 @@ def concat_inputs(first: ModelInputs, second: ModelInputs) -> ModelInputs:
         block_size=a.block_size,
         has_skipped_slots=a.has_skipped_slots or b.has_skipped_slots,
         has_cached_prefix=a.has_cached_prefix or b.has_cached_prefix,
+        # the decoding rows of the second part, when they are the step's last sequences
+        decode_rows=b.num_seqs if not b.is_prefill else 0,
+        decode_max_seqlen_k=b.max_seqlen_k if not b.is_prefill else 0,
     )
     return ModelInputs(
         input_ids=torch.cat([first.input_ids, second.input_ids]),

@@ -35,6 +35,10 @@ class AttentionMetadata:
             q_len_i``; known when built). A prefill without one attends over its new
             tokens alone, so a backend may read their K/V as computed instead of from
             the cache. True (the safe answer) unless the builder says otherwise.
+        decode_rows: in a prefill step, the last ``decode_rows`` sequences are decoding
+            rows computing one token each (a mixed step), which a backend may attend
+            with its decode kernel; 0 otherwise.
+        decode_max_seqlen_k: the longest context among those rows (python int).
 
     What a backend derives from these once per step (host-side plans, index tensors)
     it derives in :meth:`~shard.attention.base.AttentionBackend.prepare`.
@@ -51,6 +55,8 @@ class AttentionMetadata:
     block_size: int
     has_skipped_slots: bool
     has_cached_prefix: bool = True
+    decode_rows: int = 0
+    decode_max_seqlen_k: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -4,6 +4,7 @@ Triton; any block size."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import ClassVar
 
@@ -126,6 +127,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         kern = self._attention
         q = q if q.stride(-1) == 1 else q.contiguous()
+        if metadata.is_prefill and metadata.decode_rows:
+            return self._attend_mixed(q, kv_cache, metadata, scale)
         if metadata.is_prefill:
             if new_kv is not None and not self._reads_new_kv(metadata, kv_cache, new_kv[0]):
                 new_kv = None  # rope_write left the keys unrotated there: the cache
@@ -157,3 +160,22 @@ class TritonAttentionBackend(AttentionBackend):
             pdl=self.kernels.pdl,
         )
         return out
+
+    def _attend_mixed(self, q: torch.Tensor, kv_cache: KVCacheLayer,
+                      metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A mixed step: the prompt chunks through the prefill kernel, the decoding rows
+        (the last ``decode_rows`` sequences, one token each) through the decode kernel,
+        which reads each row's context once per KV head instead of in a query tile of
+        mostly padding."""
+        rows, seqs = metadata.decode_rows, metadata.num_seqs
+        tokens = q.shape[0] - rows
+        prompts = dataclasses.replace(
+            metadata, block_tables=metadata.block_tables[: seqs - rows],
+            cu_seqlens_q=metadata.cu_seqlens_q[: seqs - rows + 1],
+            seq_lens=metadata.seq_lens[: seqs - rows], decode_rows=0)
+        decoding = dataclasses.replace(
+            metadata, is_prefill=False, block_tables=metadata.block_tables[seqs - rows:],
+            seq_lens=metadata.seq_lens[seqs - rows:],
+            max_seqlen_k=metadata.decode_max_seqlen_k, decode_rows=0)
+        return torch.cat([self.attend(q[:tokens], kv_cache, prompts, scale),
+                          self.attend(q[tokens:], kv_cache, decoding, scale)])

@@ -4,6 +4,8 @@ partly filled last blocks, grouped-query ratios 1/3/4/8, head sizes 64/128."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,6 +66,31 @@ def test_backend_prefill_over_cached_prefix(group: int, head_dim: int) -> None:
     ref, _ = reference(case)
     out = run_backend(TritonAttentionBackend(), case, case.fresh_cache())
     _check(out, ref)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_backend_mixed_step(group: int) -> None:
+    """Prompt chunks, then decoding rows marked as such (a mixed step): the rows go
+    through the decode kernel, the chunks through the prefill kernel, one output."""
+    seqs, qs = [*PREFILL_SEQS, *DECODE_SEQS], [*PREFILL_QS, 1, 1, 1, 1]
+    case = make_case(seqs, qs, group * KV_HEADS, KV_HEADS, 64, device=DEVICE, seed=group)
+    ref, _ = reference(case)
+    case = dataclasses.replace(case, metadata=dataclasses.replace(
+        case.metadata, decode_rows=len(DECODE_SEQS), decode_max_seqlen_k=max(DECODE_SEQS)))
+    calls: list[str] = []
+    backend = TritonAttentionBackend()
+    kern = backend._attention
+
+    class Recording:
+        def __getattr__(self, name: str) -> object:
+            if name.endswith("_attention"):
+                calls.append(name)
+            return getattr(kern, name)
+
+    backend._attention = Recording()  # type: ignore[assignment]
+    out = run_backend(backend, case, case.fresh_cache())
+    _check(out, ref)
+    assert calls == ["prefill_attention", "decode_attention"]
 
 
 @pytest.mark.parametrize(
