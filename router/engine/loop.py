@@ -247,6 +247,11 @@ class Engine(EventSource):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
 
+    def _release_preempted(self, preempted: list[Sequence]) -> None:
+        for seq in preempted:
+            logger.info("preempted request {} (out of KV blocks)", seq.id)
+            self.shards.release(seq.id)
+
     async def _step(self) -> bool:
         """Send this iteration's shard calls, then process the previous iteration's
         results while the shards compute (overlapped scheduling); False when nothing
@@ -265,6 +270,12 @@ class Engine(EventSource):
         sent: list[InFlight] = []
         stepping = {seq.id: seq for seq in plan.decoding}
         mixed = bool(plan.chunks) and plan.mixed and bool(stepping)
+        # NOTE: with mixed steps the rows were served before the chunks were chosen, and
+        # a row preempted for them may be admitted again among the chunks: it leaves
+        # the shards first. Prefill first, a preempted request may have its last chunk
+        # in this prefill: it leaves after it.
+        if plan.mixed:
+            self._release_preempted(plan.preempted)
         if plan.chunks:
             self.lifecycle.admitted([chunk.seq for chunk in plan.chunks])
             task, sampled = (self.shards.prefill(plan.chunks, stepping, plan.block_appends)
@@ -274,9 +285,8 @@ class Engine(EventSource):
             sent.append(InFlight(task, "mixed" if mixed else "prefill",
                                  [by_id[rid] for rid in sampled], time.perf_counter(),
                                  sum(chunk.num_tokens for chunk in plan.chunks)))
-        for seq in plan.preempted:
-            logger.info("preempted request {} (out of KV blocks)", seq.id)
-            self.shards.release(seq.id)
+        if not plan.mixed:
+            self._release_preempted(plan.preempted)
         if plan.decoding and not mixed:
             decode = self.shards.decode(stepping, plan.block_appends)
             assert decode is not None, "running requests that are not rows on the shards"
