@@ -279,3 +279,22 @@ def test_block_wise_fp8_checkpoints_are_refused(llama, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="weight_block_size"):
         _runner(tmp_path, quantization="fp8")
+
+
+def test_fp8_at_two_ranks_stays_with_one(llama, tmp_path: Path) -> None:
+    """TP=2 (gloo): column-parallel layers split the scales, row-parallel ones keep every
+    row's, each rank's quantized from its own input slice (so not the same bits as TP=1;
+    within e4m3 rounding of it), with the fp8 KV cache split by heads."""
+    from tests.unit.shard.tp_harness import run_tp
+
+    folder, _ = llama
+    fp8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    runs = {}
+    for name, size, overrides in (("one", 1, fp8), ("two", 2, fp8), ("exact", 1, None)):
+        (tmp_path / name).mkdir()
+        runs[name] = run_tp(folder, size, PROMPTS[2:], 2, tmp_path / name, overrides=overrides)
+    one, two, exact = runs["one"], runs["two"], runs["exact"]
+    # as close to the unquantized model as TP=1 is (a random tiny model: ~13%), which a
+    # misplaced scale (a wrong row or rank) would be far from
+    err_one, err_two = _rel(one["logits"], exact["logits"]), _rel(two["logits"], exact["logits"])
+    assert 1e-3 < err_one < 0.2 and 1e-3 < err_two < 1.25 * err_one, (err_one, err_two)

@@ -86,18 +86,21 @@ def grammar_scenario(runner: ModelRunner, grammars: list[str], new_tokens: int) 
     return [tokens[i] for i in range(len(specs))]
 
 
-def make_config(model_dir: Path, rank: int, world_size: int, port: int) -> ShardConfig:
+def make_config(model_dir: Path, rank: int, world_size: int, port: int,
+                **overrides: Any) -> ShardConfig:
     return ShardConfig(
         model_path=str(model_dir), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
         kv_cache_bytes=128 * 1024 * 1024, rank=rank, world_size=world_size,
-        master_addr="127.0.0.1", master_port=port,
+        master_addr="127.0.0.1", master_port=port, **overrides,
     )
 
 
 def _worker(model_dir: str, rank: int, world_size: int, port: int, prompts: list[list[int]],
-            new_tokens: int, out: str, grammars: list[str] | None = None) -> None:
+            new_tokens: int, out: str, grammars: list[str] | None = None,
+            overrides: dict[str, Any] | None = None) -> None:
     torch.set_num_threads(1)
-    runner = ModelRunner(make_config(Path(model_dir), rank, world_size, port))
+    runner = ModelRunner(make_config(Path(model_dir), rank, world_size, port,
+                                     **(overrides or {})))
     runner.warmup(max_batch_prefill_tokens=64, max_total_tokens=128)
     if grammars is not None:  # every rank reports: their tokens must agree
         torch.save(grammar_scenario(runner, grammars, new_tokens), f"{out}.rank{rank}")
@@ -109,9 +112,11 @@ def _worker(model_dir: str, rank: int, world_size: int, port: int, prompts: list
 
 
 def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_tokens: int,
-           tmp: Path, timeout_s: float = 300.0, grammars: list[str] | None = None) -> Any:
+           tmp: Path, timeout_s: float = 300.0, grammars: list[str] | None = None,
+           overrides: dict[str, Any] | None = None) -> Any:
     """Run :func:`greedy_scenario` on ``world_size`` ranks; rank 0's results. With
     ``grammars``, :func:`grammar_scenario` instead; every rank's tokens, by rank.
+    ``overrides``: further :class:`ShardConfig` fields of every rank.
 
     Raises:
         AssertionError: a rank exited with an error or did not finish in ``timeout_s``.
@@ -122,7 +127,7 @@ def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_token
     procs = [
         ctx.Process(target=_worker,
                     args=(str(model_dir), r, world_size, port, prompts, new_tokens, str(out),
-                          grammars))
+                          grammars, overrides))
         for r in range(world_size)
     ]
     for p in procs:
