@@ -23,14 +23,18 @@ Nothing here imports Ray: :mod:`router.serve.request_router` adapts it to Ray Se
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # A replica whose KV cache is at least this full counts as out of the load band.
 KV_FULL = 0.95
 # Blocks a replica's index keeps before it has reported its KV capacity.
 DEFAULT_REPLICA_BLOCKS = 4096
+# Seconds a replica's load report may lag behind it: two periods of its push
+# (ROUTING_STATS_PERIOD_S, router/serve/app.py).
+REPORT_STALENESS_S = 1.0
 # Conversations remembered (LRU) for stickiness.
 MAX_CONVERSATIONS = 100_000
 # What the request routers of this process decided (the ingress's /metrics shows it;
@@ -67,18 +71,25 @@ class ReplicaLoad:
         reported_ongoing: Waiting + running requests it last reported (every router's).
         kv_used: Fraction of its KV blocks owned by requests, last reported (0-1).
         kv_blocks: KV blocks it holds (0 = not reported yet).
+        completed_at: When (clock seconds) this router's requests on it finished, for
+            the last ``REPORT_STALENESS_S``.
     """
 
     in_flight: int = 0
     reported_ongoing: int = 0
     kv_used: float = 0.0
     kv_blocks: int = 0
+    completed_at: deque[float] = field(default_factory=deque)
 
-    @property
-    def ongoing(self) -> int:
-        """Requests it is serving: the larger of our count and its report (ours is
-        current, its report covers other routers' requests and is up to a period old)."""
-        return max(self.in_flight, self.reported_ongoing)
+    def ongoing(self, now: float) -> int:
+        """Requests it is serving at ``now``: the larger of our count and its report
+        (ours is current; its report covers other routers' requests but is up to
+        ``REPORT_STALENESS_S`` old, so our requests that finished since are taken out
+        of it: a chat's next turn follows its last one at once, and would otherwise see
+        its own replica one request busier than it is)."""
+        while self.completed_at and self.completed_at[0] < now - REPORT_STALENESS_S:
+            self.completed_at.popleft()
+        return max(self.in_flight, self.reported_ongoing - len(self.completed_at))
 
 
 class PrefixIndex:
@@ -188,11 +199,13 @@ class ReplicaChooser:
         max_gap: The load band: replicas with at most the least loaded one's ongoing
             requests + ``max_gap`` may be chosen for affinity (requests).
         index: The prefix index (a fresh one by default).
+        clock: Seconds, monotonic (how old a load report may be is judged by it).
     """
 
     policy: str = "affinity"
     max_gap: int = 4
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    clock: Callable[[], float] = time.monotonic
     loads: dict[str, ReplicaLoad] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)
     passed_over: dict[str, int] = field(default_factory=dict)
@@ -226,7 +239,7 @@ class ReplicaChooser:
         """Ongoing requests, plus a band's width when the KV cache is full (such a
         replica would queue the request)."""
         load = self.loads.get(replica) or ReplicaLoad()
-        return load.ongoing + (self.max_gap + 1 if load.kv_used >= KV_FULL else 0)
+        return load.ongoing(self.clock()) + (self.max_gap + 1 if load.kv_used >= KV_FULL else 0)
 
     def _least_loaded(self, candidates: Sequence[str]) -> str:
         """The least loaded candidate; ties rotate (so an idle set is served in turn)."""
@@ -308,3 +321,4 @@ class ReplicaChooser:
         load = self.loads.get(replica) if replica is not None else None
         if load is not None and load.in_flight > 0:
             load.in_flight -= 1
+            load.completed_at.append(self.clock())

@@ -11,7 +11,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.block_manager import BlockManager, block_hashes
 from router.chat_template import encode_chat_prompt, render_chat
-from router.serve.affinity import KV_FULL, PrefixIndex, ReplicaChooser, RouteHint
+from router.serve.affinity import (
+    KV_FULL,
+    REPORT_STALENESS_S,
+    PrefixIndex,
+    ReplicaChooser,
+    RouteHint,
+)
 from router.serve.board import merge_expositions
 from router.serve.hints import HintMaker
 
@@ -110,14 +116,31 @@ def test_a_passed_over_holder_is_counted_with_why() -> None:
 
 
 def test_reported_load_counts_other_routers_requests() -> None:
-    chooser = ReplicaChooser(max_gap=1)
+    now = [0.0]
+    chooser = ReplicaChooser(max_gap=1, clock=lambda: now[0])
     chooser.set_replicas(["a", "b"])
     hint = RouteHint(chain(*SYSTEM))
     chooser.routed("a", hint, "r0")
     chooser.completed("r0")
     chooser.report("a", {"queue_size": 3, "running": 2})
-    assert chooser.loads["a"].ongoing == 5
+    # the report may still count r0, which finished just now
+    assert chooser.loads["a"].ongoing(now[0]) == 4
+    now[0] += REPORT_STALENESS_S + 0.1
+    assert chooser.loads["a"].ongoing(now[0]) == 5
     assert chooser.choose(["a", "b"], hint).replica == "b"
+
+
+def test_a_conversation_turn_is_not_pushed_off_by_its_own_last_turn() -> None:
+    # Its last turn just finished on a; a's report (up to a period old) still counts it.
+    now = [0.0]
+    chooser = ReplicaChooser(max_gap=0, clock=lambda: now[0])
+    chooser.set_replicas(["a", "b"])
+    hint = RouteHint(chain(*SYSTEM), conversation="alice")
+    chooser.routed("a", hint, "r0")
+    chooser.completed("r0")
+    chooser.report("a", {"queue_size": 0, "running": 1})
+    decision = chooser.choose(["a", "b"], RouteHint(chain(*SYSTEM, 1, 2, 3, 4), "alice"))
+    assert (decision.replica, decision.reason, decision.cached_blocks) == ("a", "conversation", 4)
 
 
 def test_conversation_stays_on_its_replica() -> None:
