@@ -80,5 +80,10 @@ class PrefillBudget:
         target, per_token = self.target(), self.per_token_s
         if not decoding or target is None or not per_token:
             return max_tokens
-        fit = int((target - (self.decode_s or 0.0)) / per_token)
-        return max(min(fit, max_tokens), min(MIN_TOKENS, max_tokens))
+        spare = target - (self.decode_s or 0.0)
+        # NOTE: compared before dividing: an infinite target, or a cost per token
+        # decayed to a subnormal, makes the quotient inf, which int() refuses
+        if spare >= per_token * max_tokens:
+            return max_tokens
+        fit = int(spare / per_token)
+        return max(fit, min(MIN_TOKENS, max_tokens))

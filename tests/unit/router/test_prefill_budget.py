@@ -49,3 +49,24 @@ def test_the_target_follows_the_decode_step() -> None:
     for _ in range(40):
         budget.observe(0, 0.001)
     assert budget.target() == pytest.approx(AUTO_TARGET_MIN_S)
+
+
+@pytest.mark.parametrize("target_s", [float("inf"), 1e308])
+def test_a_target_beyond_any_step_gives_the_whole_budget(target_s: float) -> None:
+    """--itl-target inf (accepted: it is positive) or one too large for a float once
+    divided by the cost per token: every step may compute the most of one step."""
+    budget = PrefillBudget(target_s=target_s)
+    budget.observe(0, 0.01)
+    budget.observe(512, 0.01 + 512e-4)
+    assert budget.tokens(4096, decoding=True) == 4096
+
+
+def test_a_cost_per_token_decayed_to_almost_nothing_gives_the_whole_budget() -> None:
+    """Prefills that add nothing measurable to a decode step, thousands in a row, leave
+    a cost per token of a few subnormal seconds: the budget is the most of one step."""
+    budget = PrefillBudget(target_s=0.2)
+    budget.observe(0, 0.05)
+    budget.observe(512, 0.06)
+    while budget.per_token_s is not None and budget.per_token_s > 1e-310:
+        budget.observe(16, 0.01)  # faster than the decode step: adds 0 s
+    assert budget.tokens(4096, decoding=True) == 4096
