@@ -230,6 +230,11 @@ class DecodeGraphs:
             raise ValueError(f"no CUDA graph captured for a batch of {batch}")
         self._graphs[bucket].replay()
 
+    def holds(self, batch: int, max_seqlen_k: int) -> bool:
+        """Whether a captured graph runs a decode of ``batch`` rows whose longest
+        context after the step is ``max_seqlen_k`` tokens."""
+        return self.bucket_for(batch) is not None and max_seqlen_k <= self.max_seqlen_k
+
     def run(self, rows: DecodeRows) -> torch.Tensor:
         """One decode forward of ``rows`` by graph replay.
 

@@ -199,15 +199,7 @@ class ModelRunner:
                              for c in (*step.cached_requests, *step.row_appends)
                              if c.new_block_ids})
         t0 = time.perf_counter_ns()
-        states: list[RequestState] = []
-        chunks: list[SeqChunk] = []
-        for c in step.cached_requests:
-            state = table.get(c.request_id)
-            end = len(state.token_ids) if c.num_tokens == 0 else state.seq_len + c.num_tokens
-            chunks.append(SeqChunk(state.token_ids[state.seq_len:end], state.seq_len,
-                                   state.block_table))
-            state.seq_len = end
-            states.append(state)
+        states, chunks = table.next_chunks(step.cached_requests)
         for r in step.new_requests:
             state = _new_state(r, self.grammars.prefill_matcher(r))
             table.add(state)
@@ -229,11 +221,7 @@ class ModelRunner:
         previous_timer = self.chain.last_timer
         completed = [i for i, s in enumerate(states) if s.seq_len == len(s.token_ids)]
         if not completed and not rows:
-            timer.stop()
-            self.chain.last_timer = timer
-            if self.trace.enabled:
-                timer.synchronize()  # nothing is read back from a partial-only prefill
-                timer.trace_gap_after(previous_timer, trace_step, self.trace)
+            self.chain.unsampled(timer, previous_timer, trace_step)
             return StepOutput((), time.perf_counter_ns() - t0)
         final = [states[i] for i in completed]
         # the rows' logits first (row order), then the completed prompts'
@@ -351,15 +339,8 @@ class ModelRunner:
         """Logits [batch, vocab] of one decode step: a CUDA graph replay when a captured
         bucket holds the batch (the model's dtype), the eager forward otherwise
         (float32). Both samplers take either."""
-        if not self.kv_cache:
-            raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and graphs.bucket_for(len(rows)) is not None
-            and max_seqlen_k <= graphs.max_seqlen_k
-        ):
-            return graphs.run(rows)
+        if self.graphs is not None and self.graphs.holds(len(rows), max_seqlen_k):
+            return self.graphs.run(rows)
         inputs = rows.model_inputs(self.block_size, max_seqlen_k)
         return self.model.compute_logits(self.forward(inputs))
 

@@ -152,6 +152,17 @@ class StepChain:
         self.last = pending
         return pending
 
+    def unsampled(self, timer: StepTimer, previous_timer: StepTimer | None,
+                  trace_step: int = -1) -> None:
+        """A launched step that samples nothing (a prefill of partial chunks only): its
+        timer is the last one; traced, the host waits for it (nothing else is read
+        back) to record the device's idle time before it."""
+        timer.stop()
+        self.last_timer = timer
+        if self.trace.enabled:
+            timer.synchronize()
+            timer.trace_gap_after(previous_timer, trace_step, self.trace)
+
     def wait_last(self, timeout_s: float = 120.0) -> None:
         """Block until the last launched step is finished (its tokens recorded).
 

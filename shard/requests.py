@@ -12,6 +12,8 @@ import torch
 
 from shard.decode_state import DecodeRows
 from shard.grammar import GrammarMatcher
+from shard.inputs import SeqChunk
+from shard.records import CachedRequest
 from shard.sampling import has_penalty, is_plain_greedy
 from shard.sampling_types import SamplingParams
 
@@ -179,6 +181,21 @@ class RequestTable:
         for state in states:
             state.decoding = True
         self._kind = None
+
+    def next_chunks(self, cached: Sequence[CachedRequest]
+                    ) -> tuple[list[RequestState], list[SeqChunk]]:
+        """The next chunk of each held request being prefilled that ``cached`` names
+        (``num_tokens`` 0: the rest of its prompt), recorded as computed: the requests
+        and their chunks, in that order."""
+        states, chunks = [], []
+        for c in cached:
+            state = self.get(c.request_id)
+            end = len(state.token_ids) if c.num_tokens == 0 else state.seq_len + c.num_tokens
+            chunks.append(SeqChunk(state.token_ids[state.seq_len:end], state.seq_len,
+                                   state.block_table))
+            state.seq_len = end
+            states.append(state)
+        return states, chunks
 
     def append_blocks(self, appends: Mapping[int, Sequence[int]]) -> None:
         """Append new block ids to the named requests' block tables (and to the device

@@ -104,8 +104,9 @@ def test_a_mixed_step_gives_the_rows_what_a_decode_gives(llama) -> None:
     decoded, mixed_steps = results
     for a, b in zip(decoded, mixed_steps, strict=True):
         assert [g.token_id for g in a] == [g.token_id for g in b]
-        # NOTE: a decode's attention and a mixed step's (the varlen prefill kernel on a
-        # GPU) sum in other orders: float32 logprobs agree to ~1e-5
+        # NOTE: the forwards differ in shape (a mixed step's products have more rows,
+        # which may take other GEMM algorithms on a GPU): float32 logprobs agree to
+        # rounding, not bit for bit
         torch.testing.assert_close([g.logprob for g in a], [g.logprob for g in b],
                                    rtol=1e-4, atol=1e-4)
         assert [[t.token_id for t in g.top_tokens] for g in a] == [
