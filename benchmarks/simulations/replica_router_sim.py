@@ -13,9 +13,9 @@ here are this script's own parameters (flags), not the trace's numbers.
 
 Replicas: each serves requests concurrently; a request holds its replica for
 ``prefill tokens computed / --prefill-rate + output tokens x --tpot``; a replica's
-prefix cache is an LRU of ``--cache-blocks`` blocks (its true content, which the
-router's index only estimates). Load imbalance: the busiest replica's summed service
-time over the mean replica's.
+prefix cache is an LRU of ``--cache-blocks`` blocks holding prompts and answers (its
+true content, which the router's index, of prompts only, estimates). Load imbalance:
+the busiest replica's summed service time over the mean replica's.
 
     python -m benchmarks.simulations.replica_router_sim \
         --out benchmarks/results/replica-routing-cpu.md
@@ -44,8 +44,12 @@ class Session:
     turns: int = 0
 
 
+# (arrival s, session id, prompt block ids, output tokens, answer block ids)
+Request = tuple[float, int, list[int], int, list[int]]
+
+
 class Trace:
-    """Requests of the shape above: (arrival s, session id, block ids, output tokens)."""
+    """Requests of the shape above (:data:`Request`)."""
 
     def __init__(self, args: argparse.Namespace, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -62,7 +66,7 @@ class Trace:
         first, self.next_block = self.next_block, self.next_block + count
         return list(range(first, first + count))
 
-    def requests(self, rate: float, seconds: float) -> list[tuple[float, int, list[int], int]]:
+    def requests(self, rate: float, seconds: float) -> list[Request]:
         out, now, rng, args = [], 0.0, self.rng, self.args
         while now < seconds:
             now += rng.expovariate(rate)
@@ -78,15 +82,16 @@ class Trace:
             user = int(rng.lognormvariate(4.5, 0.8))  # ~90 tokens median, long tail
             session.blocks += self._new_blocks(user)
             output = int(rng.lognormvariate(5.0, 0.7))  # ~150 tokens median
-            out.append((now, sid, list(session.blocks), output))
-            session.blocks += self._new_blocks(output)  # the answer joins the history
+            answer = self._new_blocks(output)
+            out.append((now, sid, list(session.blocks), output, answer))
+            session.blocks += answer  # the answer joins the history
             session.turns += 1
             if session.turns >= args.max_turns:
                 del self.sessions[sid]
         return out
 
 
-def simulate(policy: str, replicas: int, trace: list[tuple[float, int, list[int], int]],
+def simulate(policy: str, replicas: int, trace: list[Request],
              args: argparse.Namespace) -> dict[str, float]:
     chooser = ReplicaChooser(policy=policy, max_gap=args.max_gap,
                              index=PrefixIndex(default_capacity=args.cache_blocks))
@@ -97,7 +102,7 @@ def simulate(policy: str, replicas: int, trace: list[tuple[float, int, list[int]
     ends: list[tuple[float, str]] = []
     prompt = hit = 0
     cost: list[float] = []
-    for n, (now, sid, blocks, output) in enumerate(trace):
+    for n, (now, sid, blocks, output, answer) in enumerate(trace):
         while ends and ends[0][0] <= now:
             chooser.completed(heapq.heappop(ends)[1])
         hint = RouteHint(tuple(blocks), f"s{sid}")  # type: ignore[arg-type]
@@ -111,8 +116,8 @@ def simulate(policy: str, replicas: int, trace: list[tuple[float, int, list[int]
             if block not in cache:
                 break
             cached += 1
-        for block in reversed(blocks):  # head most recent, as the replica frees
-            cache[block] = None
+        for block in reversed(blocks + answer):  # the answer is cached too; head most
+            cache[block] = None  # recent, as the replica frees
             cache.move_to_end(block)
         while len(cache) > args.cache_blocks:
             cache.popitem(last=False)
