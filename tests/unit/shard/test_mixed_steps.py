@@ -82,16 +82,17 @@ def _sampled(top_n: int) -> dict[str, object]:
     return {"sampling": params, "top_n_tokens": top_n}
 
 
-def test_a_mixed_step_gives_the_rows_what_a_decode_gives(llama) -> None:
+def test_a_mixed_step_gives_the_rows_what_a_decode_gives(runner) -> None:
     """The same rows (seeded sampling with penalties and top tokens, greedy) stepped by
-    Decodes and by mixed steps beside another prompt: same tokens, same logprobs and
-    top tokens (to float rounding: the forward's shapes differ)."""
+    Decodes, then again under other ids by mixed steps beside other prompts (sampling
+    depends on the seed and the step, not the id or the batch): same tokens, same
+    logprobs and top tokens (to float rounding: the forward's shapes differ)."""
+    pool = BlockPool(runner.num_blocks, seed=8)
     results = []
-    for use_mixed in (False, True):
-        runner = make_runner(llama[0])
-        pool = BlockPool(runner.num_blocks, seed=8)
-        prefill(runner, request(0, PROMPTS[2], pool.for_tokens(17), **_sampled(3)),
-                request(1, PROMPTS[1], pool.for_tokens(5)))
+    for first_id, use_mixed in ((0, False), (10, True)):
+        prefill(runner, request(first_id, PROMPTS[2], pool.for_tokens(17), **_sampled(3)),
+                request(first_id + 1, PROMPTS[1], pool.for_tokens(5)),
+                finished=tuple(r.request_id for r in runner.requests.decoding))
         steps = []
         for k in range(6):
             if use_mixed:
