@@ -49,20 +49,24 @@ def dummy_chunks(
     max_batch_prefill_tokens: int, max_total_tokens: int, block_size: int
 ) -> list[SeqChunk]:
     """Worst-case prefill: ``max_batch_prefill_tokens`` tokens split into sequences of at
-    most ``max_total_tokens``, each on its own consecutive blocks starting at block 0."""
+    most ``max_total_tokens``, all on the same consecutive blocks from block 0.
+
+    NOTE: the sequences share their blocks: the warm-up measures the prefill's memory
+    and compiles its kernels, whatever their results, so the cache needs the longest
+    sequence's blocks, not the whole step's (at serving time a step never computes more
+    tokens than the blocks the router gave out)."""
     chunks = []
-    remaining, next_block = max_batch_prefill_tokens, 0
+    remaining = max_batch_prefill_tokens
     while remaining > 0:
         n = min(remaining, max_total_tokens)
-        blocks = -(-n // block_size)
-        chunks.append(SeqChunk([0] * n, 0, list(range(next_block, next_block + blocks))))
-        next_block += blocks
+        chunks.append(SeqChunk([0] * n, 0, list(range(-(-n // block_size)))))
         remaining -= n
     return chunks
 
 
 def blocks_needed(chunks: list[SeqChunk]) -> int:
-    return sum(len(c.block_table) for c in chunks)
+    """KV blocks the worst-case prefill ``chunks`` write (they share theirs)."""
+    return max(len(c.block_table) for c in chunks)
 
 
 def dummy_sampling_rows(num_rows: int) -> list[SamplingRow]:

@@ -122,8 +122,11 @@ def test_warmup_sizes_cache_and_names_flags(llama) -> None:
     with pytest.raises(
         KVCacheTooSmallError, match="raise --kv-cache-bytes or lower --max-batch-prefill-tokens"
     ):
-        runner.warmup(max_batch_prefill_tokens=129, max_total_tokens=128)
+        runner.warmup(max_batch_prefill_tokens=129, max_total_tokens=129)
     assert runner.num_blocks == 0
+    # a prefill budget beyond the cache, in requests that fit it: the worst-case prefill
+    # runs on shared blocks (a step never computes more tokens than the router's blocks)
+    assert runner.warmup(max_batch_prefill_tokens=1000, max_total_tokens=40) == 32
     with pytest.raises(KVCacheTooSmallError, match="max_total_tokens=200"):
         runner.warmup(max_batch_prefill_tokens=16, max_total_tokens=200)
     # a derived max_total_tokens (the router lowers it to the capacity) need not fit

@@ -8,11 +8,11 @@ from shard.warmup import MemoryProfile, blocks_needed, dummy_chunks
 GIB = 2**30
 
 
-def test_worst_case_prefill_splits_into_longest_requests() -> None:
+def test_worst_case_prefill_splits_into_longest_requests_on_shared_blocks() -> None:
     chunks = dummy_chunks(max_batch_prefill_tokens=100, max_total_tokens=40, block_size=16)
     assert [len(c.token_ids) for c in chunks] == [40, 40, 20]
-    assert [list(c.block_table) for c in chunks] == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert blocks_needed(chunks) == 8
+    assert [list(c.block_table) for c in chunks] == [[0, 1, 2], [0, 1, 2], [0, 1]]
+    assert blocks_needed(chunks) == 3
 
 
 def test_kv_budget_leaves_out_activations_other_memory_and_graphs() -> None:
