@@ -41,10 +41,14 @@ class Replicas:
             url, grpc_address, process, log_path)
 
     def counters(self) -> dict[str, dict[str, float]]:
-        """Replica id → metric sample name (with its outcome label, if any) → value."""
+        """Live replica id → metric sample name (with its outcome label, if any) →
+        value, from the series the replicas report (the ingress's routing counters,
+        labelled by the replica they chose, also name replicas that are gone)."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
         out: dict[str, dict[str, float]] = {}
         for family in text_string_to_metric_families(text):
+            if family.name.startswith("shardserve_routing_"):
+                continue
             for sample in family.samples:
                 replica = sample.labels.get("replica")
                 if replica is not None:
