@@ -159,7 +159,8 @@ class SchedulerConfig:
     itl_target_s: float | None = field(default=None, metadata=_flag(
         "time to aim at for a step that prefills while requests decode: its prompt "
         "tokens are sized from measured step times so that running streams' "
-        "inter-token gap stays near it (at most --max-batch-prefill-tokens)", type=float,
+        "inter-token gap stays near it (at most --max-batch-prefill-tokens; mixed steps "
+        "only: unused with --decode-during-prefill off)", type=float,
         metavar="SECONDS", default_text="3 decode steps, at least 0.2"))
     steps_in_flight: int = field(default=1, metadata=_flag(
         "shard steps sent ahead of the one being read: 1, or 2 for more slack on a busy "
