@@ -222,7 +222,7 @@ async def test_bad_requests_get_clear_status_and_server_keeps_serving(
             "top_p must be in (0, 1]",
         ),
         (
-            pb.WarmupRequest(max_batch_prefill_tokens=10**6, max_total_tokens=128),
+            pb.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=10**6),
             "Warmup",
             grpc.StatusCode.INVALID_ARGUMENT,
             "--kv-cache-bytes",
