@@ -46,6 +46,7 @@ if [ "$mib" -ge "$limit_mib" ]; then echo "error: .device is over ${limit_mib} M
 
 site="python3 -m pip install -q --no-index --no-deps --no-compile --target"
 cat <<CMD
-== run on the GPU machine with carry [".device"] (benchmarks/serving/gpu_profile.sh profiles instead):
-$site /tmp/site .device/whl/*.whl && $site /tmp/fa .device/fa-whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD && python3 -m benchmarks.serving.gpu_serving --tokenizer .device/tokenizer --nano-vllm .device/peers/nano-vllm --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --block-size 16 --max-batch-size 512 --latency-requests 64 --server-args "--max-batch-prefill-tokens 16384 --waiting-served-ratio 0" --checkpoint-dir /tmp/ckpt-gpu-serving --log-dir \$OUT/logs --out \$OUT/gpu-serving.md
+== run on the GPU machine with carry [".device"] (benchmarks/serving/gpu_profile.sh profiles instead);
+== our server with its default flags beside nano-vllm (about 7 minutes for the 8B model on an H100):
+$site /tmp/site .device/whl/*.whl && $site /tmp/fa .device/fa-whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD && python3 -m benchmarks.serving.gpu_serving --tokenizer .device/tokenizer --nano-vllm .device/peers/nano-vllm --nano-vllm-runner .device/peers/nano_vllm_bench.py --extra-site /tmp/fa --our-defaults --latency-requests 32 --skip-hf --checkpoint-dir /tmp/ckpt-gpu-serving --log-dir \$OUT/logs --out \$OUT/gpu-serving.md
 CMD
