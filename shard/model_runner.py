@@ -35,8 +35,8 @@ from shard.prompt_logprobs import prefill_chunk, prompt_logprobs
 from shard.quantization.config import resolve_kv_cache_dtype
 from shard.records import DecodeStep, NewRequest, PrefillStep, ShardInfo, StepOutput
 from shard.requests import RequestState, RequestTable
-from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample, sample_greedy
 from shard.step_checks import validate_decode, validate_prefill
+from shard.step_sampler import StepSampler
 from shard.warmup import Warmup
 
 # A Decode that changes nothing: every row steps as it is.
@@ -88,6 +88,7 @@ class ModelRunner:
         self.trace = step_trace.from_config(config)  # a NullTrace unless --step-trace-dir
         self.chain = StepChain(self.trace)  # the steps launched and not read yet
         self.grammars = GrammarCompiler(config.model_path, mc.vocab_size)
+        self.sampler = StepSampler(self.grammars, self.kernels, self.chain)
 
     @property
     def num_blocks(self) -> int:
@@ -232,7 +233,7 @@ class ModelRunner:
             # memory, which waits for the forward just queued
             last = last.index_select(0, to_device(picked, torch.int64, last.device))
         logits = self.model.compute_logits(hidden[last])
-        out = self._sample(logits, [*rows, *final], rows)
+        out = self.sampler.sample(logits, [*rows, *final], table.kind if rows else None)
         if rows:
             assert table.rows is not None
             table.rows.advance(out.token_ids[: len(rows)])
@@ -292,7 +293,7 @@ class ModelRunner:
         requests = list(table.decoding)
         max_seqlen_k = max(r.seq_len for r in requests) + 1
         logits = self._decode_logits(table.rows, max_seqlen_k)
-        out = self._sample(logits, requests, requests)
+        out = self.sampler.sample(logits, requests, table.kind)
         table.rows.advance(out.token_ids)
         for r in requests:
             r.advance()
@@ -300,29 +301,6 @@ class ModelRunner:
         previous_timer, self.chain.last_timer = self.chain.last_timer, timer
         return self.chain.launched(requests, out, timer, previous_timer,
                                    has_grammar=table.kind.has_grammar)
-
-    def _sample(self, logits: torch.Tensor, requests: list[RequestState],
-                rows: list[RequestState]) -> SamplerOutput:
-        """Sample one token per request from ``logits`` [len(requests), vocab];
-        ``rows``: the decoding rows among them (all of them, or a mixed step's leading
-        ones), whose grammar states and penalties need the previous step's tokens.
-
-        NOTE: the forward is already queued on the device when the host waits here for
-        the previous step: it fills the grammar masks while the device computes."""
-        kind = self.requests.kind if rows else None
-        prompts = requests[len(rows):]
-        has_grammar = (kind is not None and kind.has_grammar) or any(
-            r.grammar is not None for r in prompts)
-        mask = None
-        if has_grammar:
-            if kind is not None and kind.has_grammar:
-                self.chain.wait_last()
-            mask = self.grammars.token_mask([r.grammar for r in requests], logits.device)
-        if (kind is None or kind.plain_greedy) and all(r.plain_greedy for r in prompts):
-            return sample_greedy(logits, mask, self.kernels)
-        if kind is not None and kind.has_penalty:
-            self.chain.wait_last()  # penalties read the host's token history
-        return sample(logits, [_sampling_row(r) for r in requests], mask)
 
     @torch.inference_mode()
     def finish_step(self, pending: PendingStep) -> StepOutput:
@@ -350,11 +328,6 @@ class ModelRunner:
         so later steps do not wait for it: a new sequence of steps starts."""
         self.requests.clear()
         self.chain.reset()
-
-
-def _sampling_row(r: RequestState) -> SamplingRow:
-    generated = TokenSuffix(r.token_ids, r.num_generated)
-    return SamplingRow(r.sampling, r.num_generated, r.token_ids, generated, r.top_n_tokens)
 
 
 def _new_state(r: NewRequest, grammar: GrammarMatcher | None) -> RequestState:

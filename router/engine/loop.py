@@ -278,8 +278,8 @@ class Engine(EventSource):
             self._release_preempted(plan.preempted)
         if plan.chunks:
             self.lifecycle.admitted([chunk.seq for chunk in plan.chunks])
-            task, sampled = (self.shards.prefill(plan.chunks, stepping, plan.block_appends)
-                             if mixed else self.shards.prefill(plan.chunks))
+            task, sampled = self.shards.prefill(plan.chunks, stepping if mixed else (),
+                                                plan.block_appends)
             by_id = {rid: (seq, seq.epoch) for rid, seq in stepping.items()} | {
                 chunk.seq.id: (chunk.seq, chunk.epoch) for chunk in plan.chunks}
             sent.append(InFlight(task, "mixed" if mixed else "prefill",
