@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.serving.workloads import Workload
 from benchmarks.simulations import block_locality, schedule_sim
-from benchmarks.steps import router_step, shard_step, step_chain
+from benchmarks.steps import router_step, shard_step, speculative_verify, step_chain
 from router.config import SchedulerConfig
 from router.tokenizer import Tokenizer
 
@@ -68,6 +68,63 @@ def test_the_schedule_simulation_serves_a_workload(tokenizer: Tokenizer) -> None
         # 27 tokens in all: the longer prompts cannot get all their new tokens
         short = dataclasses.replace(config, max_input_tokens=26, max_total_tokens=27)
         asyncio.run(schedule_sim.run(tokenizer, workload, short, 0.0, 0.0))
+
+
+def test_expected_tokens_per_verify_step() -> None:
+    # Leviathan et al. 2023: (1 - a^(k+1)) / (1 - a); k + 1 when every proposal is kept
+    assert speculative_verify.expected_tokens(0.7, 4) == pytest.approx(2.7731)
+    assert speculative_verify.expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert speculative_verify.expected_tokens(1.0, 4) == 5.0
+    assert speculative_verify.expected_tokens(0.0, 7) == 1.0
+
+
+def test_the_verify_forward_finds_the_greedy_decode_tokens(tmp_path: Path) -> None:
+    # k+1 tokens over the cached context through the prefill path: fed the tokens greedy
+    # decoding chose, its argmax after each is the next of them, and nothing advances
+    import json
+
+    from benchmarks.steps.dummy_model import SMALL, prefill_requests
+    from shard.config import ShardConfig
+    from shard.inputs import SeqChunk
+    from shard.model_runner import ModelRunner
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    runner = ModelRunner(ShardConfig(model_path=str(tmp_path), device="cpu", block_size=16,
+                                     dtype="float32", load_format="dummy",
+                                     kv_cache_bytes=64 << 20))
+    runner.warmup(1024, 1024, 4)
+    prefill_requests(runner, 3, 20, steps=8)
+    before = [(r.token_ids[-1], r.seq_len, list(r.block_table))
+              for r in runner.requests.decoding]
+    decoded: list[list[int]] = [[] for _ in before]
+    for _ in range(4):
+        for g in runner.decode().generations:
+            decoded[g.request_id].append(g.token_id)
+    chunks = [SeqChunk((last, *tokens[:3]), seq_len, table)
+              for (last, seq_len, table), tokens in zip(before, decoded, strict=True)]
+    seq_lens = [r.seq_len for r in runner.requests.decoding]
+    assert speculative_verify.verify_forward(runner, chunks) == [t for d in decoded for t in d]
+    assert [r.seq_len for r in runner.requests.decoding] == seq_lens == [24] * 3
+    assert len({t for tokens in decoded for t in tokens}) > 3  # not one token everywhere
+
+
+def test_the_speculative_report_has_every_batch_and_lookahead(tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    report = speculative_verify.main([
+        "--tiny", "--device", "cpu", "--batch", "1", "3", "--context", "24", "--reps", "1",
+        "--warmup-reps", "1", "--lookahead", "1", "4", "--acceptance", "ngram/grounded=0.6",
+        "--out", str(out)])
+    assert out.read_text() == report
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
+    # batch, 2 decode, verify at k+1 = 2 and 5, 2 draft, 2 verify/decode ratios
+    steps = [r for r in rows if len(r) == 9 and r[0] != "| batch"]
+    assert [r[0] for r in steps] == ["| 1", "| 3"]
+    speedups = [r for r in rows if len(r) == 7 and r[0] != "| batch"]
+    assert [(r[0], r[1]) for r in speedups] == [("| 1", "1"), ("| 1", "4"), ("| 3", "1"),
+                                                ("| 3", "4")] * 2  # n-gram, then draft
+    assert sum("(≥ 1.8)" in r[4] for r in speedups) == 2  # the batch-1 target, a=0.7, k=4
+    measured = [r for r in rows if r[0] == "| ngram/grounded"]
+    assert [r[3] for r in measured] == ["1", "4"]
 
 
 def test_the_shard_host_step_runs_without_a_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
