@@ -32,6 +32,7 @@ from router.config import (
     ValidationLimits,
     config_flags,
     derive_budgets,
+    speculative_tokens,
 )
 from router.grpc_api.client import DEFAULT_TEXTS as CLIENT_DEFAULT_TEXTS
 from router.grpc_api.client import add_client_flags, run_client
@@ -45,7 +46,7 @@ from shard.layers.tp_layout import check_tp_size_for_folder
 _MODEL_SHARD_FLAGS = ("dtype", "device", "load_format", "quantization")
 _SHARD_FLAGS = ("attention_backend", "cuda_graphs", "pdl", "gemm_tuning", "gemm_tuning_cache",
                 "block_size", "kv_cache_bytes", "kv_cache_dtype", "gpu_memory_fraction",
-                "step_trace_dir")
+                "step_trace_dir", "speculative_method", "ngram_max", "ngram_min")
 
 # Shard fields whose router flag has another name: TGI's --num-shard, and the router's
 # own log switch, which it hands to the shards.
@@ -362,6 +363,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         **{name: getattr(args, name) for name in (*_MODEL_SHARD_FLAGS, *_SHARD_FLAGS)},
     )
     scheduling = config_values(SchedulerConfig, args)
+    scheduling["num_speculative_tokens"] = speculative_tokens(
+        scheduling["num_speculative_tokens"], shard.speculative_method)
     budget_flags = {name: scheduling.pop(name) for name in _DERIVED_BUDGETS}
     # Validate the given budgets now (placeholders for the derived ones).
     placeholders: dict[str, Any] = derive_budgets(

@@ -116,6 +116,10 @@ class SchedulerConfig:
             many as the measured step time allows (:mod:`router.prefill_budget`), so
             that running streams' inter-token gap stays near it. None: 3 decode steps,
             at least 0.2 s.
+        num_speculative_tokens: Guesses a speculative decode step verifies per request
+            (the shards' ``--speculative-method`` proposes them); 0 = off.
+        speculative_disable_batch_size: Decode steps of more requests than this run
+            without speculation (verifying guesses costs compute a large batch lacks).
         steps_in_flight: Shard steps sent ahead of the one whose tokens the router is
             reading (overlapped scheduling). 1: step N+1 is sent before step N's
             tokens are read, and a request that stops at step N leaves at N+1. 2 gives
@@ -162,6 +166,13 @@ class SchedulerConfig:
         "inter-token gap stays near it (at most --max-batch-prefill-tokens; mixed steps "
         "only: unused with --decode-during-prefill off)", type=float,
         metavar="SECONDS", default_text="3 decode steps, at least 0.2"))
+    num_speculative_tokens: int = field(default=0, metadata=_flag(
+        "guesses a speculative decode step verifies per request (--speculative-method); "
+        "each costs compute, and a step that accepts more emits more tokens", type=int,
+        metavar="TOKENS", default_text="3 with --speculative-method ngram, else 0"))
+    speculative_disable_batch_size: int = field(default=32, metadata=_flag(
+        "decode steps of more running requests than this run without speculation",
+        type=int, metavar="N"))
     steps_in_flight: int = field(default=1, metadata=_flag(
         "shard steps sent ahead of the one being read: 1, or 2 for more slack on a busy "
         "router (a stopped request then computes two discarded tokens instead of one)",
@@ -177,6 +188,10 @@ class SchedulerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("--num-speculative-tokens must be >= 0")
+        if self.speculative_disable_batch_size < 1:
+            raise ValueError("--speculative-disable-batch-size must be positive")
         if self.steps_in_flight not in (1, 2):
             raise ValueError("--steps-in-flight must be 1 or 2")
         if self.waiting_served_ratio < 0:
@@ -192,6 +207,24 @@ class SchedulerConfig:
                 "--max-input-tokens must not exceed --max-batch-prefill-tokens "
                 "when chunked prefill is off (a prompt is prefilled in one step)"
             )
+
+
+# Guesses per speculative step when --num-speculative-tokens is not given, per
+# --speculative-method.
+SPECULATIVE_TOKENS = {"none": 0, "ngram": 3}
+
+
+def speculative_tokens(given: int | None, method: str) -> int:
+    """``--num-speculative-tokens`` as given, or its default for ``method``.
+
+    Raises:
+        ValueError: guesses asked for without a ``--speculative-method``.
+    """
+    if given is None:
+        return SPECULATIVE_TOKENS[method]
+    if given > 0 and method == "none":
+        raise ValueError("--num-speculative-tokens needs --speculative-method (ngram)")
+    return given
 
 
 # Prompt tokens per prefill step when --max-batch-prefill-tokens is not given and chunked

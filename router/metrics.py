@@ -52,6 +52,16 @@ METRIC_NAMES = {
     f"{PREFIX}_decode_step_wall_seconds": (
         "Decode step period seen by the router: time between two decode results with no "
         "prefill between them (all ranks)"),
+    f"{PREFIX}_spec_decode_proposed_tokens_total": (
+        "Guesses proposed for speculative decoding (verified by the target)"),
+    f"{PREFIX}_spec_decode_accepted_tokens_total": (
+        "Guesses accepted by speculative decoding (acceptance rate = accepted / proposed)"),
+    f"{PREFIX}_spec_decode_verifications_total": (
+        "Requests' verify steps with at least one guess (mean accepted length = "
+        "accepted / verifications)"),
+    f"{PREFIX}_spec_decode_verify_step_duration_seconds": (
+        "Shard forward time of a speculative decode step (proposal, verify forward and "
+        "sampling)"),
     f"{PREFIX}_kv_blocks_total": "KV cache blocks",
     f"{PREFIX}_kv_blocks_used": "KV cache blocks owned by requests",
     f"{PREFIX}_prefix_cache_hit_tokens_total": "Prompt tokens served from the prefix cache",
@@ -263,6 +273,11 @@ class Metrics:
         self.prefill_step = histogram("prefill_step_duration_seconds", _STEP_BUCKETS)
         self.decode_step = histogram("decode_step_duration_seconds", _STEP_BUCKETS)
         self.decode_step_wall = histogram("decode_step_wall_seconds", _STEP_BUCKETS)
+        self.proposed_tokens = counter("spec_decode_proposed_tokens")
+        self.accepted_tokens = counter("spec_decode_accepted_tokens")
+        self.verifications = counter("spec_decode_verifications")
+        self.verify_step = histogram("spec_decode_verify_step_duration_seconds",
+                                     _STEP_BUCKETS)
         self._state = _StateCollector(read_state)
         self.registry.register(self._state)
         self._rendered: tuple[tuple[float, ...], bytes] | None = None

@@ -9,6 +9,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from router.acceptance import SpeculationStats
 from shard.sampling_types import SamplingParams, TopToken
 
 
@@ -281,6 +282,8 @@ class Sequence:
     admitted_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # its guesses and their acceptance, with speculative decoding
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from router import speculation
 from router.block_manager import BlockManager, block_hashes
 from router.config import SchedulerConfig
 from router.prefill_budget import PrefillBudget
@@ -76,6 +77,8 @@ class SchedulerOutput:
         mixed: ``decoding`` are the sequences that were running before ``chunks``,
             stepped in the same forward (one mixed step); False: a decode step after the
             prefill, which the sequences whose prompt it completes join.
+        speculative: Sequence id → most guesses it verifies (a speculative decode
+            step, :mod:`router.speculation`; no chunks then); empty: one token each.
     """
 
     chunks: list[PrefillChunk] = field(default_factory=list)
@@ -83,6 +86,7 @@ class SchedulerOutput:
     block_appends: dict[int, list[int]] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     mixed: bool = False
+    speculative: dict[int, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -118,11 +122,18 @@ class Scheduler:
             return self.schedule_prefill_first()
         decoding = [seq for seq in self.running if self._needs_step(seq)]
         plan = DecodePlan()
+        # guesses only in a step that prefills nothing (a decode step, not a mixed one)
+        guesses = {} if self.prefilling or (self.waiting and self._should_prefill()) else (
+            speculation.lookahead(self.config, decoding))
         if decoding:
-            plan = self.plan_decode(decoding)
+            plan = self.plan_decode(decoding, guesses)
             decoding = [seq for seq in decoding if seq.status is Status.RUNNING]
             for seq in decoding:
                 seq.pending_tokens += 1
+        if guesses:
+            return SchedulerOutput([], decoding, plan.block_appends, plan.preempted,
+                                   mixed=True, speculative={
+                                       seq.id: guesses[seq.id] for seq in decoding})
         # NOTE: chunks never write blocks that a row of the same step was given: the
         # rows were served first, and a sequence preempted for them leaves the shards
         # before the step (it is not a row of it)
@@ -309,9 +320,11 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
-    def plan_decode(self, decoding: list[Sequence] | None = None) -> DecodePlan:
+    def plan_decode(self, decoding: list[Sequence] | None = None,
+                    guesses: dict[int, int] | None = None) -> DecodePlan:
         """Make sure every running sequence in ``decoding`` (default: all) has blocks
-        for one more token beyond those in flight (``pending_tokens``).
+        for one more token beyond those in flight (``pending_tokens``), and for its
+        ``guesses`` (sequence id → guesses of a speculative step) beyond that.
 
         When blocks run out, the most recently admitted sequences are preempted: their
         blocks are freed and they go back to the front of the queue, to be recomputed
@@ -324,7 +337,7 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             seq = self.running[index]
-            tokens = seq.num_tokens + seq.pending_tokens
+            tokens = seq.num_tokens + seq.pending_tokens + (guesses or {}).get(seq.id, 0)
             needed = self.block_manager.blocks_for_tokens(tokens) - len(seq.block_ids)
             if needed <= 0 or (stepping is not None and seq.id not in stepping):
                 index += 1

@@ -49,6 +49,9 @@ class StepResults:
         forward_s: The shard's forward time of the step, seconds.
         grammar_failures: Request id -> why, for the requests whose grammar failed on
             the shards in this step (their tokens of the step are void).
+        num_tokens: A speculative step's tokens per request, in order (``token_ids``
+            holds each request's tokens in turn); None: one token per request.
+        num_proposed: A speculative step's guesses per request; None without.
     """
 
     token_ids: list[int]
@@ -56,6 +59,8 @@ class StepResults:
     extras: list[TokenExtras | None] | None
     forward_s: float
     grammar_failures: dict[int, str] = field(default_factory=dict)
+    num_tokens: list[int] | None = None
+    num_proposed: list[int] | None = None
 
 
 def _extras(generation: pb.Generation) -> TokenExtras | None:
@@ -140,10 +145,13 @@ class ShardSteps:
         return task, rows + final
 
     def decode(
-        self, stepping: Collection[int], block_appends: dict[int, list[int]]
+        self, stepping: Collection[int], block_appends: dict[int, list[int]],
+        guesses: dict[int, int] | None = None,
     ) -> tuple[asyncio.Future[pb.DecodeResponse], list[int]] | None:
         """Send one Decode stepping the rows in ``stepping``; every other row leaves the
-        shards in the same call.
+        shards in the same call. With ``guesses`` (row id -> most guesses, some > 0) it is
+        a speculative step: ``num_speculative_tokens`` is the largest, and a row allowed
+        fewer says so in its cached request (``num_tokens`` = 1 + its guesses).
 
         Returns:
             The call and the ids it steps, in the order its results come; None when no
@@ -152,9 +160,18 @@ class ShardSteps:
         rows = self._step_rows(stepping)
         if not rows:
             return None
+        cached = _appends(block_appends)
+        k = max(guesses.values()) if guesses else 0
+        if k:
+            assert guesses is not None
+            bounds = {rid: n + 1 for rid, n in guesses.items() if n < k}
+            for c in cached:
+                c.num_tokens = bounds.pop(c.id, 0)
+            cached.extend(pb.CachedRequest(id=rid, num_tokens=n) for rid, n in bounds.items())
         request = pb.DecodeRequest(
             finished_request_ids=self._take_finished(),
-            cached_requests=_appends(block_appends),
+            cached_requests=cached,
+            num_speculative_tokens=k,
         )
         return asyncio.ensure_future(self.client.decode(request, len(rows))), rows
 
@@ -199,17 +216,26 @@ class ShardSteps:
     def decode_results(response: pb.DecodeResponse, rows: list[int]) -> StepResults:
         """The tokens of a Decode response (packed ids and logprobs; full generations
         only for the requests that asked for more), in row order; ``rows``: the ids it
-        stepped, in row order (needed only when the response has full generations)."""
+        stepped, in row order (needed only when the response has full generations). A
+        speculative step's tokens come row after row, ``num_tokens`` of each."""
+        counts = list(response.num_tokens) or None
         extras: list[TokenExtras | None] | None = None
         if response.generations:
-            by_id = {g.request_id: _extras(g) for g in response.generations}
-            extras = [by_id.get(rid) for rid in rows]
+            by_id: dict[int, list[TokenExtras | None]] = {}
+            for g in response.generations:
+                by_id.setdefault(g.request_id, []).append(_extras(g))
+            extras = []
+            for index, rid in enumerate(rows):
+                own = by_id.get(rid, [])
+                extras.extend(own or [None] * (1 if counts is None else counts[index]))
         return StepResults(
             token_ids=list(response.token_ids),
             logprobs=list(response.logprobs),
             extras=extras,
             forward_s=response.timings.forward_ns / 1e9,
             grammar_failures={f.request_id: f.message for f in response.grammar_failures},
+            num_tokens=counts,
+            num_proposed=list(response.num_proposed) or None,
         )
 
     def _new_request(self, chunk: PrefillChunk) -> pb.NewRequest:

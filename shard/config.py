@@ -56,6 +56,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "flashinfer", "torch")
 # --quantization (vLLM's names): "none", or fp8 weights (shard/quantization/)
 QUANTIZATIONS = ("none", "fp8")
 # --kv-cache-dtype: "auto" (the model's dtype) or fp8 e4m3 (shard/kv_cache.py)
+SPECULATIVE_METHODS = ("none", "ngram")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 # Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
@@ -204,6 +205,18 @@ class ShardConfig:
         "KV cache: auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV head, "
         "about twice the tokens); a GPU of compute capability 8.9+ or the CPU",
         choices=KV_CACHE_DTYPES))
+    speculative_method: str = field(default="none", metadata=_flag(
+        "speculative decoding: ngram = prompt lookup (guess the tokens that followed the "
+        "latest earlier occurrence of the last n tokens in prompt and output; no extra "
+        "model), verified in one forward with exact greedy output and the target's "
+        "distribution when sampling; none = off",
+        choices=SPECULATIVE_METHODS))
+    ngram_max: int = field(default=4, metadata=_flag(
+        "longest n-gram --speculative-method ngram matches (tried first)", type=int,
+        metavar="TOKENS"))
+    ngram_min: int = field(default=2, metadata=_flag(
+        "shortest n-gram --speculative-method ngram matches", type=int,
+        metavar="TOKENS"))
     world_size: int = field(default=1, metadata=_flag("tensor-parallel ranks", type=int))
     attention_backend: str = field(default="auto", metadata=_flag(
         "attention kernels; auto = the fastest that runs here (our Triton kernels, then "
@@ -267,6 +280,12 @@ class ShardConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"--ngram-min ({self.ngram_min}) and --ngram-max "
+                             f"({self.ngram_max}) must satisfy 1 <= min <= max")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

@@ -124,6 +124,13 @@ class DecodeRows:
         self.tokens.copy_(next_tokens)
         self.seq_lens += 1
 
+    def advance_by(self, last_tokens: Sequence[int], counts: Sequence[int]) -> None:
+        """Record a speculative step: row i cached ``counts[i]`` more tokens (its input
+        token and its accepted guesses) and ``last_tokens[i]`` is its new last token."""
+        device = self.tokens.device
+        self.tokens.copy_(to_device(last_tokens, torch.int64, device))
+        self.seq_lens += to_device(counts, torch.int32, device)
+
     def model_inputs(self, block_size: int, max_seqlen_k: int) -> ModelInputs:
         """Inputs of one decode step, computed on the device without host round trips.
 

@@ -35,6 +35,7 @@ from shard.prompt_logprobs import prefill_chunk, prompt_logprobs
 from shard.quantization.config import resolve_kv_cache_dtype
 from shard.records import DecodeStep, NewRequest, PrefillStep, ShardInfo, StepOutput
 from shard.requests import RequestState, RequestTable
+from shard.speculative.step import SpeculativeDecoder
 from shard.step_checks import validate_decode, validate_prefill
 from shard.step_sampler import StepSampler
 from shard.warmup import Warmup
@@ -89,6 +90,8 @@ class ModelRunner:
         self.chain = StepChain(self.trace)  # the steps launched and not read yet
         self.grammars = GrammarCompiler(config.model_path, mc.vocab_size)
         self.sampler = StepSampler(self.grammars, self.kernels, self.chain)
+        # speculative Decodes (--speculative-method), or None: they are refused
+        self.speculator = speculative_decoder(self)
 
     @property
     def num_blocks(self) -> int:
@@ -272,16 +275,25 @@ class ModelRunner:
         while this one computes. Only a batch with penalties, which need the host's
         token history, first waits for the previous step's :meth:`finish_step`.
 
+        A speculative step (``step.num_speculative_tokens`` > 0) runs to its end here
+        (:class:`~shard.speculative.step.SpeculativeDecoder`), unless no row has a
+        guess: then it is a plain decode step.
+
         Returns:
-            the pending step, or an empty :class:`StepOutput` when no row is left.
+            the pending step, or a :class:`StepOutput`: a speculative step's, or an
+            empty one when no row is left.
 
         Raises:
             ValueError: a step inconsistent with the requests held (see
-                :func:`~shard.step_checks.validate_decode`).
+                :func:`~shard.step_checks.validate_decode`), or a speculative step on a
+                shard started without a proposer.
             NotWarmedUpError: before Warmup.
         """
         if not self.kv_cache:
             raise NotWarmedUpError("the KV cache is not allocated: call Warmup first")
+        if step.num_speculative_tokens and self.speculator is None:
+            raise ValueError("num_speculative_tokens: speculative decoding is off on this "
+                             "shard (start it with --speculative-method)")
         table = self.requests
         validate_decode(step, table, self.block_size, self.num_blocks)
         table.finish(step.finished_request_ids)
@@ -289,6 +301,11 @@ class ModelRunner:
                              if c.new_block_ids})
         if table.rows is None:
             return StepOutput((), 0)
+        if step.num_speculative_tokens:
+            assert self.speculator is not None
+            verified = self.speculator.run(step)
+            if verified is not None:
+                return verified
         timer = StepTimer(self.device)
         requests = list(table.decoding)
         max_seqlen_k = max(r.seq_len for r in requests) + 1
@@ -328,6 +345,16 @@ class ModelRunner:
         so later steps do not wait for it: a new sequence of steps starts."""
         self.requests.clear()
         self.chain.reset()
+
+
+def speculative_decoder(runner: ModelRunner) -> SpeculativeDecoder | None:
+    """The runner's verifier with the proposer its configuration names, or None."""
+    config = runner.config
+    if config.speculative_method == "none":
+        return None
+    from shard.speculative.ngram import NgramProposer
+
+    return SpeculativeDecoder(runner, NgramProposer(config.ngram_min, config.ngram_max))
 
 
 def _new_state(r: NewRequest, grammar: GrammarMatcher | None) -> RequestState:

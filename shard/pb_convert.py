@@ -82,6 +82,7 @@ def decode_step_from_pb(request: pb.DecodeRequest) -> DecodeStep:
     return DecodeStep(
         cached_requests=tuple(cached_request_from_pb(r) for r in request.cached_requests),
         finished_request_ids=tuple(request.finished_request_ids),
+        num_speculative_tokens=request.num_speculative_tokens,
     )
 
 
@@ -109,6 +110,8 @@ def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
     only for the requests with top tokens (a step of hundreds of requests stays a few
     kilobytes and parses without a message per request)."""
     response = _rows_to_pb(out.generations)
+    response.num_tokens.extend(out.num_tokens)
+    response.num_proposed.extend(out.num_proposed)
     response.timings.CopyFrom(timings_to_pb(out.forward_ns, total_ns))
     response.grammar_failures.extend(grammar_failures_to_pb(out))
     return response

@@ -95,10 +95,13 @@ class PrefillStep:
 @dataclass(frozen=True)
 class DecodeStep:
     """A Decode call: requests that leave, and rows whose block table grows; every row
-    held then decodes one token."""
+    held then decodes one token, or with ``num_speculative_tokens`` k > 0 verifies up to
+    k guesses of the shard's proposer and emits 1 to 1 + k tokens (a cached request's
+    ``num_tokens`` bounds its row's 1 + guesses)."""
 
     cached_requests: tuple[CachedRequest, ...] = ()
     finished_request_ids: tuple[int, ...] = ()
+    num_speculative_tokens: int = 0
 
 
 class Generation(NamedTuple):
@@ -134,12 +137,18 @@ class StepOutput:
             token of this step is void.
         num_rows: a mixed step's decoding rows: the first ``num_rows`` generations,
             in row order, come before the prompts' (0 for any other step).
+        num_tokens: a speculative Decode's generations per row, in row order (its
+            generations are each row's tokens in order, row after row); empty for any
+            other step (one generation per row).
+        num_proposed: a speculative Decode's guesses proposed per row, in row order.
     """
 
     generations: tuple[Generation, ...]
     forward_ns: int
     grammar_failures: tuple[tuple[int, str], ...] = ()
     num_rows: int = 0
+    num_tokens: tuple[int, ...] = ()
+    num_proposed: tuple[int, ...] = ()
 
     @property
     def row_generations(self) -> tuple[Generation, ...]:

@@ -34,6 +34,8 @@ class RequestState:
         top_n_tokens: alternatives to return per token.
         grammar: the grammar state of a constrained request (None = unconstrained).
         decoding: its prefill is complete: it is a decoding row.
+        proposer_state: what a speculative proposer keeps for this request between
+            steps (:class:`shard.speculative.Proposer`), or None.
     """
 
     request_id: int
@@ -45,6 +47,7 @@ class RequestState:
     top_n_tokens: int = 0
     grammar: GrammarMatcher | None = None
     decoding: bool = False
+    proposer_state: object | None = None
 
     @property
     def plain_greedy(self) -> bool:

@@ -129,38 +129,48 @@ def validate_decode(
     NOTE: O(1) per row plus the appended ids: block tables were checked when their
     blocks arrived, and this runs on every decode step.
 
+    With speculation (``num_speculative_tokens`` k > 0) a row computes up to 1 + k
+    tokens (its own bound when a cached request sets ``num_tokens``): its blocks must
+    hold them all.
+
     Raises:
         ValueError: as above (naming the request and field), or a cached request with
-            num_tokens other than 0 or 1 (one token per decode step for now).
+            num_tokens above 1 (above 1 + k with speculation).
     """
     staying = _staying(table, step.finished_request_ids)
     _check_rows(step.cached_requests, step.finished_request_ids, staying, table, block_size,
-                num_blocks)
+                num_blocks, 1 + step.num_speculative_tokens)
 
 
 def _check_rows(
     cached: Sequence[CachedRequest], finished: Sequence[int],
     staying: Callable[[int], RequestState], table: RequestTable, block_size: int,
-    num_blocks: int,
+    num_blocks: int, max_tokens: int = 1,
 ) -> None:
-    """The decoding rows' part of a Decode or a mixed step (see :func:`validate_decode`)."""
+    """The decoding rows' part of a Decode or a mixed step (see :func:`validate_decode`);
+    ``max_tokens``: the most tokens a row may compute (1 + the speculative tokens)."""
     _check_appends(cached, staying, num_blocks)
     appended: dict[int, int] = {}
+    bounds: dict[int, int] = {}
     for c in cached:
         if not staying(c.request_id).decoding:
             raise ValueError(f"request {c.request_id}: its prefill is not complete")
-        if c.num_tokens > 1:
-            raise ValueError(f"request {c.request_id}: num_tokens={c.num_tokens}: a decode "
-                             "step computes one token per request")
+        if c.num_tokens > max_tokens:
+            raise ValueError(
+                f"request {c.request_id}: num_tokens={c.num_tokens}: a decode step computes "
+                + ("one token per request" if max_tokens == 1 else
+                   f"at most 1 + num_speculative_tokens = {max_tokens} tokens per request"))
         appended[c.request_id] = len(c.new_block_ids)
+        if c.num_tokens:
+            bounds[c.request_id] = c.num_tokens
     leaving = set(finished)
     for r in table.decoding:
         if r.request_id in leaving:
             continue
         have = len(r.block_table) + appended.get(r.request_id, 0)
-        if have * block_size < r.seq_len + 1:
-            needed = -(-(r.seq_len + 1) // block_size)
+        tokens = r.seq_len + bounds.get(r.request_id, max_tokens)
+        if have * block_size < tokens:
             raise ValueError(
-                f"request {r.request_id}: block_ids has {have} blocks but {r.seq_len + 1} "
-                f"tokens need {needed} (block_size {block_size})"
+                f"request {r.request_id}: block_ids has {have} blocks but {tokens} "
+                f"tokens need {-(-tokens // block_size)} (block_size {block_size})"
             )

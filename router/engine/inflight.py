@@ -27,8 +27,8 @@ class InFlight:
 
     Attributes:
         task: the call.
-        kind: "prefill", "decode" or "mixed" (a prefill whose call also steps the
-            decoding rows).
+        kind: "prefill", "decode", "speculative" (a decode that verifies guesses) or
+            "mixed" (a prefill whose call also steps the decoding rows).
         sampled: the sequences it samples a token for, in response order, with the
             epoch each was in when sent (a token applies only in that epoch).
         sent_at: ``time.perf_counter()`` when sent, seconds.
@@ -87,7 +87,7 @@ class InFlightSteps:
         now = time.perf_counter()
         metrics = self.metrics
         results: StepResults
-        if call.kind != "decode":
+        if call.kind not in ("decode", "speculative"):
             # a mixed step's rows come first; their ids matter only for top tokens
             sampled = ([seq.id for seq, _ in call.sampled]
                        if call.kind == "mixed" and response.decode.generations else None)
@@ -104,11 +104,15 @@ class InFlightSteps:
             if not self._prefill_since_decode:
                 metrics.decode_step_wall.observe(now - max(call.sent_at, self._decode_done))
             metrics.decode_step.observe(results.forward_s)
+            if results.num_proposed is not None:
+                metrics.verify_step.observe(results.forward_s)
             self._decode_done = now
             self._prefill_since_decode = False
             self.trace.mark("applied", response.step)
-        assert len(results.token_ids) == len(call.sampled), (
-            f"{call.kind} returned {len(results.token_ids)} tokens for "
+        counts = results.num_tokens
+        assert len(counts or results.token_ids) == len(call.sampled) and (
+            counts is None or sum(counts) == len(results.token_ids)), (
+            f"{call.kind} returned {len(results.token_ids)} tokens ({counts}) for "
             f"{len(call.sampled)} requests"
         )
         return results

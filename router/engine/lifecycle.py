@@ -49,38 +49,60 @@ class Lifecycle:
     def apply(self, sampled: list[tuple[Sequence, int]], results: StepResults) -> None:
         """Apply one call's tokens to the sequences they were sampled for: only to a
         sequence still running in the epoch it was sent in (not finished, cancelled or
-        preempted since)."""
+        preempted since). A speculative step's tokens of a sequence are applied in order
+        until one ends it: those after a stop are dropped, never streamed."""
         arrived = time.monotonic()
         ttft = self.metrics.time_to_first_token
         itl = self.metrics.inter_token_latency
         on_token = self.output.on_token
         extras = results.extras
         logprobs = results.logprobs
+        token_ids = results.token_ids
+        counts = results.num_tokens
         running = Status.RUNNING
         applied = 0
         if results.grammar_failures:  # these end now: the loop below skips them
             self._fail_grammars(sampled, results.grammar_failures)
-        for index, ((seq, epoch), token_id) in enumerate(
-            zip(sampled, results.token_ids, strict=True)
-        ):
+        if results.num_proposed is not None:
+            self._count_guesses(sampled, results.num_proposed, counts or [])
+        start = 0
+        for index, (seq, epoch) in enumerate(sampled):
+            first = start
+            start += 1 if counts is None else counts[index]
             if seq.epoch != epoch or seq.status is not running:
                 continue
             seq.pending_tokens -= 1
             if seq.cancelled:
                 continue
-            seq.output_ids.append(token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = arrived
-                ttft.observe(arrived - seq.arrival_time)
-            elif seq.last_token_time is not None:
-                itl.observe(arrived - seq.last_token_time)
-            seq.last_token_time = arrived
-            finish = on_token(seq, token_id, logprobs[index],
-                              None if extras is None else extras[index])
-            applied += 1
-            if finish is not None:
-                self.finish(seq, "success", finish)
+            for position in range(first, start):
+                token_id = token_ids[position]
+                seq.output_ids.append(token_id)
+                if seq.first_token_time is None:
+                    seq.first_token_time = arrived
+                    ttft.observe(arrived - seq.arrival_time)
+                elif seq.last_token_time is not None:
+                    itl.observe(arrived - seq.last_token_time)
+                seq.last_token_time = arrived
+                finish = on_token(seq, token_id, logprobs[position],
+                                  None if extras is None else extras[position])
+                applied += 1
+                if finish is not None:
+                    self.finish(seq, "success", finish)
+                    break
         self.metrics.generation_tokens.inc(applied)
+
+    def _count_guesses(self, sampled: list[tuple[Sequence, int]], proposed: list[int],
+                       counts: list[int]) -> None:
+        """A speculative step's guesses: the metrics, and each sequence's acceptance
+        (:class:`~router.speculation.SpeculationStats`, which pauses its guesses when
+        they are mostly rejected)."""
+        metrics = self.metrics
+        for (seq, _), guesses, emitted in zip(sampled, proposed, counts, strict=True):
+            if guesses:
+                metrics.proposed_tokens.inc(guesses)
+                metrics.accepted_tokens.inc(emitted - 1)
+                metrics.verifications.inc()
+                seq.speculation.record(guesses, emitted - 1)
 
     def _fail_grammars(self, sampled: list[tuple[Sequence, int]], failures: dict[int, str]
                        ) -> None:

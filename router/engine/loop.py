@@ -288,17 +288,19 @@ class Engine(EventSource):
         if not plan.mixed:
             self._release_preempted(plan.preempted)
         if plan.decoding and not mixed:
-            decode = self.shards.decode(stepping, plan.block_appends)
+            decode = self.shards.decode(stepping, plan.block_appends, plan.speculative)
             assert decode is not None, "running requests that are not rows on the shards"
             task, rows = decode
-            sent.append(InFlight.sent(task, "decode", [stepping[rid] for rid in rows]))
+            sent.append(InFlight.sent(task, "speculative" if plan.speculative else "decode",
+                                      [stepping[rid] for rid in rows]))
         if sent:
             self.inflight.add(sent)
         elif not self.inflight:
             return False
         # Read the oldest steps until config.steps_in_flight iterations stay in flight
-        # (all of them when nothing new could be sent).
-        keep = self.config.steps_in_flight if sent else 0
+        # (all of them when nothing new could be sent, or after a speculative step: how
+        # many tokens it emits decides the next step's blocks and guesses).
+        keep = self.config.steps_in_flight if sent and not plan.speculative else 0
         while len(self.inflight) > keep:
             for call in self.inflight.oldest():
                 # the token events queued so far go out first, once the calls just

@@ -191,29 +191,35 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("finished_request_ids", "cached_requests", "step", "restart")
+    __slots__ = ("finished_request_ids", "cached_requests", "step", "restart", "num_speculative_tokens")
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     step: int
     restart: bool
-    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., step: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, finished_request_ids: _Optional[_Iterable[int]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., step: _Optional[int] = ..., restart: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "generations", "timings", "grammar_failures", "step")
+    __slots__ = ("token_ids", "logprobs", "generations", "timings", "grammar_failures", "step", "num_tokens", "num_proposed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FAILURES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     timings: Timings
     grammar_failures: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
     step: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_proposed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., grammar_failures: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., step: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_proposed: _Optional[_Iterable[int]] = ...) -> None: ...
