@@ -35,6 +35,7 @@ from shard.prompt_logprobs import prefill_chunk, prompt_logprobs
 from shard.quantization.config import resolve_kv_cache_dtype
 from shard.records import DecodeStep, NewRequest, PrefillStep, ShardInfo, StepOutput
 from shard.requests import RequestState, RequestTable
+from shard.speculative.ngram import NgramProposer
 from shard.speculative.step import SpeculativeDecoder
 from shard.step_checks import validate_decode, validate_prefill
 from shard.step_sampler import StepSampler
@@ -309,7 +310,7 @@ class ModelRunner:
         timer = StepTimer(self.device)
         requests = list(table.decoding)
         max_seqlen_k = max(r.seq_len for r in requests) + 1
-        logits = self._decode_logits(table.rows, max_seqlen_k)
+        logits = self.decode_logits(table.rows, max_seqlen_k)
         out = self.sampler.sample(logits, requests, table.kind)
         table.rows.advance(out.token_ids)
         for r in requests:
@@ -330,7 +331,7 @@ class ModelRunner:
         """
         return self.chain.finish(pending)
 
-    def _decode_logits(self, rows: DecodeRows, max_seqlen_k: int) -> torch.Tensor:
+    def decode_logits(self, rows: DecodeRows, max_seqlen_k: int) -> torch.Tensor:
         """Logits [batch, vocab] of one decode step: a CUDA graph replay when a captured
         bucket holds the batch (the model's dtype), the eager forward otherwise
         (float32). Both samplers take either."""
@@ -352,8 +353,6 @@ def speculative_decoder(runner: ModelRunner) -> SpeculativeDecoder | None:
     config = runner.config
     if config.speculative_method == "none":
         return None
-    from shard.speculative.ngram import NgramProposer
-
     return SpeculativeDecoder(runner, NgramProposer(config.ngram_min, config.ngram_max))
 
 

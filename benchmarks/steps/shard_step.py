@@ -37,7 +37,7 @@ def host_step_s(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
     prefill_requests(runner, batch, prompt_len, steps * repeats + 8)
     runner.decode()
     logits = torch.randn(batch, runner.model_config.vocab_size)
-    runner._decode_logits = lambda rows, max_seqlen_k: logits  # type: ignore[method-assign]
+    runner.decode_logits = lambda rows, max_seqlen_k: logits  # type: ignore[method-assign]
     try:
         best = float("inf")
         for _ in range(repeats):
@@ -46,7 +46,7 @@ def host_step_s(runner: ModelRunner, batch: int, prompt_len: int, steps: int,
                 runner.finish_step(runner.launch_decode())
             best = min(best, (time.perf_counter() - started) / steps)
     finally:
-        del runner._decode_logits
+        del runner.decode_logits
         runner.reset()
     return best
 

@@ -2,12 +2,13 @@
 
 A speculative Decode (``DecodeStep.num_speculative_tokens`` k > 0) asks the proposer
 for up to k guesses after each row's last token, runs one target forward over each
-row's last token and its m_i guesses (a varlen step of m_i + 1 query tokens per row
-against the paged cache: the prefill path, as for a prompt chunk whose prefix is
-cached), and samples every position as a plain Decode would sample it at that point of
-the sequence: position j of a row with the parameters, seed step, penalties and
-alternatives it would have after the first j guesses. The row keeps the longest run of
-guesses that equal the target's own tokens, plus the target's token after them.
+row's last token and its m_i guesses (m_i + 1 query tokens per row against the paged
+cache, laid out as a decode step of one row per query token:
+:meth:`SpeculativeDecoder.verify_logits`), and samples every position as a plain
+Decode would sample it at that point of the sequence: position j of a row with the
+parameters, seed step, penalties and alternatives it would have after the first j
+guesses. The row keeps the longest run of guesses that equal the target's own tokens,
+plus the target's token after them.
 
 Greedy rows therefore emit exactly what decoding without speculation emits. For a
 sampled row the guesses are deterministic (the draft distribution q is one token), and
@@ -30,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shard.inputs import SeqChunk, build_inputs
+from shard.decode_state import DecodeRows
+from shard.host_copy import to_device
 from shard.pending_step import StepTimer
 from shard.records import DecodeStep, Generation, StepOutput, TopToken
 from shard.requests import RequestState
@@ -72,12 +74,7 @@ class SpeculativeDecoder:
             return None
         t0 = time.perf_counter_ns()
         timer = StepTimer(runner.device)
-        chunks = [
-            SeqChunk([r.last_token, *d], r.seq_len, r.block_table)
-            for r, d in zip(rows, drafts, strict=True)
-        ]
-        inputs = build_inputs(chunks, runner.block_size, True, runner.device)
-        logits = runner.model.compute_logits(runner.forward(inputs))
+        logits = self.verify_logits(rows, drafts)
         out = self._sample(logits, rows, drafts)
         timer.stop()
         runner.chain.last_timer = timer
@@ -120,6 +117,37 @@ class SpeculativeDecoder:
             num_tokens=tuple(counts),
             num_proposed=tuple(len(d) for d in drafts),
         )
+
+    def verify_logits(
+        self, rows: Sequence[RequestState], drafts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Logits [sum(len(d) + 1), vocab] of each row's last token and guesses, row
+        after row (the model's dtype from a CUDA graph, float32 from the eager forward).
+
+        The step is a decode step over one row per query token: row (i, j) holds guess
+        j of row i (j = 0: its last token) at position ``seq_len_i + j``, with row i's
+        block table, and attends to the ``seq_len_i + j + 1`` tokens up to itself. Each
+        layer writes the K/V of all rows before it attends, so a guess sees the guesses
+        before it; and a decode step of B(k + 1) rows replays the decode CUDA graphs
+        captured for that batch (at small batches it costs about what a step of B rows
+        costs: the weights are read once).
+        """
+        runner = self.runner
+        state = runner.requests.rows
+        assert state is not None
+        device = state.tokens.device
+        owner = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+        index = to_device(owner, torch.int64, device)
+        tokens = [t for r, d in zip(rows, drafts, strict=True) for t in (r.last_token, *d)]
+        offsets = [j for d in drafts for j in range(len(d) + 1)]
+        expanded = DecodeRows(
+            tokens=to_device(tokens, torch.int64, device),
+            seq_lens=state.seq_lens.index_select(0, index)
+            + to_device(offsets, torch.int32, device),
+            block_tables=state.block_tables.index_select(0, index),
+        )
+        max_seqlen_k = max(r.seq_len + len(d) for r, d in zip(rows, drafts, strict=True)) + 1
+        return runner.decode_logits(expanded, max_seqlen_k)
 
     def _sample(
         self, logits: torch.Tensor, rows: Sequence[RequestState], drafts: Sequence[Sequence[int]]
