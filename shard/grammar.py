@@ -183,6 +183,63 @@ class GrammarCompiler:
         allowed = unpack_bitmask(bitmask, self.vocab_size, device)
         return TokenMask(to_device(rows, torch.int64, device), allowed)
 
+    def draft_mask(
+        self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Sequence[int]],
+        device: torch.device,
+    ) -> tuple[TokenMask | None, list[list[int]]]:
+        """The allowed tokens at every position of a speculative step, and the guesses
+        kept: a constrained row's guesses are cut before the first one its grammar
+        refuses (none once it is complete or failed).
+
+        Position j of row i (its last token for j = 0, then guess j) is masked with the
+        grammar state after the row's first j guesses: each matcher consumes its
+        guesses one by one between the mask computations, then rolls them back
+        (llguidance's ``rollback``); the tokens the step keeps are consumed when
+        recorded.
+
+        Args:
+            matchers: each row's grammar state, None for an unconstrained row.
+            drafts: each row's guesses.
+            device: where the mask goes.
+
+        Returns:
+            The mask over the step's positions (row after row, ``len(kept[i]) + 1``
+            each; None when no row is constrained), and ``kept``.
+        """
+        kept = [list(d) for d in drafts]
+        for i, m in enumerate(matchers):
+            if m is not None and kept[i]:
+                usable = not m.matcher.is_stopped() and not m.matcher.is_error()
+                kept[i] = kept[i][: m.matcher.validate_tokens(kept[i])] if usable else []
+        starts = [0]
+        for d in kept:
+            starts.append(starts[-1] + len(d) + 1)
+        slots = [starts[i] + j for i, m in enumerate(matchers) if m is not None
+                 for j in range(len(kept[i]) + 1)]
+        if not slots:
+            return None, kept
+        slot_row = {position: row for row, position in enumerate(slots)}
+        bitmask = torch.empty((len(slots), self.num_mask_words), dtype=torch.int32,
+                              pin_memory=torch.cuda.is_available())
+        if self._executor is None:
+            self._executor = LLExecutor()
+        consumed = [0] * len(kept)
+        for j in range(max(len(kept[i]) for i, m in enumerate(matchers) if m is not None) + 1):
+            wave = [(i, m) for i, m in enumerate(matchers) if m is not None and len(kept[i]) >= j]
+            self._executor.unsafe_compute_mask_ptr(
+                [(m.matcher, slot_row[starts[i] + j]) for i, m in wave],
+                bitmask.data_ptr(), self.num_mask_words * 4, len(slots),
+            )
+            for i, m in wave:
+                if j < len(kept[i]) and not m.matcher.is_stopped():
+                    m.matcher.consume_token(kept[i][j])
+                    consumed[i] += 1
+        for i, m in enumerate(matchers):
+            if m is not None and consumed[i]:
+                m.matcher.rollback(consumed[i])
+        allowed = unpack_bitmask(bitmask, self.vocab_size, device)
+        return TokenMask(to_device(slots, torch.int64, device), allowed), kept
+
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """Allowed next tokens of each matcher, as bits.
 

@@ -36,7 +36,14 @@ from shard.host_copy import to_device
 from shard.pending_step import StepTimer
 from shard.records import DecodeStep, Generation, StepOutput, TopToken
 from shard.requests import RequestState
-from shard.sampling import SamplerOutput, SamplingRow, TokenSuffix, sample, sample_greedy
+from shard.sampling import (
+    SamplerOutput,
+    SamplingRow,
+    TokenMask,
+    TokenSuffix,
+    sample,
+    sample_greedy,
+)
 from shard.speculative import Proposer
 
 if TYPE_CHECKING:
@@ -70,12 +77,16 @@ class SpeculativeDecoder:
         rows = list(table.decoding)
         runner.chain.wait_last()
         drafts = self.proposer.propose(rows, _budgets(step, rows))
+        mask = None
+        if table.kind.has_grammar:  # guesses a grammar refuses are cut
+            mask, drafts = runner.grammars.draft_mask([r.grammar for r in rows], drafts,
+                                                      runner.device)
         if not any(drafts):
             return None
         t0 = time.perf_counter_ns()
         timer = StepTimer(runner.device)
         logits = self.verify_logits(rows, drafts)
-        out = self._sample(logits, rows, drafts)
+        out = self._sample(logits, rows, drafts, mask)
         timer.stop()
         runner.chain.last_timer = timer
         tokens = out.token_ids.tolist()
@@ -150,18 +161,14 @@ class SpeculativeDecoder:
         return runner.decode_logits(expanded, max_seqlen_k)
 
     def _sample(
-        self, logits: torch.Tensor, rows: Sequence[RequestState], drafts: Sequence[Sequence[int]]
+        self, logits: torch.Tensor, rows: Sequence[RequestState],
+        drafts: Sequence[Sequence[int]], mask: TokenMask | None,
     ) -> SamplerOutput:
         """The target's token at every position ([sum(len(d) + 1), vocab] logits, row
         after row): position j of a row is sampled as a Decode would sample it after
-        the row's first j guesses (seed step, penalties' token history)."""
+        the row's first j guesses (seed step, penalties' token history, grammar state:
+        ``mask``, see :meth:`~shard.grammar.GrammarCompiler.draft_mask`)."""
         positions = sum(len(d) + 1 for d in drafts)
-        grammars = [r.grammar for r, d in zip(rows, drafts, strict=True) for _ in range(len(d) + 1)]
-        mask = None
-        if any(g is not None for g in grammars):
-            # NOTE: constrained rows get no guesses (_budgets): one position each, in the
-            # grammar state the previous step left
-            mask = self.runner.grammars.token_mask(grammars, logits.device)
         if all(r.plain_greedy for r in rows):
             return sample_greedy(logits, mask, self.runner.kernels)
         expanded: list[SamplingRow] = []
@@ -178,8 +185,7 @@ class SpeculativeDecoder:
 
 def _budgets(step: DecodeStep, rows: Sequence[RequestState]) -> list[int]:
     """Most guesses per row: the step's ``num_speculative_tokens``, or a cached request's
-    ``num_tokens`` - 1; none for a row constrained by a grammar (its mask at each
-    position would need the grammar state after each guess)."""
+    ``num_tokens`` - 1."""
     bound = {c.request_id: c.num_tokens - 1 for c in step.cached_requests if c.num_tokens}
     k = step.num_speculative_tokens
-    return [0 if r.grammar is not None else bound.get(r.request_id, k) for r in rows]
+    return [bound.get(r.request_id, k) for r in rows]
