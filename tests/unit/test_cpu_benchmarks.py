@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.serving import speculative_cpu
 from benchmarks.serving.workloads import Workload
 from benchmarks.simulations import block_locality, schedule_sim
 from benchmarks.steps import router_step, shard_step, speculative_verify, step_chain
@@ -191,3 +192,21 @@ def test_the_locality_schedule_tells_the_allocators_apart() -> None:
                                             block_locality.FifoBlockManager(4000, 16))
     assert ours[0] > 0.9 and ours[1] < 0.1  # read in place, nothing gathered
     assert fifo[0] < 0.3 and fifo[1] > 0.7
+
+
+def test_the_speculative_cpu_report_compares_off_and_on() -> None:
+    exposition = ("# TYPE shardserve_spec_decode_proposed_tokens_total counter\n"
+                  "shardserve_spec_decode_proposed_tokens_total 40.0\n"
+                  "shardserve_spec_decode_accepted_tokens_total 30.0\n")
+    assert speculative_cpu.spec_counters(exposition) == {
+        "proposed_tokens": 40.0, "accepted_tokens": 30.0, "verifications": 0.0}
+    same, other = speculative_cpu.Answer(["a", "b"], "ab"), speculative_cpu.Answer(["ab"], "ab")
+    off = speculative_cpu.Run(2.0, [same, same])
+    on = speculative_cpu.Run(1.0, [same, other], proposed=40, accepted=30, verifications=20)
+    args = speculative_cpu.parse_args(["--workloads", "grounded-1", "--sweep", ""])
+    report = speculative_cpu.report(args, {"grounded-1": off}, {"grounded-1": on},
+                                    {"--ngram-min 1": on})
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
+    # 4 tokens in 2 s off, 3 in 1 s on; the answer tokenized otherwise is not identical
+    assert rows[1] == ["| grounded", "1", "4", "2.0", "3.0", "1.50×", "0.75", "1.50", "1/2 |"]
+    assert rows[-1] == ["| `--ngram-min 1`", "3.0", "1.50×", "0.75", "1.50", "1/2 |"]
