@@ -9,10 +9,16 @@ with ``--draft-layers`` layers (its own config folder and KV cache). ``--batch``
 requests of ``--context`` random tokens are prefilled in both, then timed (synchronize +
 ``perf_counter``, median of ``--reps`` after ``--warmup-reps``):
 
-- verify, at context L: each row's k+1 tokens at positions L..L+k through the prefill
-  (varlen, cached-prefix) path, ``run_chunks(..., is_prefill=True)``, the logits of every
-  position, their argmax, the tokens copied to the host. Inputs are built on the host
-  inside the timing, as a step would. Nothing advances: each rep writes the same slots.
+- verify, at context L: each row's last token and k fixed random guesses, what serving
+  runs: ``SpeculativeDecoder.verify_logits``, a decode step of one row per query token
+  (B(k+1) rows, row j at position L + j with its sequence's block table) through
+  ``ModelRunner.decode_logits``, a CUDA graph replay where a captured bucket holds
+  B(k+1) rows (the target's warm-up captures buckets up to max(batch) × (max(k) + 1);
+  the report names any cell that ran eagerly), then the argmax of every position and
+  the tokens copied to the host. Nothing advances: each rep writes the same slots.
+- verify through the varlen path, for comparison ("varlen eager"): the same tokens as
+  one prefill chunk per row over its cached context, ``run_chunks(..., is_prefill=True)``
+  (eager; inputs built on the host inside the timing), logits, argmax, host copy.
 - decode (target and draft): ``ModelRunner.decode()`` one step at a time (sync), then
   steps launched as the servicer launches them, step n+1 before step n is read
   (pipelined: what serving without speculation runs). Each decode step grows every
@@ -45,6 +51,8 @@ from shard.inputs import SeqChunk
 from shard.model_runner import ModelRunner
 from shard.models.config import ModelConfig
 from shard.pending_step import PendingStep
+from shard.requests import RequestState
+from shard.speculative.step import SpeculativeDecoder
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 # (batch, least speedup) at acceptance 0.7 and k = 4, issue 47's targets
@@ -64,17 +72,22 @@ class StepTimes:
         batch: sequences per step.
         decode_sync: target decode step, ``ModelRunner.decode()``.
         decode: target decode step, pipelined (the no-speculation baseline).
-        verify: verify forward by query tokens per sequence (k + 1).
+        verify: verify step as serving runs it (B(k + 1) decode rows), by query tokens
+            per sequence (k + 1).
+        varlen: verify forward through the varlen prefill path (eager), by k + 1.
         draft_sync: draft decode step, ``ModelRunner.decode()``.
         draft: draft decode step, pipelined.
+        eager: the k + 1 whose verify step ran eagerly (no captured graph held it).
     """
 
     batch: int
     decode_sync: float
     decode: float
     verify: dict[int, float]
+    varlen: dict[int, float]
     draft_sync: float
     draft: float
+    eager: tuple[int, ...] = ()
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -99,10 +112,15 @@ def draft_speedup(acceptance: float, k: int, t: StepTimes) -> float:
 
 
 def build_runner(
-    folder: Path, shape: dict[str, object], args: argparse.Namespace, memory_fraction: float
+    folder: Path,
+    shape: dict[str, object],
+    args: argparse.Namespace,
+    memory_fraction: float,
+    max_batch_size: int,
 ) -> ModelRunner:
     """A warmed-up runner of ``shape`` (config.json written into ``folder``), dummy
-    weights, bfloat16 on CUDA and float32 on the CPU."""
+    weights, bfloat16 on CUDA and float32 on the CPU, decode graphs captured for up to
+    ``max_batch_size`` rows."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(shape))
     runner = ModelRunner(
@@ -120,7 +138,7 @@ def build_runner(
         )
     )
     longest = args.context + 2 * (args.reps + args.warmup_reps) + max(args.lookahead) + 2
-    runner.warmup(max(8192, args.context), max(4096, longest), max(args.batch))
+    runner.warmup(max(8192, args.context), max(4096, longest), max_batch_size)
     return runner
 
 
@@ -139,27 +157,69 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
-def verify_chunks(runner: ModelRunner, k: int, rng: random.Random) -> list[SeqChunk]:
-    """Each decoding row's verify input: its last sampled token then ``k`` random
-    proposals, at its cached context (needs blocks for ``k + 1`` more tokens)."""
+class FixedGuesses:
+    """A proposer whose guesses are given (the verify step's input is the benchmark's
+    choice): ``guesses[i]`` for the i-th row asked, cut to its budget."""
+
+    def __init__(self, guesses: Sequence[Sequence[int]]) -> None:
+        self.guesses = guesses
+
+    def propose(self, requests: Sequence[RequestState], budgets: Sequence[int]) -> list[list[int]]:
+        return [list(g[:b]) for g, b in zip(self.guesses, budgets, strict=True)]
+
+
+def random_guesses(runner: ModelRunner, k: int, rng: random.Random) -> list[list[int]]:
+    """``k`` random token ids for each decoding row (the rows need blocks for ``k + 1``
+    more tokens: the verify step writes the K/V of every guess)."""
     vocab = runner.model_config.vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(k)] for _ in runner.requests.decoding]
+
+
+def verify_chunks(rows: Sequence[RequestState], guesses: Sequence[Sequence[int]]) -> list[SeqChunk]:
+    """Each row's verify input as one prefill chunk: its last sampled token then its
+    guesses, at its cached context."""
     return [
-        SeqChunk(
-            (r.token_ids[-1], *(rng.randrange(3, vocab) for _ in range(k))),
-            r.seq_len,
-            r.block_table,
-        )
-        for r in runner.requests.decoding
+        SeqChunk((r.token_ids[-1], *g), r.seq_len, r.block_table)
+        for r, g in zip(rows, guesses, strict=True)
     ]
+
+
+@torch.inference_mode()
+def verify_step(
+    decoder: SpeculativeDecoder, rows: Sequence[RequestState], guesses: Sequence[Sequence[int]]
+) -> list[int]:
+    """The target's greedy token after every position of ``rows`` and their
+    ``guesses`` (row after row), as serving verifies them: one decode step of one row per
+    query token (:meth:`SpeculativeDecoder.verify_logits`), the argmax of every
+    position, copied to the host. Writes the guesses' K/V into the cache; the requests
+    held do not change."""
+    return decoder.verify_logits(rows, guesses).argmax(dim=-1).tolist()
+
+
+def verify_graphed(
+    runner: ModelRunner, rows: Sequence[RequestState], guesses: Sequence[Sequence[int]]
+) -> bool:
+    """Whether :func:`verify_step` replays a decode CUDA graph: a captured bucket holds
+    its sum(k_i + 1) rows at its longest context (``ModelRunner.decode_logits``' test)."""
+    n = sum(len(g) + 1 for g in guesses)
+    longest = max(r.seq_len + len(g) for r, g in zip(rows, guesses, strict=True)) + 1
+    return runner.graphs is not None and runner.graphs.holds(n, longest)
 
 
 @torch.inference_mode()
 def verify_forward(runner: ModelRunner, chunks: Sequence[SeqChunk]) -> list[int]:
     """The target's greedy token after every position of ``chunks`` (flattened, chunk
-    order): one forward through the prefill path, the logits of all positions, their
-    argmax. Writes the chunks' K/V into the cache; the requests held do not change."""
+    order) through the varlen path: one eager forward through the prefill path, the
+    logits of all positions, their argmax. Writes the chunks' K/V into the cache; the
+    requests held do not change."""
     _, hidden = runner.run_chunks(chunks, is_prefill=True)
     return runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+
+def verify_rows(args: argparse.Namespace) -> int:
+    """The most rows a verify step of the sweep has: max(batch) × (max(k) + 1), the
+    target's decode-graph size (64 × 8 = 512 by default)."""
+    return max(args.batch) * (max(args.lookahead) + 1)
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device) -> float:
@@ -212,18 +272,44 @@ def measure_batch(
     spare = max(args.lookahead) + 1
     prefill_requests(target, batch, args.context, grown, spare=spare)
     rng = random.Random(1)
-    verify = {}
+    rows = list(target.requests.decoding)
+    verify, varlen, eager = {}, {}, []
     for k in args.lookahead:
-        chunks = verify_chunks(target, k, rng)
+        guesses = random_guesses(target, k, rng)
+        decoder = SpeculativeDecoder(target, FixedGuesses(guesses))
         verify[k + 1] = median_ms(
-            partial(verify_forward, target, chunks), args.reps, args.warmup_reps, target.device
+            partial(verify_step, decoder, rows, guesses),
+            args.reps,
+            args.warmup_reps,
+            target.device,
+        )
+        if not verify_graphed(target, rows, guesses):
+            eager.append(k + 1)
+        varlen[k + 1] = median_ms(
+            partial(verify_forward, target, verify_chunks(rows, guesses)),
+            args.reps,
+            args.warmup_reps,
+            target.device,
         )
     decode_sync, decode = decode_ms(target, args.reps, args.warmup_reps)
     target.reset()
     prefill_requests(draft, batch, args.context, grown, spare=spare)
     draft_sync, draft_step = decode_ms(draft, args.reps, args.warmup_reps)
     draft.reset()
-    return StepTimes(batch, decode_sync, decode, verify, draft_sync, draft_step)
+    return StepTimes(
+        batch, decode_sync, decode, verify, varlen, draft_sync, draft_step, tuple(eager)
+    )
+
+
+def eager_cells(times: Sequence[StepTimes], captured: bool) -> str:
+    """Which verify cells ran without a CUDA graph, in words (``captured``: whether the
+    target has decode graphs at all)."""
+    cells = [f"batch {t.batch} k+1={n}" for t in times for n in t.eager]
+    if not cells:
+        return "every verify cell replayed a decode CUDA graph"
+    if not captured:
+        return "every verify cell ran eagerly (no decode CUDA graphs captured)"
+    return "verify ran eagerly (no captured graph holds B(k+1) rows) at: " + ", ".join(cells)
 
 
 def _mark(batch: int, k: int, a: float, speedup: float) -> str:
@@ -296,9 +382,14 @@ def render(
         f"tuning `{args.gemm_tuning}`; both runners warmed up in {warmup_s:.0f} s",
         f"- {args.context}-token random prompts; median of {args.reps} reps after "
         f"{args.warmup_reps} warm-up reps, synchronize + perf_counter around each",
-        f"- verify k+1: every row's k+1 tokens at positions {args.context}..{args.context}+k "
-        "through `run_chunks(is_prefill=True)` (host inputs, forward, logits of all "
-        "positions, argmax, tokens to the host); state not advanced",
+        f"- verify k+1: every row's last token and k fixed random guesses at positions "
+        f"{args.context}..{args.context}+k as serving verifies them: "
+        "`SpeculativeDecoder.verify_logits`, a decode step of B(k+1) rows through "
+        "`ModelRunner.decode_logits` (its warm-up asks for decode graphs up to "
+        f"{verify_rows(args)} rows), then the argmax of every position and the tokens to "
+        f"the host; {eager_cells(times, target.graphs is not None)}. varlen eager k+1: "
+        "the same tokens through `run_chunks(is_prefill=True)` (host inputs, eager "
+        "forward, logits, argmax, host copy). State not advanced",
         "- decode: `ModelRunner.decode()` (sync), then launched as the servicer launches "
         f"them (pipelined); contexts grow from {args.context} to "
         f"{args.context + 2 * (args.reps + args.warmup_reps)} tokens over the decode reps",
@@ -307,15 +398,19 @@ def render(
         "",
         "| batch | decode sync | decode pipelined | "
         + " | ".join(f"verify k+1={k + 1}" for k in ks)
+        + " | "
+        + " | ".join(f"varlen eager k+1={k + 1}" for k in ks)
         + " | draft sync | draft pipelined | "
         + " | ".join(f"verify {k + 1} / decode" for k in ks)
         + " |",
-        "|---:|---:|---:|" + "---:|" * (2 * len(ks) + 2),
+        "|---:|---:|---:|" + "---:|" * (3 * len(ks) + 2),
     ]
     for t in times:
         lines.append(
             f"| {t.batch} | {t.decode_sync:.3f} | {t.decode:.3f} | "
             + " | ".join(f"{t.verify[k + 1]:.3f}" for k in ks)
+            + " | "
+            + " | ".join(f"{t.varlen[k + 1]:.3f}" for k in ks)
             + f" | {t.draft_sync:.3f} | {t.draft:.3f} | "
             + " | ".join(f"{t.verify[k + 1] / t.decode:.2f}" for k in ks)
             + " |"
@@ -324,7 +419,8 @@ def render(
         "",
         "Expected tokens per verify E = (1 − a^(k+1)) / (1 − a) (Leviathan et al. 2023, "
         "acceptance a i.i.d. per token). t_decode is the pipelined decode step (serving's "
-        "no-speculation baseline), t_verify(k+1) the verify forward above, t_draft the "
+        "no-speculation baseline), t_verify(k+1) the verify step above (B(k+1) decode "
+        "rows, not the varlen column), t_draft the "
         "draft's pipelined decode step. Targets (issue 47, a = 0.7, k = 4): ≥ 1.8× at "
         "batch 1, ≥ 1.35× at batch 32, in bold.",
         "",
@@ -433,12 +529,15 @@ def main(argv: Sequence[str] | None = None) -> str:
     shape = SMALL if args.tiny else LLAMA3_8B
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        target = build_runner(Path(folder, "target"), shape, args, TARGET_FRACTION)
+        target = build_runner(
+            Path(folder, "target"), shape, args, TARGET_FRACTION, verify_rows(args)
+        )
         draft = build_runner(
             Path(folder, "draft"),
             {**shape, "num_hidden_layers": args.draft_layers},
             args,
             DRAFT_FRACTION,
+            max(args.batch),
         )
         warmup_s = time.perf_counter() - started
         times = [measure_batch(target, draft, b, args) for b in args.batch]

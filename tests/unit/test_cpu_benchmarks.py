@@ -79,15 +79,17 @@ def test_expected_tokens_per_verify_step() -> None:
     assert speculative_verify.expected_tokens(0.0, 7) == 1.0
 
 
-def test_the_verify_forward_finds_the_greedy_decode_tokens(tmp_path: Path) -> None:
-    # k+1 tokens over the cached context through the prefill path: fed the tokens greedy
-    # decoding chose, its argmax after each is the next of them, and nothing advances
+def test_the_verify_steps_find_the_greedy_decode_tokens(tmp_path: Path) -> None:
+    # each row's last token and 3, 0 or 2 guesses over the cached context, through the
+    # decode rows serving runs (SpeculativeDecoder.verify_logits) and through the varlen
+    # prefill path: fed the tokens greedy decoding chose, the argmax after each is the next
+    # of them, and nothing advances
     import json
 
     from benchmarks.steps.dummy_model import SMALL, prefill_requests
     from shard.config import ShardConfig
-    from shard.inputs import SeqChunk
     from shard.model_runner import ModelRunner
+    from shard.speculative.step import SpeculativeDecoder
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     runner = ModelRunner(ShardConfig(model_path=str(tmp_path), device="cpu", block_size=16,
@@ -95,17 +97,21 @@ def test_the_verify_forward_finds_the_greedy_decode_tokens(tmp_path: Path) -> No
                                      kv_cache_bytes=64 << 20))
     runner.warmup(1024, 1024, 4)
     prefill_requests(runner, 3, 20, steps=8)
-    before = [(r.token_ids[-1], r.seq_len, list(r.block_table))
-              for r in runner.requests.decoding]
-    decoded: list[list[int]] = [[] for _ in before]
+    decoded: list[list[int]] = [[] for _ in runner.requests.decoding]
     for _ in range(4):
         for g in runner.decode().generations:
             decoded[g.request_id].append(g.token_id)
-    chunks = [SeqChunk((last, *tokens[:3]), seq_len, table)
-              for (last, seq_len, table), tokens in zip(before, decoded, strict=True)]
-    seq_lens = [r.seq_len for r in runner.requests.decoding]
-    assert speculative_verify.verify_forward(runner, chunks) == [t for d in decoded for t in d]
-    assert [r.seq_len for r in runner.requests.decoding] == seq_lens == [24] * 3
+    runner.reset()
+    prefill_requests(runner, 3, 20, steps=8)  # the same rows again, before those steps
+    rows = list(runner.requests.decoding)
+    guesses = [tokens[:m] for tokens, m in zip(decoded, (3, 0, 2), strict=True)]
+    want = [t for tokens, g in zip(decoded, guesses, strict=True) for t in tokens[:len(g) + 1]]
+    decoder = SpeculativeDecoder(runner, speculative_verify.FixedGuesses(guesses))
+    assert speculative_verify.verify_step(decoder, rows, guesses) == want
+    chunks = speculative_verify.verify_chunks(rows, guesses)
+    assert speculative_verify.verify_forward(runner, chunks) == want
+    assert not speculative_verify.verify_graphed(runner, rows, guesses)  # no graphs on CPU
+    assert [r.seq_len for r in runner.requests.decoding] == [20] * 3
     assert len({t for tokens in decoded for t in tokens}) > 3  # not one token everywhere
 
 
@@ -117,15 +123,30 @@ def test_the_speculative_report_has_every_batch_and_lookahead(tmp_path: Path) ->
         "--out", str(out)])
     assert out.read_text() == report
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
-    # batch, 2 decode, verify at k+1 = 2 and 5, 2 draft, 2 verify/decode ratios
-    steps = [r for r in rows if len(r) == 9 and r[0] != "| batch"]
+    # batch, 2 decode, verify and varlen eager at k+1 = 2 and 5, 2 draft, 2 verify/decode
+    steps = [r for r in rows if len(r) == 11 and r[0] != "| batch"]
     assert [r[0] for r in steps] == ["| 1", "| 3"]
+    heads = next(r for r in rows if r[0] == "| batch" and len(r) == 11)
+    assert heads[3:7] == ["verify k+1=2", "verify k+1=5", "varlen eager k+1=2",
+                          "varlen eager k+1=5"]
+    assert "asks for decode graphs up to 15 rows" in report  # 3 × (4 + 1)
+    assert "every verify cell ran eagerly (no decode CUDA graphs captured)" in report
     speedups = [r for r in rows if len(r) == 7 and r[0] != "| batch"]
     assert [(r[0], r[1]) for r in speedups] == [("| 1", "1"), ("| 1", "4"), ("| 3", "1"),
                                                 ("| 3", "4")] * 2  # n-gram, then draft
     assert sum("(≥ 1.8)" in r[4] for r in speedups) == 2  # the batch-1 target, a=0.7, k=4
     measured = [r for r in rows if r[0] == "| ngram/grounded"]
     assert [r[3] for r in measured] == ["1", "4"]
+
+
+def test_the_speculative_report_names_the_verify_cells_that_ran_eagerly() -> None:
+    def times(batch: int, eager: tuple[int, ...]) -> speculative_verify.StepTimes:
+        return speculative_verify.StepTimes(batch, 1.0, 1.0, {}, {}, 1.0, 1.0, eager)
+
+    cells = speculative_verify.eager_cells([times(8, ()), times(64, (5, 8))], True)
+    assert cells.endswith("at: batch 64 k+1=5, batch 64 k+1=8")
+    assert speculative_verify.eager_cells([times(8, ())], True) == (
+        "every verify cell replayed a decode CUDA graph")
 
 
 def test_the_shard_host_step_runs_without_a_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
