@@ -41,12 +41,14 @@ from router.model_files import prepare_default_model, resolve_model
 from router.serve.config import ServeConfig
 from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool
 from shard.layers.tp_layout import check_tp_size_for_folder
+from shard.tokenizer_files import check_same_vocabulary
 
 # The shard flags of ``launch``, defined with ShardConfig's fields (defaults, help, types).
 _MODEL_SHARD_FLAGS = ("dtype", "device", "load_format", "quantization")
 _SHARD_FLAGS = ("attention_backend", "cuda_graphs", "pdl", "gemm_tuning", "gemm_tuning_cache",
                 "block_size", "kv_cache_bytes", "kv_cache_dtype", "gpu_memory_fraction",
-                "step_trace_dir", "speculative_method", "ngram_max", "ngram_min")
+                "step_trace_dir", "speculative_method", "speculative_model", "ngram_max",
+                "ngram_min")
 
 # Shard fields whose router flag has another name: TGI's --num-shard, and the router's
 # own log switch, which it hands to the shards.
@@ -357,10 +359,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     files = resolve_model(args.model)
     check_tp_size_for_folder(files.path, args.num_shard)  # fail before starting any shard
     names = tuple(args.served_model_name or [files.model_id])
+    shard_flags = {name: getattr(args, name) for name in (*_MODEL_SHARD_FLAGS, *_SHARD_FLAGS)}
+    if args.speculative_model:  # a draft model: the method is implied, the folder checked
+        draft = resolve_model(args.speculative_model).path
+        check_same_vocabulary(files.path, draft)
+        shard_flags["speculative_model"] = str(draft)
+        if shard_flags["speculative_method"] == "none":
+            shard_flags["speculative_method"] = "draft"
     shard = ShardConfig(
         model_path=str(files.path), model_id=names[0], world_size=args.num_shard,
-        json_logs=args.json_output,
-        **{name: getattr(args, name) for name in (*_MODEL_SHARD_FLAGS, *_SHARD_FLAGS)},
+        json_logs=args.json_output, **shard_flags,
     )
     scheduling = config_values(SchedulerConfig, args)
     scheduling["num_speculative_tokens"] = speculative_tokens(

@@ -169,7 +169,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = field(default=0, metadata=_flag(
         "guesses a speculative decode step verifies per request (--speculative-method); "
         "each costs compute, and a step that accepts more emits more tokens", type=int,
-        metavar="TOKENS", default_text="3 with --speculative-method ngram, else 0"))
+        metavar="TOKENS",
+        default_text="3 with --speculative-method ngram, 4 with a draft model, else 0"))
     speculative_disable_batch_size: int = field(default=32, metadata=_flag(
         "decode steps of more running requests than this run without speculation",
         type=int, metavar="N"))
@@ -211,7 +212,7 @@ class SchedulerConfig:
 
 # Guesses per speculative step when --num-speculative-tokens is not given, per
 # --speculative-method.
-SPECULATIVE_TOKENS = {"none": 0, "ngram": 3}
+SPECULATIVE_TOKENS = {"none": 0, "ngram": 3, "draft": 4}
 
 
 def speculative_tokens(given: int | None, method: str) -> int:
@@ -223,7 +224,8 @@ def speculative_tokens(given: int | None, method: str) -> int:
     if given is None:
         return SPECULATIVE_TOKENS[method]
     if given > 0 and method == "none":
-        raise ValueError("--num-speculative-tokens needs --speculative-method (ngram)")
+        raise ValueError("--num-speculative-tokens needs --speculative-method (ngram) or "
+                         "--speculative-model")
     return given
 
 

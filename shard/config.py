@@ -56,7 +56,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "flashinfer", "torch")
 # --quantization (vLLM's names): "none", or fp8 weights (shard/quantization/)
 QUANTIZATIONS = ("none", "fp8")
 # --kv-cache-dtype: "auto" (the model's dtype) or fp8 e4m3 (shard/kv_cache.py)
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 # Size units: SI powers of 1000 and IEC powers of 1024 (Kubernetes' spelling: 2G = 2e9,
@@ -208,9 +208,15 @@ class ShardConfig:
     speculative_method: str = field(default="none", metadata=_flag(
         "speculative decoding: ngram = prompt lookup (guess the tokens that followed the "
         "latest earlier occurrence of the last n tokens in prompt and output; no extra "
-        "model), verified in one forward with exact greedy output and the target's "
-        "distribution when sampling; none = off",
+        "model); draft = a smaller model with the same tokenizer guesses "
+        "(--speculative-model); guesses are verified in one forward, with exact greedy "
+        "output and the target's distribution when sampling; none = off",
         choices=SPECULATIVE_METHODS))
+    speculative_model: str = field(default="", metadata=_flag(
+        "the draft model of --speculative-method draft (implied when given): a model "
+        "folder, or ORG/NAME in the local Hugging Face cache, whose tokenizer is the "
+        "served model's; it runs in every shard beside the served model, with its own KV "
+        "cache in the same blocks", metavar="PATH"))
     ngram_max: int = field(default=4, metadata=_flag(
         "longest n-gram --speculative-method ngram matches (tried first)", type=int,
         metavar="TOKENS"))
@@ -283,6 +289,9 @@ class ShardConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != bool(self.speculative_model):
+            raise ValueError("--speculative-method draft and --speculative-model go "
+                             "together (the draft model's folder)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"--ngram-min ({self.ngram_min}) and --ngram-max "
                              f"({self.ngram_max}) must satisfy 1 <= min <= max")

@@ -35,6 +35,7 @@ from shard.prompt_logprobs import prefill_chunk, prompt_logprobs
 from shard.quantization.config import resolve_kv_cache_dtype
 from shard.records import DecodeStep, NewRequest, PrefillStep, ShardInfo, StepOutput
 from shard.requests import RequestState, RequestTable
+from shard.speculative.draft import DraftModel, DraftProposer
 from shard.speculative.ngram import NgramProposer
 from shard.speculative.step import SpeculativeDecoder
 from shard.step_checks import validate_decode, validate_prefill
@@ -91,7 +92,9 @@ class ModelRunner:
         self.chain = StepChain(self.trace)  # the steps launched and not read yet
         self.grammars = GrammarCompiler(config.model_path, mc.vocab_size)
         self.sampler = StepSampler(self.grammars, self.kernels, self.chain)
-        # speculative Decodes (--speculative-method), or None: they are refused
+        # speculative Decodes (--speculative-method), or None: they are refused; the
+        # draft model of --speculative-method draft (its cache sized at warm-up)
+        self.draft: DraftModel | None = None
         self.speculator = speculative_decoder(self)
 
     @property
@@ -351,9 +354,12 @@ class ModelRunner:
 def speculative_decoder(runner: ModelRunner) -> SpeculativeDecoder | None:
     """The runner's verifier with the proposer its configuration names, or None."""
     config = runner.config
-    if config.speculative_method == "none":
-        return None
-    return SpeculativeDecoder(runner, NgramProposer(config.ngram_min, config.ngram_max))
+    if config.speculative_method == "ngram":
+        return SpeculativeDecoder(runner, NgramProposer(config.ngram_min, config.ngram_max))
+    if config.speculative_method == "draft":
+        runner.draft = DraftModel(runner)
+        return SpeculativeDecoder(runner, DraftProposer(runner.draft))
+    return None
 
 
 def _new_state(r: NewRequest, grammar: GrammarMatcher | None) -> RequestState:

@@ -246,6 +246,32 @@ def sample(
     dev = logits.device
     logits = logits.to(torch.float32)
     logprobs_all = logits.log_softmax(dim=-1)
+    scores = _scores(logits, rows, mask)
+    token_ids = scores.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
+    if sampled:
+        sub_rows = [rows[i] for i in sampled]
+        sub_scores = scores if len(sampled) == len(rows) else scores[sampled]
+        probs = _warp(sub_scores, sub_rows).softmax(dim=-1)
+        noise = exponential_noise(sub_rows, logits.shape[-1], dev)
+        picked = (probs / noise).argmax(dim=-1)
+        if len(sampled) == len(rows):
+            token_ids = picked
+        else:
+            token_ids[sampled] = picked
+    token_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
+    max_top_n = max((r.top_n for r in rows), default=0)
+    top_ids = top_lp = None
+    if max_top_n > 0:
+        top_lp, top_ids = logprobs_all.topk(min(max_top_n, logits.shape[-1]), dim=-1)
+    return SamplerOutput(token_ids, token_logprobs, top_ids, top_lp)
+
+
+def _scores(logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None
+            ) -> torch.Tensor:
+    """``logits`` (float32) with the rows' penalties and the grammar ``mask`` applied:
+    what the greedy argmax and the warpers read."""
+    dev = logits.device
     # Penalties are applied only when a row asks for one, decided on the host: the
     # common batch (no penalties) builds no tensors and never waits for the device.
     scores = logits
@@ -265,24 +291,23 @@ def sample(
     if mask is not None:
         # the penalties made a new tensor, which can be masked in place
         scores = mask.apply(scores, inplace=scores is not logits)
-    token_ids = scores.argmax(dim=-1)
-    sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
-    if sampled:
-        sub_rows = [rows[i] for i in sampled]
-        sub_scores = scores if len(sampled) == len(rows) else scores[sampled]
-        probs = _warp(sub_scores, sub_rows).softmax(dim=-1)
-        noise = exponential_noise(sub_rows, logits.shape[-1], dev)
-        picked = (probs / noise).argmax(dim=-1)
-        if len(sampled) == len(rows):
-            token_ids = picked
-        else:
-            token_ids[sampled] = picked
-    token_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
-    max_top_n = max((r.top_n for r in rows), default=0)
-    top_ids = top_lp = None
-    if max_top_n > 0:
-        top_lp, top_ids = logprobs_all.topk(min(max_top_n, logits.shape[-1]), dim=-1)
-    return SamplerOutput(token_ids, token_logprobs, top_ids, top_lp)
+    return scores
+
+
+def sampling_probs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
+) -> torch.Tensor:
+    """The distribution :func:`sample` draws a sampled row's token from: [n, vocab]
+    float32, after the penalties, the grammar ``mask``, temperature and truncation (the
+    target's p and a draft's q of speculative sampling, warped alike).
+
+    Args:
+        logits: [n, vocab] raw logits (float32 or the model's dtype).
+        rows: one :class:`SamplingRow` per logits row, each with ``do_sample``.
+        mask: the allowed tokens of grammar-constrained rows.
+    """
+    scores = _scores(logits.to(torch.float32), rows, mask)
+    return _warp(scores, rows).softmax(dim=-1)
 
 
 def has_penalty(params: SamplingParams) -> bool:

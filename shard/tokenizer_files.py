@@ -44,3 +44,30 @@ def eos_token_ids(folder: Path, token_to_id: Callable[[str], int | None]) -> fro
     if eos is not None and (eos_id := token_to_id(eos)) is not None:
         ids.add(int(eos_id))
     return frozenset(ids)
+
+
+def check_same_vocabulary(target: Path, draft: Path) -> None:
+    """Raise unless the draft model in ``draft`` tokenizes as the served model in
+    ``target`` does: the same token → id map (added tokens included) in their
+    ``tokenizer.json``. A draft's guesses are token ids of the served model's vocabulary.
+
+    Raises:
+        ValueError: a folder has no tokenizer.json, or the vocabularies differ (the
+            message counts the differences and names a few).
+    """
+    vocabularies = []
+    for folder in (target, draft):
+        data = read_json(folder / "tokenizer.json")
+        if not data:
+            raise ValueError(f"--speculative-model: {folder} has no tokenizer.json to compare")
+        vocab = dict(data.get("model", {}).get("vocab", {}) or {})
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+        vocabularies.append(vocab)
+    served, guessing = vocabularies
+    differ = sorted(t for t in served.keys() | guessing.keys() if served.get(t) != guessing.get(t))
+    if differ:
+        raise ValueError(
+            f"--speculative-model: the draft model's vocabulary differs from the served "
+            f"model's in {len(differ)} token{'s' if len(differ) > 1 else ''} "
+            f"(e.g. {differ[:3]}): its guesses would be other tokens; use a draft with the "
+            "same tokenizer")

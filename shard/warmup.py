@@ -179,6 +179,8 @@ class Warmup:
         block_size = runner.block_size
         per_block = bytes_per_block(runner.model_config, block_size, self.kv_dtype,
                                     self.config.world_size)
+        if runner.draft is not None:  # its cache has the same blocks
+            per_block += runner.draft.bytes_per_block(self.kv_dtype)
         chunks = dummy_chunks(max_batch_prefill_tokens, max_total_tokens, block_size)
         tune = gemm_tuning.tunes(self.config, self.device, runner.dtype)
         with PhaseProgress("warm-up", WARMUP_PHASES + bool(buckets) + tune, self.log,
@@ -230,8 +232,11 @@ class Warmup:
 
     def _bind_kv_cache(self, kv_cache: list[KVCacheLayer]) -> None:
         """Attach one cache layer to each attention layer of the runner's model
-        (replacing any previous cache)."""
+        (replacing any previous cache), and a cache of as many blocks to the draft
+        model's."""
         runner = self.runner
+        if runner.draft is not None:
+            runner.draft.bind(kv_cache[0].num_blocks, self.kv_dtype)
         layers = runner.model.attention_layers()
         assert len(layers) == len(kv_cache), (
             f"{len(layers)} attention layers, {len(kv_cache)} cache layers"
@@ -250,6 +255,8 @@ class Warmup:
         for attn in runner.model.attention_layers():
             attn.kv_cache = None
         runner.kv_cache = []
+        if runner.draft is not None:
+            runner.draft.unbind()
 
     def _describe_kv(self) -> str:
         """What the KV cache holds, for the log."""
@@ -274,6 +281,8 @@ class Warmup:
         runner = self.runner
         inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
         logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
+        if runner.draft is not None:
+            runner.draft.warm(chunks)
         sample(logits, dummy_sampling_rows(len(chunks)))
         # the greedy kernel is compiled (or found unusable) here, and for a decode graph's
         # logits (uncast)
@@ -324,3 +333,5 @@ class Warmup:
                               max_total_tokens, self.device, runner.kernels)
         graphs.capture()
         runner.graphs = graphs
+        if runner.draft is not None:
+            runner.draft.capture(buckets, max_total_tokens)

@@ -5,6 +5,7 @@ row, and one target forward over each row's last token and its guesses verifies 
 all at once.
 
 - :mod:`shard.speculative.ngram`: prompt lookup (n-gram) proposals, no extra model;
+- :mod:`shard.speculative.draft`: a draft model's guesses;
 - :mod:`shard.speculative.rejection`: the acceptance rule for proposals that come with
   a draft distribution (a draft model);
 - :mod:`shard.speculative.step`: the verify step over the rows the shard holds.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import torch
 
 from shard.requests import RequestState
 
@@ -30,4 +33,10 @@ class Proposer(Protocol):
                 ) -> list[list[int]]:
         """At most ``budgets[i]`` token ids to follow ``requests[i]``'s last token (fewer,
         or none, when it has no guess)."""
+        ...
+
+    def draft_probs(self) -> Sequence[Sequence[torch.Tensor]] | None:
+        """The distribution each guess of the last proposal was drawn from, per row
+        ([vocab] float32 per guess; empty for a row whose guesses are deterministic),
+        or None when every guess is (n-gram)."""
         ...

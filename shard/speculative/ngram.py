@@ -90,6 +90,10 @@ class NgramProposer:
         self.n_min = n_min
         self.n_max = n_max
 
+    def draft_probs(self) -> None:
+        """None: n-gram guesses are deterministic (see :class:`shard.speculative.Proposer`)."""
+        return None
+
     def propose(self, requests: Sequence[RequestState], budgets: Sequence[int]) -> list[list[int]]:
         """At most ``budgets[i]`` guesses after ``requests[i]``'s last token: what
         :func:`propose_ngram` gives for its ``token_ids``. A row with budget 0 gets []

@@ -43,8 +43,10 @@ from shard.sampling import (
     TokenSuffix,
     sample,
     sample_greedy,
+    sampling_probs,
 )
 from shard.speculative import Proposer
+from shard.speculative.rejection import accept_drafts, speculative_randoms
 
 if TYPE_CHECKING:
     from shard.model_runner import ModelRunner
@@ -87,6 +89,7 @@ class SpeculativeDecoder:
         timer = StepTimer(runner.device)
         logits = self.verify_logits(rows, drafts)
         out = self._sample(logits, rows, drafts, mask)
+        ruled = self._apply_rule(logits, rows, drafts, self.proposer.draft_probs())
         timer.stop()
         runner.chain.last_timer = timer
         tokens = out.token_ids.tolist()
@@ -96,11 +99,16 @@ class SpeculativeDecoder:
         generations: list[Generation] = []
         counts: list[int] = []
         start = 0
-        for r, d in zip(rows, drafts, strict=True):
+        for i, (r, d) in enumerate(zip(rows, drafts, strict=True)):
             target = tokens[start : start + len(d) + 1]
             accepted = 0
             while accepted < len(d) and target[accepted] == d[accepted]:
                 accepted += 1
+            if i in ruled:  # a sampled row with a draft distribution: the rule's tokens
+                emitted, emitted_logprobs = ruled[i]
+                accepted = len(emitted) - 1
+                tokens[start : start + accepted + 1] = emitted
+                logprobs[start : start + accepted + 1] = emitted_logprobs
             for p in range(start, start + accepted + 1):
                 top: tuple[TopToken, ...] = ()
                 if r.top_n_tokens and top_ids is not None and top_lps is not None:
@@ -128,6 +136,61 @@ class SpeculativeDecoder:
             num_tokens=tuple(counts),
             num_proposed=tuple(len(d) for d in drafts),
         )
+
+    def _apply_rule(
+        self, logits: torch.Tensor, rows: Sequence[RequestState],
+        drafts: Sequence[Sequence[int]], draft_probs: Sequence[Sequence[torch.Tensor]] | None,
+    ) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens (and their logprobs under the model) of each sampled row whose
+        guesses come with their draft distributions (a draft model), by the rule of
+        Leviathan et al. 2023 (:func:`~shard.speculative.rejection.accept_drafts`):
+        row index -> (emitted tokens, logprobs). Greedy rows and deterministic guesses
+        keep the target's own tokens (accepted while they equal the guesses)."""
+        if not draft_probs:
+            return {}
+        picked = [i for i, d in enumerate(drafts) if d and draft_probs[i]]
+        if not picked:
+            return {}
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        positions = [starts[i] + j for i in picked for j in range(len(drafts[i]) + 1)]
+        sampling = []
+        for i in picked:
+            r, d = rows[i], drafts[i]
+            for j in range(len(d) + 1):
+                seen: Sequence[int] = r.token_ids if j == 0 else [*r.token_ids, *d[:j]]
+                sampling.append(SamplingRow(r.sampling, r.num_generated + j, seen,
+                                            TokenSuffix(seen, r.num_generated + j)))
+        index = to_device(positions, torch.int64, logits.device)
+        p_flat = sampling_probs(logits.index_select(0, index), sampling)
+        k = max(len(drafts[i]) for i in picked)
+        vocab = p_flat.shape[1]
+        device = p_flat.device
+        p = torch.zeros(len(picked), k + 1, vocab, dtype=torch.float32, device=device)
+        q = torch.zeros(len(picked), k, vocab, dtype=torch.float32, device=device)
+        guesses = torch.zeros(len(picked), k, dtype=torch.int64)
+        offset = 0
+        for n, i in enumerate(picked):
+            m = len(drafts[i])
+            p[n, : m + 1] = p_flat[offset : offset + m + 1]
+            q[n, :m] = torch.stack(list(draft_probs[i]))
+            guesses[n, :m] = torch.tensor(drafts[i])
+            offset += m + 1
+        uniforms, noise = speculative_randoms(
+            [rows[i].sampling.seed for i in picked], [rows[i].num_generated for i in picked],
+            k, vocab, device)
+        emitted, accepted = accept_drafts(
+            guesses.to(device), to_device([len(drafts[i]) for i in picked], torch.int64, device),
+            p, q, uniforms, noise)
+        raw = logits.index_select(0, index).float().log_softmax(dim=-1)
+        out: dict[int, tuple[list[int], list[float]]] = {}
+        offset = 0
+        for n, i in enumerate(picked):
+            tokens = emitted[n, : int(accepted[n]) + 1].tolist()
+            out[i] = (tokens, [float(raw[offset + j, t]) for j, t in enumerate(tokens)])
+            offset += len(drafts[i]) + 1
+        return out
 
     def verify_logits(
         self, rows: Sequence[RequestState], drafts: Sequence[Sequence[int]]

@@ -141,7 +141,8 @@ def test_argv_of_a_config_parses_back_to_it() -> None:
         kv_cache_bytes=3 * 2**20 + 7, gpu_memory_fraction=0.55, json_logs=True, rank=3,
         master_addr="10.0.0.2", master_port=29500, parent_pid=4242,
         step_trace_dir="/data/trace", quantization="fp8", kv_cache_dtype="fp8",
-        speculative_method="ngram", ngram_max=5, ngram_min=3,
+        speculative_method="draft", speculative_model="/models/draft", ngram_max=5,
+        ngram_min=3,
     )
     default = ShardConfig(model_path="-")
     same = [f.name for f in dataclasses.fields(ShardConfig)

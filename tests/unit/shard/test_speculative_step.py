@@ -36,6 +36,9 @@ class ScriptedProposer:
         self.rng = random.Random(seed)
         self.calls: list[list[int]] = []
 
+    def draft_probs(self) -> None:
+        return None  # deterministic guesses
+
     def propose(self, requests: Sequence[RequestState], budgets: Sequence[int]
                 ) -> list[list[int]]:
         self.calls.append(list(budgets))
