@@ -115,7 +115,7 @@ class SchedulerConfig:
         itl_target_s: The time a mixed step aims at, seconds: its prompt tokens are as
             many as the measured step time allows (:mod:`router.prefill_budget`), so
             that running streams' inter-token gap stays near it. None: 3 decode steps,
-            at least 0.2 s.
+            at least 0.1 s.
         num_speculative_tokens: Guesses a speculative decode step verifies per request
             (the shards' ``--speculative-method`` proposes them); 0 = off.
         speculative_disable_batch_size: Decode steps of more requests than this run
@@ -165,7 +165,7 @@ class SchedulerConfig:
         "tokens are sized from measured step times so that running streams' "
         "inter-token gap stays near it (at most --max-batch-prefill-tokens; mixed steps "
         "only: unused with --decode-during-prefill off)", type=float,
-        metavar="SECONDS", default_text="3 decode steps, at least 0.2"))
+        metavar="SECONDS", default_text="3 decode steps, at least 0.1"))
     num_speculative_tokens: int = field(default=0, metadata=_flag(
         "guesses a speculative decode step verifies per request (--speculative-method); "
         "each costs compute, and a step that accepts more emits more tokens", type=int,

@@ -48,7 +48,7 @@ from router.status_log import StatusLogger
 from router.step_deadline import StepDeadline
 from router.step_trace import Trace, step_trace
 from router.tokenizer import Tokenizer
-from shard.config import quantization_details
+from shard.config import ShardConfig, quantization_details
 from shard.pb.shard_pb2 import InfoResponse
 
 SHARD_START_TIMEOUT_S = 1800.0
@@ -70,7 +70,7 @@ class WarmupBudgets:
 
     max_batch_prefill_tokens: int
     max_total_tokens: int
-    max_batch_size: int
+    max_batch_size: int  # rows of the largest decode CUDA graph (see graph_rows)
     # no --max-total-tokens: the default is lowered to the KV cache's capacity afterwards
     max_total_tokens_derived: bool = False
 
@@ -133,6 +133,28 @@ def warmed_up_budgets(
     return dataclasses.replace(config.scheduler, **budgets)
 
 
+def graph_rows(max_batch_size: int, scheduler: SchedulerConfig) -> int:
+    """Rows of the largest decode step, for the decode CUDA graphs: the running batch,
+    or with speculation the verify step's one row per query token of the largest batch
+    that speculates (``(k + 1)`` per request)."""
+    k = scheduler.num_speculative_tokens
+    if not k:
+        return max_batch_size
+    return max(max_batch_size,
+               min(max_batch_size, scheduler.speculative_disable_batch_size) * (k + 1))
+
+
+def speculation_details(shard: ShardConfig, scheduler: SchedulerConfig) -> str:
+    """How decode steps speculate, in words for ``/info`` and the log; empty when off."""
+    k = scheduler.num_speculative_tokens
+    if not k:
+        return ""
+    source = (f"draft model {shard.speculative_model}" if shard.speculative_method == "draft"
+              else f"n-gram prompt lookup ({shard.ngram_min}-{shard.ngram_max} tokens)")
+    return (f"{source}, up to {k} guesses per request and step, off above "
+            f"{scheduler.speculative_disable_batch_size} running requests")
+
+
 async def build_engine(
     config: ServerConfig, client: ShardClient
 ) -> tuple[Engine, ModelFacts, WarmupBudgets]:
@@ -145,7 +167,7 @@ async def build_engine(
                             device_type=device_type)
     warmup = WarmupBudgets(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
-        before["max_batch_size"],
+        graph_rows(before["max_batch_size"], config.scheduler),
         max_total_tokens_derived=config.budget_flags.get("max_total_tokens") is None,
     )
     logger.info("warming up {} shard(s) on {}: sizing the KV cache and a worst-case prefill of "
@@ -184,9 +206,12 @@ async def build_engine(
         quantization=config.shard.quantization,
         kv_cache_dtype="float8_e4m3fn" if config.shard.kv_cache_dtype == "fp8" else first.dtype,
         quantization_details=quantization_details(config.shard),
+        speculative_decoding=speculation_details(config.shard, scheduler),
     )
     if facts.quantization_details:
         logger.info("quantized: {}", facts.quantization_details)
+    if facts.speculative_decoding:
+        logger.info("speculative decoding: {}", facts.speculative_decoding)
     return engine, facts, warmup
 
 

@@ -20,9 +20,11 @@ AUTO_TARGET_DECODE_STEPS = 3.0
 # ... and at least this long, seconds. A GPU's decode step is a few milliseconds, but
 # prompt tokens cost least in large steps: on an H100 (8B model, 512 x 1024-token
 # prompts) steps of 50 ms computed ~970 prompt tokens each at 0.73x nano-vllm's
-# throughput (benchmarks/results/gpu-serving-h200.md); 0.2 s is the order of vLLM's
-# 8192-token and SGLang's 8192-16384-token budgets on that model.
-AUTO_TARGET_MIN_S = 0.2
+# throughput, while 0.1 s beat 0.2 s on every workload of the benchmark (bench 1.24x
+# against 1.09x, prefill_heavy 1.20x against 1.12x: the running batch steps twice as
+# often while prompts are computed; benchmarks/results/gpu-serving-h200.md). 0.1 s
+# holds ~4-8k prompt tokens there, the order of vLLM's 8192-token budget.
+AUTO_TARGET_MIN_S = 0.1
 # Fewest prompt tokens a step that prefills carries: a prompt goes on even when the
 # rows alone take the whole target.
 MIN_TOKENS = 32

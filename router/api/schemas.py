@@ -124,6 +124,12 @@ class Info(BaseModel):
     kv_cache_dtype: str = Field(description="Dtype of the KV cache's keys and values.")
     quantization_details: str = Field(
         description="What is quantized and how, in words; empty when nothing is.")
+    speculative_decoding: str = Field(
+        "", description="How decode steps speculate, in words; empty when they do not.")
+    speculative_proposed_tokens: int = Field(
+        0, description="Guesses proposed so far (speculative decoding).")
+    speculative_accepted_tokens: int = Field(
+        0, description="Guesses accepted so far; over the proposed: the acceptance rate.")
     block_size: int
     kv_blocks_total: int
     kv_blocks_free: int

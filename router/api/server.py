@@ -53,6 +53,8 @@ class ModelFacts:
     quantization: str = "none"
     kv_cache_dtype: str = ""
     quantization_details: str = ""
+    # speculative decoding in words (router.config.speculation_details); empty when off
+    speculative_decoding: str = ""
 
 
 def make_state(engine: EngineApi, budgets: Budgets, tokenizer: Tokenizer,
@@ -77,6 +79,7 @@ def make_state(engine: EngineApi, budgets: Budgets, tokenizer: Tokenizer,
         quantization=facts.quantization,
         kv_cache_dtype=facts.kv_cache_dtype or facts.dtype,
         quantization_details=facts.quantization_details,
+        speculative_decoding=facts.speculative_decoding,
         max_request_bytes=config.max_request_bytes,
         model_aliases=config.served_model_names[1:],
         api_key=config.api_key,

@@ -40,6 +40,7 @@ class ServerState:
     quantization: str = "none"
     kv_cache_dtype: str = ""
     quantization_details: str = ""
+    speculative_decoding: str = ""
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)
     metrics_require_api_key: bool = False

@@ -136,6 +136,8 @@ class EngineStatus:
         kv_blocks_total: KV blocks usable on every rank.
         kv_blocks_free: KV blocks with no owner.
         prefix_cache_hit_tokens: Prompt tokens served from the prefix cache so far.
+        speculative_proposed: Guesses proposed by speculative decoding so far.
+        speculative_accepted: Guesses accepted so far.
     """
 
     draining: bool
@@ -146,6 +148,8 @@ class EngineStatus:
     kv_blocks_total: int
     kv_blocks_free: int
     prefix_cache_hit_tokens: int
+    speculative_proposed: int = 0
+    speculative_accepted: int = 0
 
     @property
     def kv_blocks_used(self) -> int:

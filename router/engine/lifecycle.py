@@ -35,6 +35,9 @@ class Lifecycle:
         self.shards = shards
         self.output = output
         self.metrics = metrics
+        # speculative decoding's guesses so far (the counters of /metrics, for /info)
+        self.guesses_proposed = 0
+        self.guesses_accepted = 0
 
     def admitted(self, sequences: list[Sequence]) -> None:
         """Count the queue time and prompt tokens of newly admitted sequences (not of a
@@ -99,6 +102,8 @@ class Lifecycle:
         metrics = self.metrics
         for (seq, _), guesses, emitted in zip(sampled, proposed, counts, strict=True):
             if guesses:
+                self.guesses_proposed += guesses
+                self.guesses_accepted += emitted - 1
                 metrics.proposed_tokens.inc(guesses)
                 metrics.accepted_tokens.inc(emitted - 1)
                 metrics.verifications.inc()

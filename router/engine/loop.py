@@ -158,6 +158,8 @@ class Engine(EventSource):
             running=len(scheduler.running) + len(scheduler.prefilling),
             block_size=manager.block_size, kv_blocks_total=manager.num_blocks,
             kv_blocks_free=manager.num_free, prefix_cache_hit_tokens=manager.hit_tokens,
+            speculative_proposed=self.lifecycle.guesses_proposed,
+            speculative_accepted=self.lifecycle.guesses_accepted,
         )
 
     async def snapshot(self) -> EngineStatus:
