@@ -6,7 +6,6 @@ the guesses are counted and verified (acceptance > 0)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from router.request import (
 )
 from tests.integration.test_engine_tiny import make_engine, reference_tokens
 
-# Three prompts of different lengths; the model below repeats itself in runs (its
+# Three prompts of different lengths; repeating_model_dir (conftest.py) repeats itself (its
 # layers' outputs scaled down, the tied embeddings favour the last token), so n-gram
 # guesses are both accepted and rejected.
 PROMPTS = [
@@ -32,28 +31,6 @@ PROMPTS = [
     "a b c d e f g a b c d e f g a b c d",
 ]
 MAX_NEW_TOKENS = [40, 23, 37]
-
-
-@pytest.fixture(scope="module")
-def repeating_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with its attention and MLP outputs scaled by 0.08: its greedy
-    text falls into runs of one token, between which it wanders."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from tests.conftest import TOKENIZER_FILES
-
-    folder = tmp_path_factory.mktemp("tiny-llama-repeating")
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.08)
-            layer.mlp.down_proj.weight.mul_(0.08)
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tiny_model_dir / name).exists():
-            shutil.copy(tiny_model_dir / name, folder / name)
-    return folder
 
 
 @pytest.fixture
