@@ -26,8 +26,9 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, n_min: int, n_max: 
     state: the reference of :class:`NgramProposer`).
 
     An occurrence is earlier when it starts before the suffix itself (it may overlap
-    it). At most ``num_tokens`` ids; fewer when the match lies near the end, [] when no
-    n matches or ``num_tokens`` is 0.
+    it). ``num_tokens`` ids, or [] when no n matches or ``num_tokens`` is 0: when the
+    tokens after the occurrence run into the row's end, the guesses go on as if the row
+    repeated itself with that period (:func:`follow`).
     """
     length = len(token_ids)
     if num_tokens <= 0:
@@ -38,8 +39,20 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, n_min: int, n_max: 
         suffix = list(token_ids[length - n :])
         for start in range(length - n - 1, -1, -1):
             if list(token_ids[start : start + n]) == suffix:
-                return list(token_ids[start + n : start + n + num_tokens])
+                return follow(token_ids, start + n, num_tokens)
     return []
+
+
+def follow(token_ids: Sequence[int], start: int, num_tokens: int) -> list[int]:
+    """``num_tokens`` guesses copied from ``token_ids[start:]``; past the end the copy
+    reads its own guesses (an overlapping copy, as in LZ77): the row continues with
+    period ``len(token_ids) - start``, so a run of one token gives ``num_tokens``
+    guesses of it rather than one."""
+    guesses = list(token_ids[start : start + num_tokens])
+    period = len(token_ids) - start
+    while len(guesses) < num_tokens:
+        guesses.append(guesses[len(guesses) - period])
+    return guesses
 
 
 @dataclass
@@ -112,7 +125,7 @@ class NgramProposer:
                 continue
             end = index.tables[n - self.n_min].get(tuple(tokens[length - n :]))
             if end is not None:
-                return tokens[end : end + budget]
+                return follow(tokens, end, budget)
         return []
 
     def _current_index(self, request: RequestState) -> _NgramIndex:

@@ -21,8 +21,8 @@ def request(token_ids: list[int]) -> RequestState:
     [
         # the last 2 tokens (3, 4) occurred at 2..3, followed by 5 6 7
         ([1, 2, 3, 4, 5, 6, 7, 3, 4], 3, 2, 2, [5, 6, 7]),
-        # fewer than asked when the match is near the end
-        ([1, 2, 3, 4, 5, 6, 7, 3, 4], 10, 2, 2, [5, 6, 7, 3, 4]),
+        # past the row's end the guesses repeat it with the match's period (5 6 7 3 4)
+        ([1, 2, 3, 4, 5, 6, 7, 3, 4], 10, 2, 2, [5, 6, 7, 3, 4, 5, 6, 7, 3, 4]),
         # the latest occurrence wins: (3, 4) at 2 and at 6; 6 is followed by 9
         ([1, 2, 3, 4, 5, 6, 3, 4, 9, 3, 4], 2, 2, 2, [9, 3]),
         # the longest n wins over a later shorter match: (2, 3, 4) at 1 -> 5, while (3, 4)
@@ -31,8 +31,10 @@ def request(token_ids: list[int]) -> RequestState:
         ([1, 2, 3, 4, 5, 6, 3, 4, 8, 2, 3, 4], 2, 2, 2, [8, 2]),
         # n_min = 1: only the last token matches
         ([7, 1, 8, 2, 8], 2, 1, 3, [2, 8]),
-        # an occurrence overlapping the suffix (a repeated token): it is followed by itself
-        ([5, 9, 9, 9], 4, 2, 2, [9]),
+        # an occurrence overlapping the suffix (a run of one token): the run goes on
+        ([5, 9, 9, 9], 4, 2, 2, [9, 9, 9, 9]),
+        # a run of two tokens, period 2
+        ([1, 5, 6, 5, 6, 5], 5, 1, 2, [6, 5, 6, 5, 6]),
         # no match, budget 0, a too-short context
         ([1, 2, 3, 4], 3, 1, 2, []),
         ([1, 2, 1, 2], 0, 1, 2, []),
