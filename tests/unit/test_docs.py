@@ -35,7 +35,7 @@ def agrees(cell: str, value: object) -> bool:
             return float(cell) == value
         except ValueError:
             return parse_size(cell) == value
-    return cell == value
+    return cell == value or (cell == "none" and value == "")  # an empty path: none
 
 
 def test_flag_table_defaults_are_the_parsers() -> None:
