@@ -85,9 +85,15 @@ def counter(engine: Engine, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
+@pytest.mark.parametrize("config", [
+    {},
+    {"steps_in_flight": 2},  # plain steps overlapped two deep between speculative ones
+    {"speculative_disable_batch_size": 2},  # the batch of 3 decodes plainly until one ends
+], ids=["default", "two-in-flight", "batch-limit"])
 async def test_greedy_tokens_equal_transformers_alone_and_batched(
-        spec_shard_address: str, repeating_model_dir: Path, expected: list[list[int]]) -> None:
-    engine = await speculative_engine(spec_shard_address, repeating_model_dir)
+        spec_shard_address: str, repeating_model_dir: Path, expected: list[list[int]],
+        config: dict[str, int]) -> None:
+    engine = await speculative_engine(spec_shard_address, repeating_model_dir, **config)
     baseline = engine.block_manager.num_free
     try:
         for prompt, n, want in zip(PROMPTS, MAX_NEW_TOKENS, expected, strict=True):
