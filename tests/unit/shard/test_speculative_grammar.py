@@ -27,13 +27,19 @@ def runner(tiny_model_dir: Path) -> ModelRunner:
     return make_runner(tiny_model_dir, kv_cache_bytes=8 * 1024 * 1024)
 
 
-def plain_tokens(runner: ModelRunner, do_sample: bool) -> dict[int, list[int]]:
+def start(runner: ModelRunner, do_sample: bool) -> tuple[BlockPool, dict[int, list[int]]]:
+    """Prefill two JSON-constrained requests and an unconstrained one; their first
+    tokens."""
     pool = BlockPool(runner.num_blocks, seed=3)
     grammar = json_schema_grammar(SCHEMA)
     reqs = [new_request(i, pool, grammar, do_sample=do_sample, seed=i) for i in (1, 2)]
     reqs.append(new_request(3, pool, do_sample=do_sample, seed=3))  # unconstrained
     out = runner.prefill(PrefillStep(tuple(reqs)))
-    tokens = {g.request_id: [g.token_id] for g in out.generations}
+    return pool, {g.request_id: [g.token_id] for g in out.generations}
+
+
+def plain_tokens(runner: ModelRunner, do_sample: bool) -> dict[int, list[int]]:
+    pool, tokens = start(runner, do_sample)
     driver = DecodeDriver(runner, pool)
     for _ in range(STEPS):
         for rid, token in driver.step().items():
@@ -44,12 +50,7 @@ def plain_tokens(runner: ModelRunner, do_sample: bool) -> dict[int, list[int]]:
 
 def spec_tokens(runner: ModelRunner, do_sample: bool, proposer: ScriptedProposer
                 ) -> dict[int, list[int]]:
-    pool = BlockPool(runner.num_blocks, seed=3)
-    grammar = json_schema_grammar(SCHEMA)
-    reqs = [new_request(i, pool, grammar, do_sample=do_sample, seed=i) for i in (1, 2)]
-    reqs.append(new_request(3, pool, do_sample=do_sample, seed=3))
-    out = runner.prefill(PrefillStep(tuple(reqs)))
-    tokens = {g.request_id: [g.token_id] for g in out.generations}
+    pool, tokens = start(runner, do_sample)
     runner.speculator = SpeculativeDecoder(runner, proposer)
     driver = SpecDriver(runner, pool, k=3)
     try:
