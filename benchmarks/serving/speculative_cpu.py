@@ -4,11 +4,12 @@ off and on, over the HTTP API.
 What is measured
 ----------------
 The script starts ``shardserve launch --executor local`` on ``--model`` (the default
-model, SmolLM2-135M-Instruct) once without speculation and once with ``--spec-args``
-(``--speculative-method ngram``: its default lookahead and n-gram lengths), and sends
-greedy ``POST /v1/chat/completions`` requests (temperature 0, ``max_tokens``
-``--max-tokens``, EOS ends an answer) of two fixed prompt sets, each at batch 1 (one
-request at a time) and batch 8 (8 in flight):
+model, SmolLM2-135M-Instruct) without speculation (``off``), with ``--spec-args``
+(``on``: ``--speculative-method ngram`` with its default lookahead and n-gram lengths)
+and with each ``--sweep`` configuration (``;``-separated flags added to
+``--spec-args``), all at once, and sends them greedy ``POST /v1/chat/completions``
+requests (temperature 0, ``max_tokens`` ``--max-tokens``, EOS ends an answer) of two
+fixed prompt sets, each at batch 1 (one request at a time) and batch 8 (8 in flight):
 
 - **grounded**: summarize, extract from, edit, translate or rewrite a text given in the
   prompt, and rename or document identifiers of given code: the answer copies runs of
@@ -17,18 +18,25 @@ request at a time) and batch 8 (8 in flight):
   the policy (pausing requests of low acceptance) must keep the speed of decoding
   without speculation.
 
-Per workload: output tokens/s = completion tokens / wall time from the first request
-sent to the last answer; the acceptance rate (accepted / proposed guesses) and the mean
-accepted guesses per verification (a request's verify step with at least one guess),
-from the ``shardserve_spec_decode_*_total`` counters' deltas at ``/metrics``; and how
-many answers are identical with and without speculation, token for token (each answer's
-tokens as ``logprobs.content`` names them, and its text). Each server first answers one
-warm-up request; the batch-8 runs follow the batch-1 runs of the same prompts, so their
-prompts come from the prefix cache (with speculation off and on alike).
+The servers take turns, one round at a time (a round: ``batch`` prompts, all in flight
+at once; the order of the servers reversed every other round), so that the load of a
+shared machine drifts alike over all of them; only the server whose turn it is works.
+``off`` and ``on`` run every workload; the sweep's servers the grounded prompts at
+batch 1 (the lookahead and n-gram lengths the defaults are chosen from).
 
-``--sweep`` then starts one server per configuration (``;``-separated launch flags
-added to ``--spec-args``) and runs the grounded prompts at batch 1 on each: the
-lookahead and n-gram lengths the defaults are chosen from.
+Per workload and server: output tokens/s = completion tokens / the rounds' wall time
+(from a round's first request sent to its last answer); the acceptance rate (accepted /
+proposed guesses) and the mean accepted guesses per verification (a request's verify
+step with at least one guess), from the ``shardserve_spec_decode_*_total`` counters'
+deltas at ``/metrics``; and how many answers are identical with and without
+speculation, token for token (each answer's tokens as ``logprobs.content`` names them,
+and its text). Beside them, from the step histograms' ``_sum`` / ``_count`` deltas: the
+mean decode step without speculation and the mean speculative (verify) step with it
+(shard forward time, proposal and sampling included), and the tokens a decode step
+emits with speculation (an answer's first token comes from its prefill and is not
+counted). Each server first answers one warm-up request; the batch-8 runs follow the
+batch-1 runs of the same prompts, so their prompts come from the prefix cache (with
+speculation off and on alike).
 
 Usage: ``python -m benchmarks.serving.speculative_cpu [--max-tokens 128]
 [--sweep "--num-speculative-tokens 2;--ngram-min 1"] [--out
@@ -43,6 +51,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +61,13 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import free_port, header, start_server, stop_server, wait_healthy
+from benchmarks.harness import (
+    free_port,
+    header,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 # ---- the prompts ---------------------------------------------------------------------------
 
@@ -169,22 +184,37 @@ CHAT = [
 
 PROMPT_SETS: dict[str, list[str]] = {"grounded": GROUNDED, "chat": CHAT}
 WORKLOADS = ("grounded-1", "grounded-8", "chat-1", "chat-8")  # prompt set - batch
+SWEEP_WORKLOAD = "grounded-1"
 
 
 # ---- one workload's run --------------------------------------------------------------------
 
 _COUNTER = re.compile(
-    r"^shardserve_spec_decode_(proposed_tokens|accepted_tokens|verifications)"
-    r"_total (\S+)$"
+    r"^shardserve_(spec_decode_(?:proposed_tokens|accepted_tokens|verifications)_total"
+    r"|(?:decode_step|spec_decode_verify_step)_duration_seconds_(?:sum|count)) (\S+)$"
+)
+COUNTERS = (
+    "spec_decode_proposed_tokens_total",
+    "spec_decode_accepted_tokens_total",
+    "spec_decode_verifications_total",
+    "decode_step_duration_seconds_sum",
+    "decode_step_duration_seconds_count",
+    "spec_decode_verify_step_duration_seconds_sum",
+    "spec_decode_verify_step_duration_seconds_count",
 )
 
 
 def spec_counters(text: str) -> dict[str, float]:
-    """The speculation counters of a Prometheus exposition: ``proposed_tokens``,
-    ``accepted_tokens``, ``verifications`` (absent ones are 0)."""
-    found = {"proposed_tokens": 0.0, "accepted_tokens": 0.0, "verifications": 0.0}
+    """The :data:`COUNTERS` of a Prometheus exposition, keyed without the
+    ``shardserve_`` prefix (absent ones are 0): the speculation counters and the
+    ``_sum`` / ``_count`` of the decode and verify step histograms (seconds)."""
+    found = dict.fromkeys(COUNTERS, 0.0)
     found.update({m[1]: float(m[2]) for line in text.splitlines() if (m := _COUNTER.match(line))})
     return found
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else float("nan")
 
 
 @dataclass
@@ -203,16 +233,12 @@ class Run:
     Attributes:
         seconds: wall time from the first request sent to the last answer.
         answers: per prompt, in the prompt set's order.
-        proposed: guesses proposed (counter delta).
-        accepted: guesses accepted.
-        verifications: requests' verify steps with at least one guess.
+        counters: the :data:`COUNTERS`' deltas over the run.
     """
 
     seconds: float
     answers: list[Answer] = field(default_factory=list)
-    proposed: float = 0.0
-    accepted: float = 0.0
-    verifications: float = 0.0
+    counters: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
 
     @property
     def tokens(self) -> int:
@@ -220,24 +246,68 @@ class Run:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
+        return _ratio(self.tokens, self.seconds)
 
     @property
     def acceptance(self) -> float:
         """Accepted / proposed guesses; NaN when none was proposed."""
-        return self.accepted / self.proposed if self.proposed else float("nan")
+        c = self.counters
+        return _ratio(
+            c["spec_decode_accepted_tokens_total"], c["spec_decode_proposed_tokens_total"]
+        )
 
     @property
     def accepted_per_verification(self) -> float:
         """Mean accepted guesses per verification; NaN when none ran."""
-        return self.accepted / self.verifications if self.verifications else float("nan")
+        c = self.counters
+        return _ratio(c["spec_decode_accepted_tokens_total"], c["spec_decode_verifications_total"])
+
+    @property
+    def decode_step_ms(self) -> float:
+        """Mean shard forward of a decode step (verify steps included), ms."""
+        c = self.counters
+        return 1e3 * _ratio(
+            c["decode_step_duration_seconds_sum"], c["decode_step_duration_seconds_count"]
+        )
+
+    @property
+    def verify_step_ms(self) -> float:
+        """Mean shard forward of a speculative decode step, ms; NaN when none ran."""
+        c = self.counters
+        return 1e3 * _ratio(
+            c["spec_decode_verify_step_duration_seconds_sum"],
+            c["spec_decode_verify_step_duration_seconds_count"],
+        )
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens after each answer's first (a prefill's) per decode step."""
+        steps = self.counters["decode_step_duration_seconds_count"]
+        return _ratio(self.tokens - len(self.answers), steps)
 
 
-async def _ask(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Answer:
+def split_workload(workload: str) -> tuple[list[str], int]:
+    """(prompts, batch) of a workload named ``set-batch``."""
+    prompt_set, batch = workload.rsplit("-", 1)
+    return PROMPT_SETS[prompt_set], int(batch)
+
+
+@dataclass
+class Server:
+    """A server started for the run: its ``label`` in the tables (``off``, ``on`` or a
+    sweep's flags), its launch ``flags``, its ``base`` URL and its child process."""
+
+    label: str
+    flags: list[str]
+    base: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+async def _ask(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> Answer:
     response = await client.post(
-        "/v1/chat/completions",
+        f"{base}/v1/chat/completions",
         json={
-            "model": model,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -251,58 +321,97 @@ async def _ask(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     )
 
 
-async def run_workload(base: str, prompts: Sequence[str], batch: int, max_tokens: int) -> Run:
-    """Send ``prompts`` to the server at ``base`` with at most ``batch`` in flight (a new
-    one as soon as one is answered); the speculation counters' deltas over the run."""
-    gate = asyncio.Semaphore(batch)
-    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(900.0)) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        before = spec_counters((await client.get("/metrics")).text)
-
-        async def one(prompt: str) -> Answer:
-            async with gate:
-                return await _ask(client, model, prompt, max_tokens)
-
-        start = time.perf_counter()
-        answers = await asyncio.gather(*(one(p) for p in prompts))
-        seconds = time.perf_counter() - start
-        after = spec_counters((await client.get("/metrics")).text)
-    delta = {k: after[k] - before[k] for k in after}
-    return Run(
-        seconds,
-        list(answers),
-        delta["proposed_tokens"],
-        delta["accepted_tokens"],
-        delta["verifications"],
-    )
-
-
-def serve_workloads(
-    args: argparse.Namespace, flags: list[str], workloads: Sequence[str], env: Mapping[str, str]
+async def run_workload(
+    client: httpx.AsyncClient,
+    servers: Sequence[Server],
+    workload: str,
+    max_tokens: int,
+    first_round: int = 0,
 ) -> dict[str, Run]:
-    """Start a server with launch ``flags``, answer one warm-up request, run each of
-    ``workloads`` (``set-batch``) in order and stop it."""
-    log_path = Path(tempfile.mkdtemp()) / "server.log"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_server(port, args.model, ["--device", args.device, *flags], log_path, env)
-    runs: dict[str, Run] = {}
+    """Run ``workload`` (``set-batch``) on each of ``servers``, interleaved: in rounds of
+    ``batch`` prompts (all in flight at once), each round on one server after the other,
+    in the servers' order in even rounds (counted from ``first_round``) and the reverse
+    in odd ones, so that the machine's load drifts alike over all of them.
+
+    Returns:
+        label -> its run: the rounds' seconds summed, the answers in prompt order and
+        the counters' deltas over the workload.
+    """
+    prompts, batch = split_workload(workload)
+
+    async def counters() -> list[dict[str, float]]:
+        return [spec_counters((await client.get(f"{s.base}/metrics")).text) for s in servers]
+
+    before = await counters()
+    seconds = [0.0] * len(servers)
+    answers: list[list[Answer]] = [[] for _ in servers]
+    for r, first in enumerate(range(0, len(prompts), batch)):
+        chunk = prompts[first : first + batch]
+        order = list(range(len(servers)))
+        for i in order if (first_round + r) % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            got = await asyncio.gather(
+                *(_ask(client, servers[i].base, p, max_tokens) for p in chunk)
+            )
+            seconds[i] += time.perf_counter() - start
+            answers[i].extend(got)
+    after = await counters()
+    return {
+        s.label: Run(seconds[i], answers[i], {k: after[i][k] - before[i][k] for k in COUNTERS})
+        for i, s in enumerate(servers)
+    }
+
+
+def start_servers(
+    args: argparse.Namespace, flags: Mapping[str, list[str]], env: Mapping[str, str]
+) -> list[Server]:
+    """Start a server per label -> launch flags, all at once, and wait until each is
+    healthy (stopping all of them if one fails).
+
+    Raises:
+        ServerError: a server exited or did not become healthy in time.
+    """
+    servers = []
+    for label, extra in flags.items():
+        log_path = Path(tempfile.mkdtemp()) / "server.log"
+        port = free_port()
+        proc = start_server(port, args.model, ["--device", args.device, *extra], log_path, env)
+        servers.append(Server(label, extra, f"http://127.0.0.1:{port}", proc, log_path))
     try:
-        wait_healthy(proc, base, log_path, args.startup_timeout)
-        asyncio.run(run_workload(base, ["Say hello."], 1, 16))
-        for name in workloads:
-            prompt_set, batch = name.rsplit("-", 1)
-            runs[name] = asyncio.run(
-                run_workload(base, PROMPT_SETS[prompt_set], int(batch), args.max_tokens)
-            )
-            print(
-                f"  {' '.join(flags) or '(off)'} {name}: {runs[name].tokens} tokens in "
-                f"{runs[name].seconds:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-    finally:
-        stop_server(proc)
+        for s in servers:
+            wait_healthy(s.proc, s.base, s.log_path, args.startup_timeout)
+    except BaseException:
+        for s in servers:
+            stop_server(s.proc)
+        raise
+    return servers
+
+
+async def run_all(
+    servers: Sequence[Server], workloads: Sequence[str], sweep_workload: str, max_tokens: int
+) -> dict[str, dict[str, Run]]:
+    """Warm each server up with one request, then run each of ``workloads`` on the
+    ``off`` and ``on`` servers, and ``sweep_workload`` on the others as well.
+
+    Returns:
+        label -> workload -> run.
+    """
+    runs: dict[str, dict[str, Run]] = {s.label: {} for s in servers}
+    rounds = 0
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+        await asyncio.gather(*(_ask(client, s.base, "Say hello.", 16) for s in servers))
+        for workload in workloads:
+            taking = [s for s in servers if s.label in ("off", "on") or workload == sweep_workload]
+            done = await run_workload(client, taking, workload, max_tokens, rounds)
+            prompts, batch = split_workload(workload)
+            rounds += -(-len(prompts) // batch)
+            for label, run in done.items():
+                runs[label][workload] = run
+                print(
+                    f"  {label} {workload}: {run.tokens} tokens in {run.seconds:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return runs
 
 
@@ -318,38 +427,48 @@ def identical(off: Run, on: Run) -> int:
 
 
 def _spec_cells(off: Run, on: Run) -> str:
+    """on/off | acceptance | accepted / verification | verify step | tokens / step |
+    identical."""
     return (
         f"{on.tokens_per_s / off.tokens_per_s:.2f}× | {on.acceptance:.2f} "
-        f"| {on.accepted_per_verification:.2f} | {identical(off, on)}/{len(off.answers)}"
+        f"| {on.accepted_per_verification:.2f} | {on.verify_step_ms:.1f} "
+        f"| {on.tokens_per_step:.2f} | {identical(off, on)}/{len(off.answers)}"
     )
+
+
+_SPEC_HEADS = "| on/off | acceptance | accepted / verification | verify step on (ms) "
+_SPEC_HEADS += "| tokens / decode step on | identical |"
 
 
 def workload_table(off: Mapping[str, Run], on: Mapping[str, Run]) -> list[str]:
     """Markdown rows: per workload, speculation off against on."""
     lines = [
-        "| prompts | batch | output tokens | off tok/s | on tok/s | on/off | acceptance "
-        "| accepted / verification | identical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | batch | output tokens | off tok/s | on tok/s | decode step off (ms) "
+        + _SPEC_HEADS,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in off:
         prompt_set, batch = name.rsplit("-", 1)
         a, b = off[name], on[name]
         lines.append(
             f"| {prompt_set} | {batch} | {a.tokens} | {a.tokens_per_s:.1f} "
-            f"| {b.tokens_per_s:.1f} | {_spec_cells(a, b)} |"
+            f"| {b.tokens_per_s:.1f} | {a.decode_step_ms:.1f} | {_spec_cells(a, b)} |"
         )
     return lines
 
 
 def sweep_table(off: Run, configs: Mapping[str, Run]) -> list[str]:
-    """Markdown rows: the grounded batch-1 workload under each speculation config."""
+    """Markdown rows: the grounded batch-1 workload under each speculation config
+    (``configs``: its launch flags -> its run)."""
     lines = [
-        "| speculation flags | tok/s | on/off | acceptance | accepted / verification | identical |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| (off) | {off.tokens_per_s:.1f} | 1.00× | - | - | - |",
+        "| speculation flags | tok/s " + _SPEC_HEADS,
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| (off: decode step {off.decode_step_ms:.1f} ms) | {off.tokens_per_s:.1f} "
+        f"| 1.00× | - | - | - | {off.tokens_per_step:.2f} | - |",
     ]
     for flags, run in configs.items():
-        lines.append(f"| `{flags}` | {run.tokens_per_s:.1f} | {_spec_cells(off, run)} |")
+        label = flags if flags.startswith("(") else f"`{flags}`"
+        lines.append(f"| {label} | {run.tokens_per_s:.1f} | {_spec_cells(off, run)} |")
     return lines
 
 
@@ -374,9 +493,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sweep",
-        default="--num-speculative-tokens 2;--num-speculative-tokens 5;"
-        "--ngram-min 1;--ngram-min 1 --num-speculative-tokens 5",
-        help="';'-separated flags added to --spec-args, each run on grounded "
+        default="--num-speculative-tokens 2;--num-speculative-tokens 5;--ngram-min 1",
+        help="';'-separated flags added to --spec-args, a server each, run on grounded "
         "prompts at batch 1 ('' for none)",
     )
     p.add_argument(
@@ -409,7 +527,9 @@ def report(
         "",
         f"`{Path(args.model).name}`, `{launch}` against `{args.spec_args}`; "
         f"greedy `/v1/chat/completions`, max_tokens {args.max_tokens}, EOS ends an "
-        f"answer; {len(GROUNDED)} grounded and {len(CHAT)} chat prompts per workload.",
+        f"answer; {len(GROUNDED)} grounded and {len(CHAT)} chat prompts per workload; "
+        "the servers run side by side and take turns (a request at batch 1, all 8 at batch "
+        "8).",
         "",
         *workload_table(off, on),
     ]
@@ -418,7 +538,7 @@ def report(
             "",
             f"Grounded prompts at batch 1 by speculation flags (added to `{args.spec_args}`):",
             "",
-            *sweep_table(off["grounded-1"], sweep),
+            *sweep_table(off[SWEEP_WORKLOAD], {"(defaults)": on[SWEEP_WORKLOAD], **sweep}),
         ]
     return "\n".join(lines) + "\n"
 
@@ -430,16 +550,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(args.threads)
     common = shlex.split(args.server_args)
     spec = shlex.split(args.spec_args)
-    off = serve_workloads(args, common, args.workloads, env)
-    on = serve_workloads(args, [*common, *spec], args.workloads, env)
-    sweep: dict[str, Run] = {}
-    configs = [c.strip() for c in args.sweep.split(";") if c.strip()]
-    if configs and "grounded-1" in off:
-        for config in configs:
-            sweep[config] = serve_workloads(
-                args, [*common, *spec, *shlex.split(config)], ["grounded-1"], env
-            )["grounded-1"]
-    text = report(args, off, on, sweep)
+    flags = {"off": common, "on": [*common, *spec]}
+    if SWEEP_WORKLOAD in args.workloads:
+        for config in filter(None, (c.strip() for c in args.sweep.split(";"))):
+            flags[config] = [*common, *spec, *shlex.split(config)]
+    servers = start_servers(args, flags, env)
+    try:
+        runs = asyncio.run(run_all(servers, args.workloads, SWEEP_WORKLOAD, args.max_tokens))
+    finally:
+        for s in servers:
+            stop_server(s.proc)
+    off, on = runs.pop("off"), runs.pop("on")
+    text = report(args, off, on, {label: r[SWEEP_WORKLOAD] for label, r in runs.items()})
     print(text)
     if args.out:
         args.out.write_text(text)
