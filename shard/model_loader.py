@@ -15,7 +15,7 @@ from shard.attention.base import AttentionBackend
 from shard.config import ShardConfig, dtype_name
 from shard.distributed import ParallelContext, parallel_context
 from shard.kernels.choices import KernelChoices, kernel_context
-from shard.layers.linear import pack_cpu_weights
+from shard.layers.product_weights import pack_cpu_weights
 from shard.models.base import CausalLM
 from shard.models.config import ModelConfig
 from shard.models.registry import get_model_class

@@ -32,7 +32,7 @@ from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
 from shard.kernels import gemm_tuning, tuning_cache
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
-from shard.layers.linear import linear_weights, lm_head_weights
+from shard.layers.product_weights import linear_weights, lm_head_weights
 from shard.progress import PhaseProgress
 from shard.quantization.config import resolve_kv_cache_dtype
 from shard.sampling import SamplingRow, sample, sample_greedy

@@ -3,7 +3,7 @@
 or fill dummy weights from the config alone.
 
 Tensors are handed to the loaders as lazy safetensors slices, so a tensor-parallel rank
-reads only its own rows or columns from disk (see :mod:`shard.layers.linear`). fp8
+reads only its own rows or columns from disk (see :mod:`shard.layers.weight_loader`). fp8
 checkpoint tensors reach fp8 parameters as they are; unquantized ones are quantized by
 the fp8 layers' loaders (:mod:`shard.layers.fp8`)."""
 
@@ -20,7 +20,7 @@ from loguru import logger
 from safetensors import safe_open
 
 from shard.layers.fp8 import missing_scales
-from shard.layers.linear import get_checkpoint_shapes, get_weight_loader
+from shard.layers.weight_loader import get_checkpoint_shapes, get_weight_loader
 from shard.models.base import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -121,7 +121,7 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
     from loguru import logger
 
     from router.model_files import prepare_default_model
-    from shard.attention import torch_backend
+    from shard.attention import torch_by_sequence
     from shard.config import ShardConfig
     from shard.model_runner import ModelRunner
     from shard.records import NewRequest, PrefillStep
@@ -151,7 +151,7 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
             runner.requests = held
             runner.decode()
     gather_s = 0.0
-    buffers = torch_backend.SequenceContexts.buffers
+    buffers = torch_by_sequence.SequenceContexts.buffers
 
     def timed_buffers(self, kv_cache):  # type: ignore[no-untyped-def]
         nonlocal gather_s
@@ -160,7 +160,7 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
         gather_s += time.perf_counter() - started
         return out
 
-    torch_backend.SequenceContexts.buffers = timed_buffers  # type: ignore[method-assign]
+    torch_by_sequence.SequenceContexts.buffers = timed_buffers  # type: ignore[method-assign]
     walls: dict[str, list[float]] = {name: [] for name in layouts}
     gathers: dict[str, float] = dict.fromkeys(layouts, 0.0)
     try:
@@ -173,7 +173,7 @@ def decode_steps(prompt_lens: list[int], steps: int) -> dict[str, tuple[float, f
                 walls[name].append((time.perf_counter() - started) * 1e3)
                 gathers[name] += (gather_s - gather_before) * 1e3
     finally:
-        torch_backend.SequenceContexts.buffers = buffers  # type: ignore[method-assign]
+        torch_by_sequence.SequenceContexts.buffers = buffers  # type: ignore[method-assign]
     return {name: (statistics.median(walls[name]), gathers[name] / steps) for name in layouts}
 
 

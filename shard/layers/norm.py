@@ -10,7 +10,7 @@ from torch import nn
 
 from shard.kernels.choices import current_kernels
 from shard.layers import fused
-from shard.layers.linear import default_weight_loader, set_weight_loader
+from shard.layers.weight_loader import default_weight_loader, set_weight_loader
 
 
 class RMSNorm(nn.Module):

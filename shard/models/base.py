@@ -19,7 +19,7 @@ class CausalLM(Protocol):
     """A decoder-only language model over flattened tokens and a paged KV cache.
 
     An implementation is an ``nn.Module`` whose parameters carry their own
-    ``weight_loader`` (see :mod:`shard.layers.linear`), built inside
+    ``weight_loader`` (see :mod:`shard.layers.weight_loader`), built inside
     :func:`~shard.distributed.parallel_context` for its tensor-parallel rank.
     """
 

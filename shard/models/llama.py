@@ -24,15 +24,10 @@ from shard.attention.layer import Attention
 from shard.attention.metadata import AttentionMetadata
 from shard.kernels.choices import current_kernels, gate_up_silu_rows
 from shard.layers.activation import SiluAndMul
-from shard.layers.linear import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from shard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
+from shard.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from shard.models.config import ModelConfig
 
 # (cos, sin) of the tokens' rotary angles, each [num_tokens, 1, head_dim]

@@ -323,7 +323,8 @@ def test_a_failed_save_leaves_no_temporary_and_keeps_its_records(tmp_path, monke
 def test_only_products_without_a_bias_are_tuned():
     from torch import nn
 
-    from shard.layers.linear import ColumnParallelLinear, RowParallelLinear, linear_weights
+    from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from shard.layers.product_weights import linear_weights
 
     model = nn.Sequential(ColumnParallelLinear(16, 24, bias=True),   # bias in the product
                           ColumnParallelLinear(16, 24, bias=False),
@@ -367,7 +368,7 @@ def test_every_candidate_gives_the_product(m, n, k, dtype):
 
 @needs_cuda
 def test_a_tuned_layer_gives_the_untuned_output(monkeypatch, table):
-    from shard.layers.linear import _matmul
+    from shard.layers.linear import linear_product
 
     kernels = KernelChoices(gemms=table)
 
@@ -382,18 +383,19 @@ def test_a_tuned_layer_gives_the_untuned_output(monkeypatch, table):
     bias = torch.randn(1024, generator=gen).bfloat16().cuda()
     assert table.lookup(700, 1024, 512, torch.bfloat16) is results[1].algorithm
     assert table.run(x, weights[0], None) is not None
-    _assert_close(_matmul(x, weights[0], None, None, kernels), F.linear(x, weights[0]))
+    _assert_close(linear_product(x, weights[0], None, None, kernels), F.linear(x, weights[0]))
     assert table.run(x, weights[0], bias) is None  # a bias: F.linear's epilogue
-    _assert_close(_matmul(x, weights[0], None, bias, kernels), F.linear(x, weights[0], bias))
+    _assert_close(linear_product(x, weights[0], None, bias, kernels), F.linear(x, weights[0], bias))
     small = x[:100]
     assert table.run(small, weights[0], None) is None  # fewer rows than tuned: cuBLAS
-    _assert_close(_matmul(small, weights[0], None, None, kernels), F.linear(small, weights[0]))
+    _assert_close(linear_product(small, weights[0], None, None, kernels),
+                  F.linear(small, weights[0]))
 
 
 @needs_cuda
 def test_decode_batch_sizes_are_tuned_and_captured_graphs_give_the_untuned_output(
         monkeypatch, table):
-    from shard.layers.linear import _matmul
+    from shard.layers.linear import linear_product
 
     kernels = KernelChoices(gemms=table)
 
@@ -413,7 +415,7 @@ def test_decode_batch_sizes_are_tuned_and_captured_graphs_give_the_untuned_outpu
             assert table.run(x[:rows], w, None) is None  # eager: F.linear
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = _matmul(x[:rows], w, None, None, kernels)
+                out = linear_product(x[:rows], w, None, None, kernels)
             out.zero_()
             graph.replay()
             _assert_close(out, F.linear(x[:rows], w))

@@ -162,7 +162,7 @@ def test_graph_with_tuned_products_close_to_eager_bf16(tmp_path: Path, monkeypat
     pytest.importorskip("triton")
     from shard.decode_state import DecodeRows
     from shard.kernels import cublaslt, gemm_tuning
-    from shard.layers.linear import linear_weights, lm_head_weights
+    from shard.layers.product_weights import linear_weights, lm_head_weights
     from tests.unit.shard.helpers import make_hf_model
 
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # keep the fastest variant whatever it is
@@ -206,7 +206,7 @@ def test_rows_the_fused_gate_up_kernel_takes_are_not_tuned(tmp_path: Path, monke
     one's would (a shared shape is tuned for the LM head)."""
     pytest.importorskip("triton")
     from shard.kernels import gemm_tuning
-    from shard.layers.linear import lm_head_weights
+    from shard.layers.product_weights import lm_head_weights
     from shard.models.llama import LlamaMLP
     from tests.unit.shard.helpers import make_hf_model
 

@@ -1,4 +1,5 @@
-"""oneDNN weight packing of float32 CPU linear layers (shard.layers.linear.pack_cpu_weights)."""
+"""oneDNN weight packing of float32 CPU linear layers
+(shard.layers.product_weights.pack_cpu_weights)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from shard.layers.linear import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    pack_cpu_weights,
-)
+from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shard.layers.product_weights import pack_cpu_weights
+from shard.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build"

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from shard.distributed import ParallelContext, current_parallel, parallel_context
-from shard.layers.linear import QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from shard.layers.linear import QKVParallelLinear, RowParallelLinear
 from shard.layers.tp_layout import check_tp_size, first_kv_head, valid_tp_sizes
+from shard.layers.vocab_parallel import VocabParallelEmbedding
 
 
 def test_nine_heads_over_two_names_valid_counts() -> None:
