@@ -218,16 +218,28 @@ def test_the_locality_schedule_tells_the_allocators_apart() -> None:
 def test_the_speculative_cpu_report_compares_off_and_on() -> None:
     exposition = ("# TYPE shardserve_spec_decode_proposed_tokens_total counter\n"
                   "shardserve_spec_decode_proposed_tokens_total 40.0\n"
-                  "shardserve_spec_decode_accepted_tokens_total 30.0\n")
-    assert speculative_cpu.spec_counters(exposition) == {
-        "proposed_tokens": 40.0, "accepted_tokens": 30.0, "verifications": 0.0}
+                  "shardserve_spec_decode_accepted_tokens_total 30.0\n"
+                  "shardserve_spec_decode_verify_step_duration_seconds_sum 0.5\n"
+                  "shardserve_decode_step_duration_seconds_bucket{le=\"0.01\"} 7.0\n")
+    counters = speculative_cpu.spec_counters(exposition)
+    assert counters["spec_decode_proposed_tokens_total"] == 40
+    assert counters["spec_decode_verify_step_duration_seconds_sum"] == 0.5
+    assert sum(counters.values()) == 70.5  # no bucket, the absent ones 0
     same, other = speculative_cpu.Answer(["a", "b"], "ab"), speculative_cpu.Answer(["ab"], "ab")
-    off = speculative_cpu.Run(2.0, [same, same])
-    on = speculative_cpu.Run(1.0, [same, other], proposed=40, accepted=30, verifications=20)
+    off = speculative_cpu.Run(2.0, [same, same], {
+        **counters, "decode_step_duration_seconds_sum": 0.1,
+        "decode_step_duration_seconds_count": 2.0})
+    on = speculative_cpu.Run(1.0, [same, other], {
+        **counters, "spec_decode_verifications_total": 20.0,
+        "spec_decode_verify_step_duration_seconds_count": 10.0,
+        "decode_step_duration_seconds_count": 1.0})
     args = speculative_cpu.parse_args(["--workloads", "grounded-1", "--sweep", ""])
     report = speculative_cpu.report(args, {"grounded-1": off}, {"grounded-1": on},
                                     {"--ngram-min 1": on})
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
     # 4 tokens in 2 s off, 3 in 1 s on; the answer tokenized otherwise is not identical
-    assert rows[1] == ["| grounded", "1", "4", "2.0", "3.0", "1.50×", "0.75", "1.50", "1/2 |"]
-    assert rows[-1] == ["| `--ngram-min 1`", "3.0", "1.50×", "0.75", "1.50", "1/2 |"]
+    spec = ["1.50×", "0.75", "1.50", "50.0", "1.00", "1/2 |"]
+    assert rows[1] == ["| grounded", "1", "4", "2.0", "3.0", "50.0", *spec]
+    assert [r[0] for r in rows[3:]] == ["| (off: decode step 50.0 ms)", "| (defaults)",
+                                        "| `--ngram-min 1`"]
+    assert rows[-1][2:] == spec
