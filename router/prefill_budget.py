@@ -76,9 +76,19 @@ class PrefillBudget:
 
     def tokens(self, max_tokens: int, decoding: bool) -> int:
         """The budget of the next step that prefills: ``max_tokens`` (the most of one
-        step, ``--max-batch-prefill-tokens``) when nothing decodes or nothing is
-        measured yet; else the tokens whose measured cost, added to a decode step, fits
-        the target (at least ``MIN_TOKENS``)."""
+        step, ``--max-batch-prefill-tokens``) when nothing decodes or no prompt cost is
+        measured yet; 0 while requests decode and no decode step is measured, with the
+        automatic target (which is a number of decode steps: a step of the rows alone
+        measures one); else the tokens whose measured cost, added to a decode step,
+        fits the target (at least ``MIN_TOKENS``).
+
+        NOTE: without that 0, a burst of arrivals never leaves room for a decode step of
+        its own (every step also prefills) and the automatic target stays unknown
+        through the whole burst: every step then took all of ``max_tokens`` (on an
+        H100, bench.py's workload at 1.05x nano-vllm against 1.24x with the target
+        set; benchmarks/results/gpu-serving-h200.md)."""
+        if decoding and self.target_s is None and self.decode_s is None:
+            return 0
         target, per_token = self.target(), self.per_token_s
         if not decoding or target is None or not per_token:
             return max_tokens

@@ -311,7 +311,9 @@ class Engine(EventSource):
                 await asyncio.sleep(0)
                 self.output.deliver()
                 results = await self.inflight.read(call)
-                self.scheduler.prefill_budget.observe(call.prompt_tokens, results.forward_s)
+                if call.kind != "speculative":  # a verify step is no decode step's time
+                    self.scheduler.prefill_budget.observe(call.prompt_tokens,
+                                                          results.forward_s)
                 self.lifecycle.apply(call.sampled, results)
         self._failed_at = None
         return True

@@ -192,7 +192,9 @@ async def test_prefill_first_holds_decodes_until_every_newcomer_is_prefilled(
     # one 3-token prompt per prefill step: three prefill steps for three requests
     config = SchedulerConfig(max_input_tokens=4, max_total_tokens=64, max_batch_prefill_tokens=4,
                              chunked_prefill=False, waiting_served_ratio=0,
-                             decode_during_prefill=decode_during_prefill)
+                             decode_during_prefill=decode_during_prefill,
+                             # a target set: no decode step of the rows alone to measure one
+                             itl_target_s=10.0)
     engine = Engine(shard, tokenizer, config, shard.num_blocks,  # type: ignore[arg-type]
                     shard.block_size)
     engine.start()

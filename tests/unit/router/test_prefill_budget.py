@@ -70,3 +70,16 @@ def test_a_cost_per_token_decayed_to_almost_nothing_gives_the_whole_budget() -> 
     while budget.per_token_s is not None and budget.per_token_s > 1e-310:
         budget.observe(16, 0.01)  # faster than the decode step: adds 0 s
     assert budget.tokens(4096, decoding=True) == 4096
+
+
+def test_the_automatic_target_waits_for_a_decode_step_of_the_rows_alone() -> None:
+    """With requests decoding and no decode step measured, the automatic target (a
+    number of decode steps) is unknown: no prompt tokens, so that the next step is one
+    of the rows alone and measures it; a set target needs none."""
+    budget = PrefillBudget()
+    budget.observe(4096, 0.4)  # prompts computed, no decode step yet
+    assert budget.tokens(16384, decoding=False) == 16384
+    assert budget.tokens(16384, decoding=True) == 0
+    budget.observe(0, 0.01)
+    assert 0 < budget.tokens(16384, decoding=True) < 16384
+    assert PrefillBudget(target_s=0.1).tokens(16384, decoding=True) == 16384
