@@ -112,7 +112,8 @@ _SECRET_DESTS = frozenset(
     for config_class in (SchedulerConfig, ValidationLimits, ServerConfig, ServeConfig)
     for name, (flag, _) in config_flags(config_class).items() if flag.secret
 )
-_DERIVED_BUDGETS = ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens",
+_DERIVED_BUDGETS = ("speculative_disable_batch_size", "max_batch_prefill_tokens",
+                    "max_input_tokens", "max_total_tokens",
                     "max_batch_size", "waiting_served_ratio", "max_concurrent_requests")
 
 

@@ -173,7 +173,7 @@ class SchedulerConfig:
         default_text="3 with --speculative-method ngram, 4 with a draft model, else 0"))
     speculative_disable_batch_size: int = field(default=32, metadata=_flag(
         "decode steps of more running requests than this run without speculation",
-        type=int, metavar="N"))
+        type=int, metavar="N", default_text="4 on CPU, 32 on GPU"))
     steps_in_flight: int = field(default=1, metadata=_flag(
         "shard steps sent ahead of the one being read: 1, or 2 for more slack on a busy "
         "router (a stopped request then computes two discarded tokens instead of one)",
@@ -210,6 +210,14 @@ class SchedulerConfig:
             )
 
 
+# Running requests above which decode steps do not speculate, when
+# --speculative-disable-batch-size is not given. On a 2-core CPU a verify step of 8
+# requests with 3 guesses each cost 1.3-1.5x a decode step: open chat at batch 8 ran at
+# 0.87x with speculation (limit 32), 1.03x with the limit at 4; input-grounded prompts
+# 1.94x at batch 1 (benchmarks/results/speculative-cpu.md). A GPU reads its weights
+# once for all the rows of a step, so its verify steps cost about a decode step up to
+# much larger batches.
+SPECULATIVE_DISABLE_BATCH_SIZE = {"cpu": 4, "cuda": 32}
 # Guesses per speculative step when --num-speculative-tokens is not given, per
 # --speculative-method.
 SPECULATIVE_TOKENS = {"none": 0, "ngram": 3, "draft": 4}
@@ -275,12 +283,14 @@ def derive_budgets(
     ``GPU_BATCH_SIZE`` (the upper bound before the capacity is known, which sizes the
     decode CUDA graphs). ``waiting_served_ratio``: ``WAITING_SERVED_RATIO[device_type]``.
     ``max_concurrent_requests``: ``CONCURRENT_PER_BATCH_ROW`` × max_batch_size, at least
-    ``MIN_CONCURRENT_REQUESTS``.
+    ``MIN_CONCURRENT_REQUESTS``. ``speculative_disable_batch_size``:
+    ``SPECULATIVE_DISABLE_BATCH_SIZE[device_type]``.
 
     Args:
         given: ``max_total_tokens``, ``max_input_tokens``, ``max_batch_prefill_tokens``,
-            ``max_batch_size``, ``waiting_served_ratio``, ``max_concurrent_requests`` as
-            passed on the command line (``None`` or missing = derive).
+            ``max_batch_size``, ``waiting_served_ratio``, ``max_concurrent_requests``,
+            ``speculative_disable_batch_size`` as passed on the command line (``None`` or
+            missing = derive).
         max_position_embeddings: The model's context length, tokens.
         kv_capacity_tokens: Tokens the KV cache holds (known after Warmup).
         chunked_prefill: Whether long prompts may be split over steps.
@@ -314,9 +324,12 @@ def derive_budgets(
         ratio = WAITING_SERVED_RATIO.get(device_type, WAITING_SERVED_RATIO["cuda"])
     concurrent = given.get("max_concurrent_requests") or max(
         CONCURRENT_PER_BATCH_ROW * batch, MIN_CONCURRENT_REQUESTS)
+    speculative = given.get("speculative_disable_batch_size") or (
+        SPECULATIVE_DISABLE_BATCH_SIZE.get(device_type, SPECULATIVE_DISABLE_BATCH_SIZE["cuda"]))
     return {"max_total_tokens": total, "max_input_tokens": inputs,
             "max_batch_prefill_tokens": prefill, "max_batch_size": batch,
-            "waiting_served_ratio": ratio, "max_concurrent_requests": concurrent}
+            "waiting_served_ratio": ratio, "max_concurrent_requests": concurrent,
+            "speculative_disable_batch_size": speculative}
 
 
 @dataclass(frozen=True)

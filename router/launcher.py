@@ -133,15 +133,13 @@ def warmed_up_budgets(
     return dataclasses.replace(config.scheduler, **budgets)
 
 
-def graph_rows(max_batch_size: int, scheduler: SchedulerConfig) -> int:
+def graph_rows(max_batch_size: int, k: int, speculative_batch: int) -> int:
     """Rows of the largest decode step, for the decode CUDA graphs: the running batch,
-    or with speculation the verify step's one row per query token of the largest batch
-    that speculates (``(k + 1)`` per request)."""
-    k = scheduler.num_speculative_tokens
+    or with ``k`` guesses per request the verify step's one row per query token of the
+    largest batch that speculates (``speculative_batch`` requests)."""
     if not k:
         return max_batch_size
-    return max(max_batch_size,
-               min(max_batch_size, scheduler.speculative_disable_batch_size) * (k + 1))
+    return max(max_batch_size, min(max_batch_size, speculative_batch) * (k + 1))
 
 
 def speculation_details(shard: ShardConfig, scheduler: SchedulerConfig) -> str:
@@ -167,7 +165,8 @@ async def build_engine(
                             device_type=device_type)
     warmup = WarmupBudgets(
         before["max_batch_prefill_tokens"], before["max_total_tokens"],
-        graph_rows(before["max_batch_size"], config.scheduler),
+        graph_rows(before["max_batch_size"], config.scheduler.num_speculative_tokens,
+                   before["speculative_disable_batch_size"]),
         max_total_tokens_derived=config.budget_flags.get("max_total_tokens") is None,
     )
     logger.info("warming up {} shard(s) on {}: sizing the KV cache and a worst-case prefill of "

@@ -53,3 +53,10 @@ def test_short_contexts_and_given_flags_keep_their_budgets() -> None:
 def test_without_chunked_prefill_a_prompt_fits_one_step() -> None:
     budgets = derive_budgets(UNSET, 8192, chunked_prefill=False, device_type="cpu")
     assert budgets["max_batch_prefill_tokens"] == budgets["max_input_tokens"] == 4095
+
+
+def test_speculation_stops_at_a_smaller_batch_on_a_cpu() -> None:
+    assert derive_budgets(UNSET, 8192, device_type="cpu")["speculative_disable_batch_size"] == 4
+    assert derive_budgets(UNSET, 8192, device_type="cuda")["speculative_disable_batch_size"] == 32
+    given = {**UNSET, "speculative_disable_batch_size": 7}
+    assert derive_budgets(given, 8192, device_type="cpu")["speculative_disable_batch_size"] == 7

@@ -266,11 +266,12 @@ def test_default_config_is_the_config_classes_defaults(default_model_dir: Path) 
         config.scheduler, max_batch_prefill_tokens=4096, max_input_tokens=2048,
         max_total_tokens=4096, max_batch_size=derived.max_batch_size,
         waiting_served_ratio=derived.waiting_served_ratio,
-        max_concurrent_requests=derived.max_concurrent_requests)
+        max_concurrent_requests=derived.max_concurrent_requests,
+        speculative_disable_batch_size=derived.speculative_disable_batch_size)
     assert scheduler == derived
     assert config.budget_flags == dict.fromkeys(
         ("max_batch_prefill_tokens", "max_input_tokens", "max_total_tokens", "max_batch_size",
-         "waiting_served_ratio", "max_concurrent_requests"))
+         "waiting_served_ratio", "max_concurrent_requests", "speculative_disable_batch_size"))
     expected = ServerConfig(shard=config.shard, budget_flags=config.budget_flags,
                             served_model_names=(default_model_dir.name,))
     assert dataclasses.replace(config, scheduler=SchedulerConfig(),
