@@ -1,7 +1,9 @@
 """A one-line status of a busy server every few seconds (``--status-interval``):
 
     status: prompt 812.4 tok/s, generation 95.1 tok/s, running 3 reqs, waiting 0 reqs,
-    KV cache 4.2% used
+    KV cache 4.2% used, speculation 61% of 412 guesses accepted
+
+(the speculation part only when guesses were proposed in the interval).
 
 Throughputs are averages over the interval (prompt tokens admitted, tokens generated);
 the rest is the state at the end of it. Nothing is logged while the server is idle.
@@ -30,6 +32,8 @@ class _Sample:
     waiting: float
     kv_used: float
     kv_total: float
+    proposed: float
+    accepted: float
 
 
 class StatusLogger:
@@ -59,6 +63,8 @@ class StatusLogger:
             waiting=value("queue_size"),
             kv_used=value("kv_blocks_used"),
             kv_total=value("kv_blocks_total"),
+            proposed=value("spec_decode_proposed_tokens_total"),
+            accepted=value("spec_decode_accepted_tokens_total"),
         )
 
     def line(self, before: _Sample, after: _Sample) -> str | None:
@@ -69,9 +75,15 @@ class StatusLogger:
         if not (prompt or generation or after.running or after.waiting):
             return None
         kv = 100.0 * after.kv_used / after.kv_total if after.kv_total else 0.0
-        return (f"status: prompt {prompt:.1f} tok/s, generation {generation:.1f} tok/s, "
+        line = (f"status: prompt {prompt:.1f} tok/s, generation {generation:.1f} tok/s, "
                 f"running {after.running:.0f} reqs, waiting {after.waiting:.0f} reqs, "
                 f"KV cache {kv:.1f}% used")
+        proposed = after.proposed - before.proposed
+        if proposed:
+            accepted = after.accepted - before.accepted
+            line += (f", speculation {100.0 * accepted / proposed:.0f}% of {proposed:.0f} "
+                     "guesses accepted")
+        return line
 
     async def run(self) -> None:
         """Log until cancelled."""
