@@ -60,8 +60,10 @@ METRIC_NAMES = {
         "Requests' verify steps with at least one guess (mean accepted length = "
         "accepted / verifications)"),
     f"{PREFIX}_spec_decode_verify_step_duration_seconds": (
-        "Shard forward time of a speculative decode step (proposal, verify forward and "
-        "sampling)"),
+        "Shard time of a speculative decode step's verify forward and sampling"),
+    f"{PREFIX}_spec_decode_propose_step_duration_seconds": (
+        "Shard time of a speculative decode step's guesses (a draft model's steps; "
+        "n-gram lookups)"),
     f"{PREFIX}_kv_blocks_total": "KV cache blocks",
     f"{PREFIX}_kv_blocks_used": "KV cache blocks owned by requests",
     f"{PREFIX}_prefix_cache_hit_tokens_total": "Prompt tokens served from the prefix cache",
@@ -278,6 +280,8 @@ class Metrics:
         self.verifications = counter("spec_decode_verifications")
         self.verify_step = histogram("spec_decode_verify_step_duration_seconds",
                                      _STEP_BUCKETS)
+        self.propose_step = histogram("spec_decode_propose_step_duration_seconds",
+                                      _STEP_BUCKETS)
         self._state = _StateCollector(read_state)
         self.registry.register(self._state)
         self._rendered: tuple[tuple[float, ...], bytes] | None = None

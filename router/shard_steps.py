@@ -52,6 +52,8 @@ class StepResults:
         num_tokens: A speculative step's tokens per request, in order (``token_ids``
             holds each request's tokens in turn); None: one token per request.
         num_proposed: A speculative step's guesses per request; None without.
+        propose_s: A speculative step's time to propose its guesses (part of
+            ``forward_s``), seconds.
     """
 
     token_ids: list[int]
@@ -61,6 +63,7 @@ class StepResults:
     grammar_failures: dict[int, str] = field(default_factory=dict)
     num_tokens: list[int] | None = None
     num_proposed: list[int] | None = None
+    propose_s: float = 0.0
 
 
 def _extras(generation: pb.Generation) -> TokenExtras | None:
@@ -236,6 +239,7 @@ class ShardSteps:
             grammar_failures={f.request_id: f.message for f in response.grammar_failures},
             num_tokens=counts,
             num_proposed=list(response.num_proposed) or None,
+            propose_s=response.timings.propose_ns / 1e9,
         )
 
     def _new_request(self, chunk: PrefillChunk) -> pb.NewRequest:

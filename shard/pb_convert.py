@@ -113,6 +113,7 @@ def decode_response_to_pb(out: StepOutput, total_ns: int) -> pb.DecodeResponse:
     response.num_tokens.extend(out.num_tokens)
     response.num_proposed.extend(out.num_proposed)
     response.timings.CopyFrom(timings_to_pb(out.forward_ns, total_ns))
+    response.timings.propose_ns = out.propose_ns
     response.grammar_failures.extend(grammar_failures_to_pb(out))
     return response
 

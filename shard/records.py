@@ -141,6 +141,8 @@ class StepOutput:
             generations are each row's tokens in order, row after row); empty for any
             other step (one generation per row).
         num_proposed: a speculative Decode's guesses proposed per row, in row order.
+        propose_ns: a speculative Decode's time to propose its guesses, nanoseconds
+            (part of ``forward_ns``).
     """
 
     generations: tuple[Generation, ...]
@@ -149,6 +151,7 @@ class StepOutput:
     num_rows: int = 0
     num_tokens: tuple[int, ...] = ()
     num_proposed: tuple[int, ...] = ()
+    propose_ns: int = 0
 
     @property
     def row_generations(self) -> tuple[Generation, ...]:

@@ -105,7 +105,8 @@ class InFlightSteps:
                 metrics.decode_step_wall.observe(now - max(call.sent_at, self._decode_done))
             metrics.decode_step.observe(results.forward_s)
             if results.num_proposed is not None:
-                metrics.verify_step.observe(results.forward_s)
+                metrics.propose_step.observe(results.propose_s)
+                metrics.verify_step.observe(results.forward_s - results.propose_s)
             self._decode_done = now
             self._prefill_since_decode = False
             self.trace.mark("applied", response.step)

@@ -145,12 +145,14 @@ class Generation(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[_Union[TopToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("forward_ns", "total_ns")
+    __slots__ = ("forward_ns", "total_ns", "propose_ns")
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_NS_FIELD_NUMBER: _ClassVar[int]
     forward_ns: int
     total_ns: int
-    def __init__(self, forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    propose_ns: int
+    def __init__(self, forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., propose_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("finished_request_ids", "cached_requests", "new_requests", "step", "restart", "decode", "row_appends")

@@ -78,6 +78,7 @@ class SpeculativeDecoder:
         table = runner.requests
         rows = list(table.decoding)
         runner.chain.wait_last()
+        started = time.perf_counter_ns()
         drafts = self.proposer.propose(rows, _budgets(step, rows))
         mask = None
         if table.kind.has_grammar:  # guesses a grammar refuses are cut
@@ -85,6 +86,8 @@ class SpeculativeDecoder:
                                                       runner.device)
         if not any(drafts):
             return None
+        # NOTE: the host has the guesses: a draft model's steps are done on the device
+        propose_ns = time.perf_counter_ns() - started
         t0 = time.perf_counter_ns()
         timer = StepTimer(runner.device)
         logits = self.verify_logits(rows, drafts)
@@ -131,10 +134,11 @@ class SpeculativeDecoder:
         )
         return StepOutput(
             tuple(generations),
-            elapsed,
+            propose_ns + elapsed,
             failures,
             num_tokens=tuple(counts),
             num_proposed=tuple(len(d) for d in drafts),
+            propose_ns=propose_ns,
         )
 
     def _apply_rule(

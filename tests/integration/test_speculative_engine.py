@@ -106,6 +106,9 @@ async def test_greedy_tokens_equal_transformers_alone_and_batched(
         proposed = counter(engine, "spec_decode_proposed_tokens_total")
         accepted = counter(engine, "spec_decode_accepted_tokens_total")
         assert 0 < accepted <= proposed
+        for step in ("verify", "propose"):
+            assert counter(engine, f"spec_decode_{step}_step_duration_seconds_count") > 0
+            assert counter(engine, f"spec_decode_{step}_step_duration_seconds_sum") > 0
     finally:
         await engine.stop()
         await engine.shards.client.close()
