@@ -8,7 +8,8 @@ from typing import Any
 from router.block_manager import BlockManager
 from router.config import SchedulerConfig
 from router.request import GenerationRequest, SamplingParams, Sequence, Status, StoppingParams
-from router.scheduler import PrefillChunk, Scheduler
+from router.scheduler import Scheduler
+from router.scheduler_output import PrefillChunk
 
 
 def make_seq(seq_id: int, prompt_len: int, first_token: int = 1) -> Sequence:
