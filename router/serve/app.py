@@ -12,9 +12,13 @@ ranks (as ``launch`` does for one group); with ``--ray-address`` the application
 that cluster. On a Ray cluster managed by KubeRay, a ``RayService`` deploys
 :func:`router.serve.builder.app_builder` with the same flags (``deploy/kuberay-service/``).
 
-A rolling restart (a new configuration deployed over the running one) and scale-down
-stop replicas one by one: Ray Serve routes no new call to a stopping replica and waits
-up to ``--graceful-timeout`` for its calls before the replica fails the rest.
+A rolling restart (``--rolling-restart on``, :mod:`router.serve.restart`: these
+deployments deployed again over the running application) replaces the replicas one at a
+time, as scale-down stops them: Ray Serve routes no new call to a stopping replica,
+waits up to its ``--graceful-timeout`` for the calls it has, then stops it (or kills
+it, cutting what is left) and starts its replacement. The ingress is replaced too
+(Ray Serve gives every deployment a new version at each deploy): its successor starts
+first, and it relays the calls it has until their replicas end them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,16 @@ HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 # Calls the ingress replica takes at once.
 INGRESS_MAX_ONGOING = 4096
+# Seconds a stopping ingress may go on relaying its calls. NOTE: a rolling restart
+# replaces the ingress at once (Ray Serve versions every deployment anew at each
+# deploy) while the replicas serving its calls are drained later, one at a time, each
+# for up to its --graceful-timeout: the old ingress must outlive them. It does not
+# outlive them by much (a call whose replica is gone ends with the lost-replica
+# error), so this bound is a safeguard only.
+INGRESS_DRAIN_LIMIT_S = 3600.0
+# Seconds between two counts of a stopping replica's calls (Ray Serve's default: 2 s,
+# which a drained replica would sit out before it is replaced).
+DRAIN_POLL_S = 0.5
 
 
 def replica_bundles(config: ServerConfig, use_gpu: bool) -> list[dict[str, float]]:
@@ -49,6 +63,13 @@ def replica_bundles(config: ServerConfig, use_gpu: bool) -> list[dict[str, float
     ``launch``'s group has; the replica actor (no CPU) shares rank 0's."""
     bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
     return [dict(bundle) for _ in range(config.shard.world_size)]
+
+
+def one_at_a_time(max_replicas: int) -> float:
+    """Ray Serve's ``rolling_update_percentage`` that updates one replica at a time:
+    it updates ``max(int(fraction * replicas), 1)`` at once, so any fraction below
+    ``1 / max_replicas`` means one."""
+    return 1.0 / (max_replicas + 1)
 
 
 def _uses_gpu(config: ServerConfig) -> bool:
@@ -100,6 +121,11 @@ def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
         placement_group_strategy="STRICT_SPREAD" if config.placement == "spread" else "PACK",
         max_ongoing_requests=config.scheduler.max_concurrent_requests,
         graceful_shutdown_timeout_s=float(config.graceful_timeout_s),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+        # NOTE: no version: every deploy replaces every replica (a rolling restart). No
+        # surge (Ray Serve's default): a replacement would need a spare replica's GPUs.
+        rolling_update_percentage=one_at_a_time(high),
+        max_surge_percent=0,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=RequestRouterConfig(**router_options),
@@ -110,6 +136,10 @@ def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
         name="Ingress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING,
+        graceful_shutdown_timeout_s=INGRESS_DRAIN_LIMIT_S,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+        # a new ingress (no CPU) starts before the old one stops relaying
+        max_surge_percent=100,
         num_replicas=1,
     )
     return ingress.bind(replica.bind(config, serve_config.app_name), config, serve_config.app_name)
@@ -117,16 +147,22 @@ def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
 
 def run(config: ServerConfig, serve_config: ServeConfig) -> int:
     """Blocking entry point of ``shardserve serve``: deploy, serve until SIGINT or
-    SIGTERM, then delete the application (replicas drain for ``--graceful-timeout``)."""
+    SIGTERM, then delete the application (replicas drain for ``--graceful-timeout``).
+    With ``--rolling-restart on``: :func:`router.serve.restart.rolling_restart`."""
     import ray
     from ray import serve
 
+    if serve_config.rolling_restart:
+        from router.serve.restart import rolling_restart
+
+        return rolling_restart(config, serve_config, build_app)
     low, high = serve_config.scale_bounds
     if config.ray_address is None:
         num_cpus = max(os.cpu_count() or 1, high * config.shard.world_size)
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
         logger.info(
-            "started a local Ray instance with {} CPUs for up to {} replica(s) of {} rank(s)",
+            "started a local Ray instance at {} with {} CPUs for up to {} replica(s) of {} rank(s)",
+            ray.get_runtime_context().gcs_address,
             num_cpus,
             high,
             config.shard.world_size,

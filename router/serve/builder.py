@@ -20,8 +20,15 @@ def app_builder(args: dict[str, str]) -> Any:
     ``shardserve serve`` flags as one command line.
 
     Raises:
-        ValueError: a flag is invalid (the message names it).
+        ValueError: a flag is invalid (the message names it), or ``--rolling-restart``
+            is given (a changed config file is the update there).
     """
     argv = ["serve", *shlex.split(args.get("flags", ""))]
     parsed = build_parser().parse_args(argv)
-    return build_app(config_from_args(parsed), serve_config_from_args(parsed))
+    serve_config = serve_config_from_args(parsed)
+    if serve_config.rolling_restart:
+        raise ValueError(
+            "--rolling-restart is for the command line: deploying a changed config "
+            "file already replaces the replicas one at a time"
+        )
+    return build_app(config_from_args(parsed), serve_config)

@@ -33,6 +33,8 @@ class ServeConfig:
             exceed the least loaded replica's by more than this is not chosen for its
             cached prefix (requests).
         app_name: The Ray Serve application's name.
+        rolling_restart: Redeploy these flags over the running application ``app_name``
+            (:mod:`router.serve.restart`) instead of starting one.
     """
 
     replicas: int = field(
@@ -84,6 +86,15 @@ class ServeConfig:
     )
     app_name: str = field(
         default="shardserve", metadata=_flag("name of the Ray Serve application", metavar="NAME")
+    )
+    rolling_restart: bool = field(
+        default=False,
+        metadata=_flag(
+            "instead of starting an application, replace the replicas of the one running "
+            "on --ray-address (as --app-name) with these flags, one at a time: each stops "
+            "taking calls, finishes its own within its --graceful-timeout, then is replaced",
+            type=bool,
+        ),
     )
 
     def __post_init__(self) -> None:

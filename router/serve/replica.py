@@ -14,9 +14,11 @@ the one-replica server's.
 What the request router reads (``record_routing_stats``): waiting and running
 requests, KV blocks total and used, prefix-cache hit tokens. ``check_health`` fails once
 the shard group is down with no restart left, and Ray Serve replaces the replica.
-On shutdown (scale-down, rolling update) Ray Serve stops routing to the replica and
-waits up to ``--graceful-timeout`` for its calls; then ``__del__`` fails what is
-left with a message naming the shutdown, and stops the shards.
+On shutdown (scale-down, rolling restart, deletion) Ray Serve stops routing to the
+replica and counts its ongoing calls until none is left, then calls ``__del__``, which
+stops the engine and the shards. Calls still running after ``--graceful-timeout`` are
+not waited for: Ray Serve kills the replica, and the ingress ends them with its
+lost-replica error.
 """
 
 from __future__ import annotations
@@ -210,9 +212,10 @@ class ReplicaServer:
             await asyncio.sleep(PUBLISH_EVERY_S)
 
     async def __del__(self) -> None:
-        """Fail what is still running (Ray Serve waited ``--graceful-timeout`` for it),
-        then stop the engine, the gRPC server and the shard group (nothing to do when
-        the constructor failed: it stopped what it had started)."""
+        """Stop the engine, the gRPC server and the shard group once Ray Serve has
+        drained the replica (a call that came in meanwhile is failed with a message
+        naming the shutdown); nothing to do when the constructor failed: it stopped
+        what it had started."""
         if not self._started:
             return
         logger.info("replica {} stopping", self.replica_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,10 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SHARED = "You are a careful assistant who answers questions about European geography. " * 8
 STARTUP_TIMEOUT_S = 600.0
 REPLACE_TIMEOUT_S = 300.0
+# The application's flags (the rolling restart deploys the same); a long grace, so that
+# a replica drained by the rolling restart finishes the streams it has.
+SERVE_FLAGS = ["--replicas", "2", "--kv-cache-bytes", "64MiB", "--graceful-timeout", "120",
+               *SMALL_BUDGETS]
 
 
 class Replicas:
@@ -39,6 +44,12 @@ class Replicas:
                  log_path: Path) -> None:
         self.url, self.grpc_address, self.process, self.log_path = (
             url, grpc_address, process, log_path)
+
+    def ray_address(self) -> str:
+        """The address of the local Ray instance, as ``shardserve serve`` logged it."""
+        found = re.search(r"started a local Ray instance at (\S+)", self.log_path.read_text())
+        assert found, "shardserve serve logged no Ray address"
+        return found.group(1)
 
     def counters(self) -> dict[str, dict[str, float]]:
         """Live replica id → metric sample name (with its outcome label, if any) →
@@ -101,9 +112,8 @@ def replicas(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--replicas", "2",
-             "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
-             "--kv-cache-bytes", "64MiB", "--graceful-timeout", "5", *SMALL_BUDGETS],
+            [sys.executable, "-m", "router.cli", "serve", *SERVE_FLAGS,
+             "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)],
             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -279,3 +289,122 @@ def test_a_killed_replica_is_replaced_and_its_calls_end_with_an_error(
     answer = httpx.post(f"{url}/generate", timeout=120,
                         json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
     assert answer.status_code == 200
+
+
+# A prompt whose greedy answer counts on: a token lost, repeated or reordered shows.
+COUNTING = "Count: 1, 2, 3,"
+# Tokens of each long stream of the rolling-restart test: ~20 s on this CPU, longer than
+# a replica's replacement (stop, start, warm-up: 7-13 s).
+LONG_TOKENS = 160
+# Long streams sent once the first replica is gone: they land on the other one, which
+# is drained next with them in flight.
+EXTRA_STREAMS = 2
+
+
+class Stream:
+    """A /generate_stream call of :data:`COUNTING` in a thread: its status, token ids
+    and how it ended (``finished``, ``error: ...`` or ``cut``)."""
+
+    def __init__(self, url: str, conversation: str) -> None:
+        self.url, self.conversation = url, conversation
+        self.status = 0
+        self.ids: list[int] = []
+        self.ending = "cut"
+        self.first_token = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"inputs": COUNTING,
+                "parameters": {"max_new_tokens": LONG_TOKENS, "ignore_eos": True}}
+        with httpx.stream("POST", f"{self.url}/generate_stream", json=body, timeout=300,
+                          headers={"x-conversation-id": self.conversation}) as response:
+            self.status = response.status_code
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    self.ending = "error: " + event["error"]
+                    continue
+                self.ids.append(event["token"]["id"])
+                self.first_token.set()
+                if event.get("details"):
+                    self.ending = "finished"
+
+    def join(self) -> None:
+        self.thread.join(timeout=300)
+        assert not self.thread.is_alive(), f"stream {self.conversation} hung"
+
+
+def replica_states(output: str) -> list[dict[str, int]]:
+    """The replica states the rolling restart logged, in order (``RUNNING=1 STOPPING=1``
+    → {"RUNNING": 1, "STOPPING": 1})."""
+    return [{state: int(count) for state, count in re.findall(r"(\w+)=(\d+)", line)}
+            for line in re.findall(r"replica states: (.*)", output)]
+
+
+def test_a_rolling_restart_replaces_the_replicas_one_at_a_time_dropping_no_call(
+    replicas: Replicas, tmp_path: Path
+) -> None:
+    url = replicas.url
+    short = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
+    expected_short = httpx.post(f"{url}/generate", json=short, timeout=120).json()
+    old_replicas, old_pids = set(replicas.counters()), set(replicas.replica_pids())
+    assert len(old_replicas) == 2 and len(old_pids) == 2, (old_replicas, old_pids)
+
+    in_flight = [Stream(url, f"restart-{n}") for n in range(4)]
+    for stream in in_flight:
+        assert stream.first_token.wait(timeout=120), "a stream never started"
+    wait_for(lambda: all(v.get("shardserve_running_batch_size", 0) > 0
+                         for v in replicas.counters().values()),
+             30, "streams running on both replicas", replicas.counters)
+
+    log_path = tmp_path / "restart.log"
+    with log_path.open("wb") as log:
+        restart = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--rolling-restart", "on",
+             "--ray-address", replicas.ray_address(), *SERVE_FLAGS],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    # New calls while the replicas are replaced: short ones in a row, and long streams
+    # once the first replica is gone (before its successor runs, the other one takes
+    # them, and is stopped with them in flight).
+    answers: list[tuple[int, object]] = []
+    extra: list[Stream] = []
+    while restart.poll() is None:
+        states = replica_states(log_path.read_text())
+        first_gone = any(s.get("STOPPING") for s in states) and not states[-1].get("STOPPING")
+        if first_gone and not extra:
+            extra = [Stream(url, f"restart-extra-{n}") for n in range(EXTRA_STREAMS)]
+        answer = httpx.post(f"{url}/generate", json=short, timeout=120)
+        answers.append((answer.status_code, answer.json()))
+        time.sleep(0.5)
+    output = log_path.read_text()
+    assert restart.returncode == 0, output[-5000:]
+    for stream in in_flight + extra:
+        stream.join()
+    assert replicas.process.poll() is None, "shardserve serve stopped"
+
+    reference = Stream(url, "restart-reference")
+    reference.join()
+    assert reference.ending == "finished" and len(reference.ids) == LONG_TOKENS
+    for stream in in_flight + extra:
+        assert (stream.status, stream.ending) == (200, "finished"), stream.ending
+        assert stream.ids == reference.ids, stream.conversation
+    assert extra and answers, "the restart ended before any new call"
+    assert all(answer == (200, expected_short) for answer in answers), answers
+
+    # Ray Serve's replica states, as the restart logged each change: one replica
+    # stopping at a time, and always one running.
+    states = replica_states(output)
+    assert states[0] == {"RUNNING": 2} and states[-1] == {"RUNNING": 2}, states
+    assert any(s.get("STOPPING") for s in states), states
+    assert all(s.get("RUNNING", 0) >= 1 and s.get("STOPPING", 0) <= 1
+               and s.get("STARTING", 0) <= 1 for s in states), states
+    # both replicas are new: their Serve ids (the /metrics label) and processes
+    wait_for(lambda: len(replicas.counters()) == 2
+             and not set(replicas.counters()) & old_replicas,
+             30, "two new replicas in /metrics", replicas.counters)
+    new_pids = set(replicas.replica_pids())
+    assert len(new_pids) == 2 and not new_pids & old_pids, (old_pids, new_pids)
