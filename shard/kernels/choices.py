@@ -28,7 +28,8 @@ from loguru import logger
 from shard.kernels.gemm_tuning import GemmTable
 
 # The kernel fields that :meth:`KernelChoices.disabled` may turn off.
-KERNELS = ("skinny_linear", "gate_up_silu", "add_rms_norm", "silu_and_mul", "greedy")
+KERNELS = ("skinny_linear", "gate_up_silu", "add_rms_norm", "silu_and_mul", "greedy",
+           "add_rms_norm_fp8", "silu_and_mul_fp8")
 
 
 @dataclass
@@ -44,6 +45,9 @@ class KernelChoices:
             product with SwiGLU at decode sizes, or None.
         add_rms_norm: :func:`shard.kernels.rms_norm.add_rms_norm`, or None.
         silu_and_mul: :func:`shard.kernels.silu_mul.silu_and_mul`, or None.
+        add_rms_norm_fp8, silu_and_mul_fp8: the same ops writing their rows quantized
+            per token before an fp8 product (:func:`shard.kernels.rms_norm.add_rms_norm_fp8`,
+            :func:`shard.kernels.silu_mul.silu_and_mul_fp8`), or None.
         greedy: :func:`shard.kernels.greedy.greedy`, or None (also once its first call
             failed: see :meth:`greedy_sample`).
         greedy_worked: the greedy kernel's first call succeeded.
@@ -56,6 +60,9 @@ class KernelChoices:
     gate_up_silu: Callable[..., torch.Tensor | None] | None = None
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
     silu_and_mul: Callable[..., torch.Tensor] | None = None
+    add_rms_norm_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor,
+                                          torch.Tensor | None] | None] | None = None
+    silu_and_mul_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     greedy: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     greedy_worked: bool = False
     gemms: GemmTable = field(default_factory=GemmTable)
@@ -80,7 +87,9 @@ class KernelChoices:
             log.info("programmatic dependent launch {} ({})", "on" if on else "off", why)
         return cls(pdl=on, skinny_linear=skinny_gemm.skinny_linear,
                    gate_up_silu=gate_up_silu.gate_up_silu, add_rms_norm=rms_norm.add_rms_norm,
-                   silu_and_mul=silu_mul.silu_and_mul, greedy=greedy.greedy)
+                   silu_and_mul=silu_mul.silu_and_mul, greedy=greedy.greedy,
+                   add_rms_norm_fp8=rms_norm.add_rms_norm_fp8,
+                   silu_and_mul_fp8=silu_mul.silu_and_mul_fp8)
 
     def greedy_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The greedy kernel's (token ids [batch] int64, logprobs [batch] float32) for

@@ -29,10 +29,17 @@ import torch
 from torch import nn
 
 from shard.quantization.config import current_fp8_weights
-from shard.quantization.fp8 import FP8_DTYPE, fp8_linear, is_fp8, quantize_rows_mse
+from shard.quantization.fp8 import (
+    FP8_DTYPE,
+    Fp8Activations,
+    fp8_linear,
+    is_fp8,
+    quantize_rows_mse,
+)
 
 __all__ = [
     "FP8_DTYPE",
+    "Fp8Activations",
     "fp8_linear",
     "is_scale",
     "load_scale",

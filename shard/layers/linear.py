@@ -103,11 +103,21 @@ class ParallelLinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    @property
+    def takes_fp8_activations(self) -> bool:
+        """Whether the product takes its input already quantized per token
+        (:class:`~shard.quantization.fp8.Fp8Activations`): fp8 weights whose activations
+        are quantized per token at run time (no checkpoint ``input_scale``)."""
+        return self.weight_scale is not None and self.input_scale is None
+
+    def _product(
+        self, x: torch.Tensor | fp8.Fp8Activations, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``x @ weight.T + bias``: the fp8 product for fp8 weights, else
         :func:`linear_product`."""
         if self.weight_scale is not None:
             return fp8.fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+        assert isinstance(x, torch.Tensor), "quantized activations for unquantized weights"
         return linear_product(x, self.weight, self.packed_weight, bias, self.kernels)
 
     def _rows(self, shard_id: Any) -> tuple[int, int, int]:
@@ -145,7 +155,8 @@ class ColumnParallelLinear(ParallelLinearBase):
         input_size: input features (full).
         output_size: output features (full); this rank holds output_size / tp_size.
 
-    Forward: ``[num_tokens, input_size] → [num_tokens, output_size / tp_size]``.
+    Forward: ``[num_tokens, input_size] → [num_tokens, output_size / tp_size]``; the
+    input may come quantized (:attr:`takes_fp8_activations`).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
@@ -171,7 +182,7 @@ class ColumnParallelLinear(ParallelLinearBase):
             f"shard {shard_id}" if args else "column slice",
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.Fp8Activations) -> torch.Tensor:
         return self._product(x, self.bias)
 
 
@@ -239,7 +250,8 @@ class RowParallelLinear(ParallelLinearBase):
     """``y = x W^T + b`` with W's columns (input features) split across ranks; partial
     outputs are summed with an all-reduce. The bias is added once, after the reduce.
 
-    Forward: ``[num_tokens, input_size / tp_size] → [num_tokens, output_size]``.
+    Forward: ``[num_tokens, input_size / tp_size] → [num_tokens, output_size]``; the
+    input may come quantized (:attr:`takes_fp8_activations`).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
@@ -261,6 +273,6 @@ class RowParallelLinear(ParallelLinearBase):
         cols = param.shape[1]
         self._store_rows(param, None, read_range(loaded, 1, self.tp.rank * cols, cols), "row slice")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.Fp8Activations) -> torch.Tensor:
         y = self.tp.all_reduce(self._product(x, None))
         return y if self.bias is None else y + self.bias

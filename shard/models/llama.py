@@ -98,16 +98,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(fp8_output=self.down_proj.takes_fp8_activations)
         self.kernels = current_kernels()
 
     def _fused_kernel(self) -> Any | None:
         """The fused gate/up + SwiGLU kernel's function where it can run for this layer
-        (a CUDA weight without a bias or a packed CPU copy, the kernel in the model's
-        choices and not disabled), else None."""
+        (an unquantized CUDA weight without a bias or a packed CPU copy, the kernel in the
+        model's choices and not disabled), else None."""
         gate_up = self.gate_up_proj
         if not gate_up.weight.is_cuda or gate_up.bias is not None \
-                or gate_up.packed_weight is not None:
+                or gate_up.packed_weight is not None or gate_up.weight_scale is not None:
             return None
         return self.kernels.gate_up_silu
 
@@ -147,8 +147,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # with fp8 weights the norms hand the products their rows quantized
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                       self.self_attn.qkv_proj.takes_fp8_activations)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                self.mlp.gate_up_proj.takes_fp8_activations)
 
     def forward(
         self,

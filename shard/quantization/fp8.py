@@ -10,14 +10,18 @@ of them lands on 448 and the relative rounding error of every normal value is at
 
 Weights get a scale per output channel (row of ``[out_features, in_features]``), chosen
 at load by squared error (:func:`quantize_rows_mse`); activations one per token (row of
-``[num_tokens, in_features]``), ``amax / 448``, computed at run time;
-the product ``(x_q · s_x) (W_q · s_w)^T = (x_q W_q^T) ⊙ (s_x s_w^T)`` runs through
+``[num_tokens, in_features]``), ``amax / 448``, computed at run time, or handed over
+already quantized by the op before the product (:class:`Fp8Activations`, written by our
+fused RMSNorm and SwiGLU kernels); the product
+``(x_q · s_x) (W_q · s_w)^T = (x_q W_q^T) ⊙ (s_x s_w^T)`` runs through
 ``torch._scaled_mm`` with both scale vectors ("row-wise" scaling: cuBLASLt / CUTLASS's
 fp8 tensor-core path on CUDA compute capability 8.9+, a reference implementation on
 CPU, where it runs every shape).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +32,25 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # The smallest scale: a row of zeros (or of values this small) quantizes to zeros
 # instead of dividing by zero.
 MIN_SCALE = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Activations:
+    """Activations already quantized per token, as :func:`quantize_rows` quantizes them,
+    handed to :func:`fp8_linear` in place of ``x`` (by
+    :class:`~shard.layers.norm.RMSNorm` and :class:`~shard.layers.activation.SiluAndMul`
+    built for an fp8 product).
+
+    Attributes:
+        q: [num_tokens, in_features] float8_e4m3fn.
+        scale: [num_tokens] float32, ``x ≈ q * scale[:, None]``.
+        dtype: the dtype of the activations they stand for (the model's): the product's
+            output dtype.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def is_fp8(tensor: torch.Tensor) -> bool:
@@ -114,8 +137,25 @@ def dequantize_rows(
     return (q.to(torch.float32) * scale).to(dtype)
 
 
+def _quantized(
+    x: torch.Tensor | Fp8Activations, input_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size, torch.dtype]:
+    """(q [rows, in_features] float8_e4m3fn, scale [rows] float32, x's shape, x's dtype)
+    of :func:`fp8_linear`'s activations."""
+    if isinstance(x, Fp8Activations):
+        assert input_scale is None, "activations quantized per token for a static scale"
+        return x.q, x.scale, x.q.shape, x.dtype
+    rows = x.reshape(-1, x.shape[-1])
+    if input_scale is None:
+        x_q, x_scale = quantize_rows(rows)
+    else:
+        x_q = quantize_with_scale(rows, input_scale)
+        x_scale = input_scale.to(torch.float32).expand(rows.shape[0]).contiguous()
+    return x_q, x_scale, x.shape, x.dtype
+
+
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activations,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -124,14 +164,17 @@ def fp8_linear(
     """``x @ dequant(weight).T + bias`` through an fp8 product.
 
     The activations are quantized per token (dynamically), or with ``input_scale``
-    when a checkpoint gives one (static, per tensor); the product runs in
+    when a checkpoint gives one (static, per tensor), or come quantized per token
+    (:class:`Fp8Activations`); the product runs in
     ``torch._scaled_mm`` with the activations' and the weight's scales applied to its
     float32 accumulator. On CUDA the row-wise scaled product writes bfloat16 (the output
     it supports), cast to ``x``'s dtype for a float16/float32 model; on CPU it writes
     ``x``'s dtype.
 
     Args:
-        x: [num_tokens, in_features] (or [..., in_features]), float16/bfloat16/float32.
+        x: [num_tokens, in_features] (or [..., in_features]), float16/bfloat16/float32;
+            or :class:`Fp8Activations` of [num_tokens, in_features] (then no
+            ``input_scale``), standing for activations of their ``dtype``.
         weight: [out_features, in_features] float8_e4m3fn, contiguous.
         weight_scale: [out_features] float32, one scale per output channel.
         bias: [out_features] in ``x``'s dtype, added after the product, or None.
@@ -140,14 +183,8 @@ def fp8_linear(
     Returns:
         [..., out_features] in ``x``'s dtype.
     """
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    if input_scale is None:
-        x_q, x_scale = quantize_rows(rows)
-    else:
-        x_q = quantize_with_scale(rows, input_scale)
-        x_scale = input_scale.to(torch.float32).expand(rows.shape[0]).contiguous()
-    out_dtype = x.dtype if not x.is_cuda else torch.bfloat16
+    x_q, x_scale, shape, dtype = _quantized(x, input_scale)
+    out_dtype = dtype if not x_q.is_cuda else torch.bfloat16
     out = torch._scaled_mm(
         x_q,
         weight.t(),
@@ -155,8 +192,8 @@ def fp8_linear(
         scale_b=weight_scale[None, :],
         out_dtype=out_dtype,
     )
-    if out.dtype != x.dtype:
-        out = out.to(x.dtype)
+    if out.dtype != dtype:
+        out = out.to(dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
