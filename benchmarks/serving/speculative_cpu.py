@@ -1,15 +1,18 @@
-"""Speculative decoding with n-gram guesses on the CPU: output tokens/s with speculation
-off and on, over the HTTP API.
+"""Speculative decoding on the CPU: output tokens/s with speculation off and on (n-gram
+guesses, or a draft model's), over the HTTP API.
 
 What is measured
 ----------------
 The script starts ``shardserve launch --executor local`` on ``--model`` (the default
 model, SmolLM2-135M-Instruct) without speculation (``off``), with ``--spec-args``
-(``on``: ``--speculative-method ngram`` with its default lookahead and n-gram lengths)
-and with each ``--sweep`` configuration (``;``-separated flags added to
-``--spec-args``), all at once, and sends them greedy ``POST /v1/chat/completions``
-requests (temperature 0, ``max_tokens`` ``--max-tokens``, EOS ends an answer) of two
-fixed prompt sets, each at batch 1 (one request at a time) and batch 8 (8 in flight):
+(``on``: by default ``--speculative-method ngram`` with its default lookahead and
+n-gram lengths; ``--speculative-model DIR`` for a draft model, for example one written
+by :mod:`benchmarks.serving.draft_checkpoint`) and with each ``--sweep`` configuration
+(``;``-separated flags added to ``--spec-args``; a later flag overrides an earlier one,
+so ``--speculative-model DIR`` swaps the draft), all at once, and sends them greedy
+``POST /v1/chat/completions`` requests (temperature 0, ``max_tokens``
+``--max-tokens``, EOS ends an answer) of two fixed prompt sets, each at batch 1 (one
+request at a time) and batch 8 (8 in flight):
 
 - **grounded**: summarize, extract from, edit, translate or rewrite a text given in the
   prompt, and rename or document identifiers of given code: the answer copies runs of
@@ -21,8 +24,9 @@ fixed prompt sets, each at batch 1 (one request at a time) and batch 8 (8 in fli
 The servers take turns, one round at a time (a round: ``batch`` prompts, all in flight
 at once; the order of the servers reversed every other round), so that the load of a
 shared machine drifts alike over all of them; only the server whose turn it is works.
-``off`` and ``on`` run every workload; the sweep's servers the grounded prompts at
-batch 1 (the lookahead and n-gram lengths the defaults are chosen from).
+``off`` and ``on`` run every workload; the sweep's servers the ``--sweep-workloads``
+(by default the grounded prompts at batch 1, the lookahead and n-gram lengths the
+defaults are chosen from).
 
 Per workload and server: output tokens/s = completion tokens / the rounds' wall time
 (from a round's first request sent to its last answer); the acceptance rate (accepted /
@@ -31,16 +35,31 @@ step with at least one guess), from the ``shardserve_spec_decode_*_total`` count
 deltas at ``/metrics``; and how many answers are identical with and without
 speculation, token for token (each answer's tokens as ``logprobs.content`` names them,
 and its text). Beside them, from the step histograms' ``_sum`` / ``_count`` deltas: the
-mean decode step without speculation and the mean speculative (verify) step with it
-(shard forward time, proposal and sampling included), and the tokens a decode step
-emits with speculation (an answer's first token comes from its prefill and is not
-counted). Each server first answers one warm-up request; the batch-8 runs follow the
-batch-1 runs of the same prompts, so their prompts come from the prefix cache (with
-speculation off and on alike).
+mean decode step without speculation and the mean speculative step's verify forward
+and sampling with it (the shard's time; its proposal is timed apart), and the
+tokens a decode step emits with speculation (an answer's first token comes from its
+prefill and is not counted). Each server first answers one warm-up request; the batch-8
+runs follow the batch-1 runs of the same prompts, so their prompts come from the prefix
+cache (with speculation off and on alike).
+
+What a speculative step costs (the table of step costs, batch-1 workloads): the router's
+decode step period (``decode_step_wall_seconds``: the time between two decode results)
+is measured on every server; on ``on`` it mixes plain steps (a paused request's) and
+speculative ones, which are a share s = verify steps / decode steps of them, so a
+speculative step's period (proposal, a draft's forward passes included, verify forward,
+sampling and the router's work) is estimated as (period on - (1 - s) x period off) / s.
+A speculative step pays when it emits more tokens than period spec / period off; the
+acceptance that would give this many, with k guesses (the mean per verification,
+rounded) each accepted independently, is solved from (1 - a^(k+1)) / (1 - a) (Leviathan
+et al. 2023, eq. 1).
 
 Usage: ``python -m benchmarks.serving.speculative_cpu [--max-tokens 128]
 [--sweep "--num-speculative-tokens 2;--ngram-min 1"] [--out
-benchmarks/results/speculative-cpu.md]``
+benchmarks/results/speculative-cpu.md]``; a draft model:
+``python -m benchmarks.serving.draft_checkpoint --layers 20 --out /tmp/draft-20`` then
+``python -m benchmarks.serving.speculative_cpu --spec-args "--speculative-model
+/tmp/draft-20" --sweep "--speculative-model /tmp/draft-8" --sweep-workloads grounded-1
+chat-1``.
 """
 
 from __future__ import annotations
@@ -68,6 +87,7 @@ from benchmarks.harness import (
     stop_server,
     wait_healthy,
 )
+from benchmarks.steps.speculative_verify import expected_tokens
 
 # ---- the prompts ---------------------------------------------------------------------------
 
@@ -191,7 +211,8 @@ SWEEP_WORKLOAD = "grounded-1"
 
 _COUNTER = re.compile(
     r"^shardserve_(spec_decode_(?:proposed_tokens|accepted_tokens|verifications)_total"
-    r"|(?:decode_step|spec_decode_verify_step)_duration_seconds_(?:sum|count)) (\S+)$"
+    r"|(?:decode_step|spec_decode_(?:verify|propose)_step)_duration_seconds_(?:sum|count)"
+    r"|decode_step_wall_seconds_(?:sum|count)) (\S+)$"
 )
 COUNTERS = (
     "spec_decode_proposed_tokens_total",
@@ -201,13 +222,18 @@ COUNTERS = (
     "decode_step_duration_seconds_count",
     "spec_decode_verify_step_duration_seconds_sum",
     "spec_decode_verify_step_duration_seconds_count",
+    "spec_decode_propose_step_duration_seconds_sum",
+    "spec_decode_propose_step_duration_seconds_count",
+    "decode_step_wall_seconds_sum",
+    "decode_step_wall_seconds_count",
 )
 
 
 def spec_counters(text: str) -> dict[str, float]:
     """The :data:`COUNTERS` of a Prometheus exposition, keyed without the
     ``shardserve_`` prefix (absent ones are 0): the speculation counters and the
-    ``_sum`` / ``_count`` of the decode and verify step histograms (seconds)."""
+    ``_sum`` / ``_count`` of the decode, verify and propose step histograms and of the
+    router's decode step period (seconds)."""
     found = dict.fromkeys(COUNTERS, 0.0)
     found.update({m[1]: float(m[2]) for line in text.splitlines() if (m := _COUNTER.match(line))})
     return found
@@ -264,7 +290,8 @@ class Run:
 
     @property
     def decode_step_ms(self) -> float:
-        """Mean shard forward of a decode step (verify steps included), ms."""
+        """Mean shard time of a decode step (speculative steps, their proposal
+        included), ms."""
         c = self.counters
         return 1e3 * _ratio(
             c["decode_step_duration_seconds_sum"], c["decode_step_duration_seconds_count"]
@@ -272,7 +299,8 @@ class Run:
 
     @property
     def verify_step_ms(self) -> float:
-        """Mean shard forward of a speculative decode step, ms; NaN when none ran."""
+        """Mean shard time of a speculative step's verify forward and sampling (its
+        proposal apart), ms; NaN when none ran."""
         c = self.counters
         return 1e3 * _ratio(
             c["spec_decode_verify_step_duration_seconds_sum"],
@@ -280,10 +308,41 @@ class Run:
         )
 
     @property
+    def propose_ms(self) -> float:
+        """Mean shard time of a speculative step's guesses (a draft model's forward
+        passes, n-gram lookups), ms; NaN when none ran."""
+        c = self.counters
+        return 1e3 * _ratio(
+            c["spec_decode_propose_step_duration_seconds_sum"],
+            c["spec_decode_propose_step_duration_seconds_count"],
+        )
+
+    @property
     def tokens_per_step(self) -> float:
         """Tokens after each answer's first (a prefill's) per decode step."""
         steps = self.counters["decode_step_duration_seconds_count"]
         return _ratio(self.tokens - len(self.answers), steps)
+
+    @property
+    def step_period_ms(self) -> float:
+        """Mean decode step period seen by the router (verify steps included), ms."""
+        c = self.counters
+        return 1e3 * _ratio(c["decode_step_wall_seconds_sum"], c["decode_step_wall_seconds_count"])
+
+    @property
+    def speculating(self) -> float:
+        """Share of the decode steps that verified guesses (0 without speculation)."""
+        c = self.counters
+        return _ratio(
+            c["spec_decode_verify_step_duration_seconds_count"],
+            c["decode_step_duration_seconds_count"],
+        )
+
+    @property
+    def proposed_per_verification(self) -> float:
+        """Mean guesses proposed per verification; NaN when none ran."""
+        c = self.counters
+        return _ratio(c["spec_decode_proposed_tokens_total"], c["spec_decode_verifications_total"])
 
 
 def split_workload(workload: str) -> tuple[list[str], int]:
@@ -388,10 +447,14 @@ def start_servers(
 
 
 async def run_all(
-    servers: Sequence[Server], workloads: Sequence[str], sweep_workload: str, max_tokens: int
+    servers: Sequence[Server],
+    workloads: Sequence[str],
+    sweep_workloads: Sequence[str],
+    max_tokens: int,
 ) -> dict[str, dict[str, Run]]:
     """Warm each server up with one request, then run each of ``workloads`` on the
-    ``off`` and ``on`` servers, and ``sweep_workload`` on the others as well.
+    ``off`` and ``on`` servers, and those of them in ``sweep_workloads`` on the others as
+    well.
 
     Returns:
         label -> workload -> run.
@@ -401,7 +464,7 @@ async def run_all(
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
         await asyncio.gather(*(_ask(client, s.base, "Say hello.", 16) for s in servers))
         for workload in workloads:
-            taking = [s for s in servers if s.label in ("off", "on") or workload == sweep_workload]
+            taking = [s for s in servers if s.label in ("off", "on") or workload in sweep_workloads]
             done = await run_workload(client, taking, workload, max_tokens, rounds)
             prompts, batch = split_workload(workload)
             rounds += -(-len(prompts) // batch)
@@ -440,6 +503,72 @@ _SPEC_HEADS = "| on/off | acceptance | accepted / verification | verify step on 
 _SPEC_HEADS += "| tokens / decode step on | identical |"
 
 
+def speculative_period_ms(off: Run, on: Run) -> float:
+    """A speculative step's period on ``on`` (ms; proposal, verify forward, sampling and
+    the router's work), its plain steps' period taken as ``off``'s: (period on - (1 - s)
+    x period off) / s, s = the share of ``on``'s decode steps that speculated; NaN when
+    none did."""
+    share = on.speculating
+    if not share > 0:
+        return float("nan")
+    return (on.step_period_ms - (1 - share) * off.step_period_ms) / share
+
+
+def acceptance_for(tokens: float, k: int) -> float:
+    """The acceptance a at which a verification of ``k`` guesses, each accepted
+    independently with probability a, emits ``tokens`` tokens on average:
+    (1 - a^(k+1)) / (1 - a) = tokens (Leviathan et al. 2023, eq. 1), solved by
+    bisection. 0.0 when ``tokens`` <= 1; NaN when ``tokens`` > k + 1 (no acceptance
+    emits that many) or is NaN."""
+    if tokens <= 1.0:
+        return 0.0
+    if not tokens <= k + 1.0:
+        return float("nan")
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens(mid, k) < tokens else (low, mid)
+    return (low + high) / 2
+
+
+def cost_table(off: Mapping[str, Run], configs: Mapping[str, Mapping[str, Run]]) -> list[str]:
+    """Markdown rows: per batch-1 workload and speculation config (label -> workload ->
+    run), what a speculative step costs against a plain one and the tokens it must emit
+    (and the acceptance that would emit them) to pay."""
+    lines = [
+        "| prompts | speculation | guesses / verification | steps speculating "
+        "| decode step off (ms) | period off (ms) | propose on (ms) | verify step on (ms) "
+        "| speculative period (ms) | tokens / speculative step | needed | acceptance "
+        "| needed acceptance |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, base in off.items():
+        prompt_set, batch = name.rsplit("-", 1)
+        if batch != "1":
+            continue
+        for label, runs in configs.items():
+            if name not in runs:
+                continue
+            run = runs[name]
+            period = speculative_period_ms(base, run)
+            needed = period / base.step_period_ms
+            guesses = run.proposed_per_verification
+            k = round(guesses) if guesses == guesses else 0
+            flags = label if label.startswith("(") else f"`{label}`"
+            lines.append(
+                f"| {prompt_set} | {flags} | {guesses:.2f} | {run.speculating:.0%} "
+                f"| {base.decode_step_ms:.1f} | {base.step_period_ms:.1f} "
+                f"| {run.propose_ms:.1f} | {run.verify_step_ms:.1f} | {period:.1f} "
+                f"| {1 + run.accepted_per_verification:.2f} | {needed:.2f} "
+                f"| {run.acceptance:.2f} | {_or_none(acceptance_for(needed, k))} |"
+            )
+    return lines
+
+
+def _or_none(acceptance: float) -> str:
+    return "none" if acceptance != acceptance else f"{acceptance:.2f}"
+
+
 def workload_table(off: Mapping[str, Run], on: Mapping[str, Run]) -> list[str]:
     """Markdown rows: per workload, speculation off against on."""
     lines = [
@@ -458,8 +587,8 @@ def workload_table(off: Mapping[str, Run], on: Mapping[str, Run]) -> list[str]:
 
 
 def sweep_table(off: Run, configs: Mapping[str, Run]) -> list[str]:
-    """Markdown rows: the grounded batch-1 workload under each speculation config
-    (``configs``: its launch flags -> its run)."""
+    """Markdown rows: one workload under each speculation config (``configs``: its
+    launch flags -> its run)."""
     lines = [
         "| speculation flags | tok/s " + _SPEC_HEADS,
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -494,8 +623,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sweep",
         default="--num-speculative-tokens 2;--num-speculative-tokens 5;--ngram-min 1",
-        help="';'-separated flags added to --spec-args, a server each, run on grounded "
-        "prompts at batch 1 ('' for none)",
+        help="';'-separated flags added to --spec-args, a server each, run on "
+        "--sweep-workloads ('' for none)",
+    )
+    p.add_argument(
+        "--sweep-workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=[SWEEP_WORKLOAD],
+        help="the workloads the sweep's servers run (those of --workloads)",
     )
     p.add_argument(
         "--threads",
@@ -514,16 +650,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def method(spec_args: str) -> str:
+    """What the speculation flags guess with, in words: a draft model (its folder's
+    name; the last ``--speculative-model`` given) or n-gram guesses."""
+    flags = shlex.split(spec_args)
+    drafts = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--speculative-model"]
+    return f"draft model {Path(drafts[-1]).name}" if drafts else "n-gram guesses"
+
+
 def report(
     args: argparse.Namespace,
     off: Mapping[str, Run],
     on: Mapping[str, Run],
-    sweep: Mapping[str, Run],
+    sweep: Mapping[str, Mapping[str, Run]],
 ) -> str:
-    """The markdown report: heading, setting, the workload table and the sweep's."""
+    """The markdown report: heading, setting, the workload table, the sweep's (one per
+    workload the sweep ran; ``sweep``: its flags -> workload -> run) and the table of
+    step costs."""
     launch = f"shardserve launch --executor local {args.server_args}".strip()
     lines = [
-        header("Speculative decoding, n-gram guesses", args.device, "torch"),
+        header(f"Speculative decoding, {method(args.spec_args)}", args.device, "torch"),
         "",
         f"`{Path(args.model).name}`, `{launch}` against `{args.spec_args}`; "
         f"greedy `/v1/chat/completions`, max_tokens {args.max_tokens}, EOS ends an "
@@ -533,12 +679,29 @@ def report(
         "",
         *workload_table(off, on),
     ]
-    if sweep:
+    for name in off:
+        configs = {label: runs[name] for label, runs in sweep.items() if name in runs}
+        if not configs:
+            continue
+        prompt_set, batch = name.rsplit("-", 1)
         lines += [
             "",
-            f"Grounded prompts at batch 1 by speculation flags (added to `{args.spec_args}`):",
+            f"{prompt_set.capitalize()} prompts at batch {batch} by speculation flags (added "
+            f"to `{args.spec_args}`):",
             "",
-            *sweep_table(off[SWEEP_WORKLOAD], {"(defaults)": on[SWEEP_WORKLOAD], **sweep}),
+            *sweep_table(off[name], {"(defaults)": on[name], **configs}),
+        ]
+    costs = cost_table(off, {"(defaults)": on, **sweep})
+    if len(costs) > 2:
+        lines += [
+            "",
+            "What a speculative step costs at batch 1 (period: the router's decode step "
+            "period; a speculative step's estimated from the share of steps that "
+            "speculated; needed: the tokens a speculative step must emit to pay, its "
+            "period / the period off; needed acceptance: the acceptance that would emit "
+            "them with the guesses per verification, each accepted independently):",
+            "",
+            *costs,
         ]
     return "\n".join(lines) + "\n"
 
@@ -551,17 +714,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = shlex.split(args.server_args)
     spec = shlex.split(args.spec_args)
     flags = {"off": common, "on": [*common, *spec]}
-    if SWEEP_WORKLOAD in args.workloads:
+    sweep_workloads = [w for w in args.sweep_workloads if w in args.workloads]
+    if sweep_workloads:
         for config in filter(None, (c.strip() for c in args.sweep.split(";"))):
             flags[config] = [*common, *spec, *shlex.split(config)]
     servers = start_servers(args, flags, env)
     try:
-        runs = asyncio.run(run_all(servers, args.workloads, SWEEP_WORKLOAD, args.max_tokens))
+        runs = asyncio.run(run_all(servers, args.workloads, sweep_workloads, args.max_tokens))
     finally:
         for s in servers:
             stop_server(s.proc)
     off, on = runs.pop("off"), runs.pop("on")
-    text = report(args, off, on, {label: r[SWEEP_WORKLOAD] for label, r in runs.items()})
+    text = report(args, off, on, runs)
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -220,26 +221,53 @@ def test_the_speculative_cpu_report_compares_off_and_on() -> None:
                   "shardserve_spec_decode_proposed_tokens_total 40.0\n"
                   "shardserve_spec_decode_accepted_tokens_total 30.0\n"
                   "shardserve_spec_decode_verify_step_duration_seconds_sum 0.5\n"
+                  "shardserve_decode_step_wall_seconds_sum 0.25\n"
                   "shardserve_decode_step_duration_seconds_bucket{le=\"0.01\"} 7.0\n")
     counters = speculative_cpu.spec_counters(exposition)
     assert counters["spec_decode_proposed_tokens_total"] == 40
     assert counters["spec_decode_verify_step_duration_seconds_sum"] == 0.5
-    assert sum(counters.values()) == 70.5  # no bucket, the absent ones 0
+    assert counters["decode_step_wall_seconds_sum"] == 0.25
+    assert sum(counters.values()) == 70.75  # no bucket, the absent ones 0
     same, other = speculative_cpu.Answer(["a", "b"], "ab"), speculative_cpu.Answer(["ab"], "ab")
     off = speculative_cpu.Run(2.0, [same, same], {
         **counters, "decode_step_duration_seconds_sum": 0.1,
-        "decode_step_duration_seconds_count": 2.0})
+        "decode_step_duration_seconds_count": 2.0, "decode_step_wall_seconds_sum": 0.12,
+        "decode_step_wall_seconds_count": 2.0})
+    # half of on's 20 decode steps speculate: 20 verifications of 2 guesses, 1.5 accepted
     on = speculative_cpu.Run(1.0, [same, other], {
         **counters, "spec_decode_verifications_total": 20.0,
         "spec_decode_verify_step_duration_seconds_count": 10.0,
-        "decode_step_duration_seconds_count": 1.0})
+        "decode_step_duration_seconds_count": 20.0, "decode_step_wall_seconds_sum": 1.8,
+        "decode_step_wall_seconds_count": 20.0,
+        "spec_decode_propose_step_duration_seconds_sum": 0.3,
+        "spec_decode_propose_step_duration_seconds_count": 10.0})
     args = speculative_cpu.parse_args(["--workloads", "grounded-1", "--sweep", ""])
     report = speculative_cpu.report(args, {"grounded-1": off}, {"grounded-1": on},
-                                    {"--ngram-min 1": on})
+                                    {"--ngram-min 1": {"grounded-1": on}})
+    assert report.startswith("# Speculative decoding, n-gram guesses, ")
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
     # 4 tokens in 2 s off, 3 in 1 s on; the answer tokenized otherwise is not identical
-    spec = ["1.50×", "0.75", "1.50", "50.0", "1.00", "1/2 |"]
+    spec = ["1.50×", "0.75", "1.50", "50.0", "0.05", "1/2 |"]
     assert rows[1] == ["| grounded", "1", "4", "2.0", "3.0", "50.0", *spec]
-    assert [r[0] for r in rows[3:]] == ["| (off: decode step 50.0 ms)", "| (defaults)",
-                                        "| `--ngram-min 1`"]
-    assert rows[-1][2:] == spec
+    assert [r[0] for r in rows[3:6]] == ["| (off: decode step 50.0 ms)", "| (defaults)",
+                                         "| `--ngram-min 1`"]
+    assert rows[5][2:] == spec
+    # periods: 60 ms off, 90 ms on, so a speculative step's (90 - 0.5 x 60) / 0.5 = 120 ms
+    # must emit 2 tokens: with 2 guesses, 1 + a + a^2 = 2 at a = 0.62
+    cost = ["2.00", "50%", "50.0", "60.0", "30.0", "50.0", "120.0", "2.50", "2.00", "0.75",
+            "0.62 |"]
+    assert rows[7] == ["| grounded", "(defaults)", *cost]
+    assert rows[8] == ["| grounded", "`--ngram-min 1`", *cost]
+
+
+def test_the_speculative_cpu_report_names_a_draft_and_the_acceptance_a_step_needs() -> None:
+    assert speculative_cpu.method("--speculative-model /tmp/draft-8 --speculative-model "
+                                  "/tmp/draft-20") == "draft model draft-20"
+    assert speculative_cpu.method("--speculative-method ngram") == "n-gram guesses"
+    assert speculative_cpu.acceptance_for(1.5, 1) == pytest.approx(0.5)
+    assert speculative_cpu.acceptance_for(2.7731, 4) == pytest.approx(0.7, abs=1e-4)
+    assert speculative_cpu.acceptance_for(0.8, 4) == 0.0
+    assert math.isnan(speculative_cpu.acceptance_for(5.5, 4))  # k + 1 = 5 at most
+    plain = speculative_cpu.Run(1.0, [], {**dict.fromkeys(speculative_cpu.COUNTERS, 0.0),
+                                          "decode_step_duration_seconds_count": 5.0})
+    assert math.isnan(speculative_cpu.speculative_period_ms(plain, plain))  # none speculated
