@@ -67,7 +67,9 @@ class Lifecycle:
         if results.grammar_failures:  # these end now: the loop below skips them
             self._fail_grammars(sampled, results.grammar_failures)
         if results.num_proposed is not None:
-            self._count_guesses(sampled, results.num_proposed, counts or [])
+            decode_s = self.scheduler.prefill_budget.decode_s
+            cost = results.forward_s / decode_s if decode_s else None
+            self._count_guesses(sampled, results.num_proposed, counts or [], cost)
         start = 0
         for index, (seq, epoch) in enumerate(sampled):
             first = start
@@ -95,10 +97,11 @@ class Lifecycle:
         self.metrics.generation_tokens.inc(applied)
 
     def _count_guesses(self, sampled: list[tuple[Sequence, int]], proposed: list[int],
-                       counts: list[int]) -> None:
+                       counts: list[int], cost: float | None) -> None:
         """A speculative step's guesses: the metrics, and each sequence's acceptance
-        (:class:`~router.speculation.SpeculationStats`, which pauses its guesses when
-        they are mostly rejected)."""
+        (:class:`~router.acceptance.SpeculationStats`, which pauses its guesses when
+        they are mostly rejected or do not pay for the step's ``cost``: its time over
+        a plain decode step's, None when no decode step is measured)."""
         metrics = self.metrics
         for (seq, _), guesses, emitted in zip(sampled, proposed, counts, strict=True):
             if guesses:
@@ -107,7 +110,7 @@ class Lifecycle:
                 metrics.proposed_tokens.inc(guesses)
                 metrics.accepted_tokens.inc(emitted - 1)
                 metrics.verifications.inc()
-                seq.speculation.record(guesses, emitted - 1)
+                seq.speculation.record(guesses, emitted - 1, cost)
 
     def _fail_grammars(self, sampled: list[tuple[Sequence, int]], failures: dict[int, str]
                        ) -> None:
