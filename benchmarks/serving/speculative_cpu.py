@@ -386,17 +386,20 @@ async def run_workload(
     workload: str,
     max_tokens: int,
     first_round: int = 0,
+    repeat: int = 1,
 ) -> dict[str, Run]:
-    """Run ``workload`` (``set-batch``) on each of ``servers``, interleaved: in rounds of
-    ``batch`` prompts (all in flight at once), each round on one server after the other,
-    in the servers' order in even rounds (counted from ``first_round``) and the reverse
-    in odd ones, so that the machine's load drifts alike over all of them.
+    """Run ``workload`` (``set-batch``; its prompts ``repeat`` times) on each of
+    ``servers``, interleaved: in rounds of ``batch`` prompts (all in flight at once),
+    each round on one server after the other, in the servers' order in even rounds
+    (counted from ``first_round``) and the reverse in odd ones, so that the machine's
+    load drifts alike over all of them.
 
     Returns:
         label -> its run: the rounds' seconds summed, the answers in prompt order and
         the counters' deltas over the workload.
     """
     prompts, batch = split_workload(workload)
+    prompts = prompts * repeat
 
     async def counters() -> list[dict[str, float]]:
         return [spec_counters((await client.get(f"{s.base}/metrics")).text) for s in servers]
@@ -451,6 +454,7 @@ async def run_all(
     workloads: Sequence[str],
     sweep_workloads: Sequence[str],
     max_tokens: int,
+    repeat: int = 1,
 ) -> dict[str, dict[str, Run]]:
     """Warm each server up with one request, then run each of ``workloads`` on the
     ``off`` and ``on`` servers, and those of them in ``sweep_workloads`` on the others as
@@ -465,9 +469,9 @@ async def run_all(
         await asyncio.gather(*(_ask(client, s.base, "Say hello.", 16) for s in servers))
         for workload in workloads:
             taking = [s for s in servers if s.label in ("off", "on") or workload in sweep_workloads]
-            done = await run_workload(client, taking, workload, max_tokens, rounds)
+            done = await run_workload(client, taking, workload, max_tokens, rounds, repeat)
             prompts, batch = split_workload(workload)
-            rounds += -(-len(prompts) // batch)
+            rounds += -(-len(prompts) * repeat // batch)
             for label, run in done.items():
                 runs[label][workload] = run
                 print(
@@ -639,6 +643,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="OMP_NUM_THREADS of the servers (default: torch's own choice)",
     )
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each workload's prompts this many times (at batch 8 a workload "
+                        "is one round per server: more rounds, alternating, average the "
+                        "machine's drifting load)")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", type=Path, default=None, help="also write the report here")
     p.add_argument(
@@ -720,7 +728,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             flags[config] = [*common, *spec, *shlex.split(config)]
     servers = start_servers(args, flags, env)
     try:
-        runs = asyncio.run(run_all(servers, args.workloads, sweep_workloads, args.max_tokens))
+        runs = asyncio.run(run_all(servers, args.workloads, sweep_workloads, args.max_tokens,
+                                   args.repeat))
     finally:
         for s in servers:
             stop_server(s.proc)
