@@ -6,7 +6,6 @@ plain Decodes: greedy rows' and a seeded sampled row's."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from shard.speculative.step import SpeculativeDecoder
 from tests.ports import unused_port
 from tests.unit.shard.helpers import PROMPTS, BlockPool, DecodeDriver, make_runner, request
 from tests.unit.shard.test_speculative_step import SpecDriver
-from tests.unit.shard.tp_harness import POOL_BLOCKS, make_config
+from tests.unit.shard.tp_harness import POOL_BLOCKS, make_config, spawn_ranks
 
 NEW_TOKENS = 16
 K = 3
@@ -115,23 +114,9 @@ def run_ranks(
     model_dir: Path, world_size: int, truth: dict[int, list[int]], tmp: Path
 ) -> list[dict[str, Any]]:
     """:func:`speculative_tokens` on ``world_size`` ranks; every rank's result."""
-    ctx = mp.get_context("spawn")
     port, out = unused_port(), tmp / "spec"
-    procs = [
-        ctx.Process(target=_rank, args=(str(model_dir), r, world_size, port, truth, str(out)))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(TIMEOUT_S)
-            assert p.exitcode == 0, f"a TP rank exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    spawn_ranks(_rank, lambda r: (str(model_dir), r, world_size, port, truth, str(out)),
+              world_size, TIMEOUT_S)
     results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world_size)]
     for result in results:  # JSON keys are strings
         result["tokens"] = {int(rid): toks for rid, toks in result["tokens"].items()}

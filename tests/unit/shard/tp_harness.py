@@ -4,6 +4,7 @@ in its own spawned process joined by gloo on CPU; rank 0 saves its results."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,25 +112,16 @@ def _worker(model_dir: str, rank: int, world_size: int, port: int, prompts: list
     destroy_distributed()
 
 
-def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_tokens: int,
-           tmp: Path, timeout_s: float = 300.0, grammars: list[str] | None = None,
-           overrides: dict[str, Any] | None = None) -> Any:
-    """Run :func:`greedy_scenario` on ``world_size`` ranks; rank 0's results. With
-    ``grammars``, :func:`grammar_scenario` instead; every rank's tokens, by rank.
-    ``overrides``: further :class:`ShardConfig` fields of every rank.
+
+def spawn_ranks(target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]],
+              world_size: int, timeout_s: float) -> None:
+    """Run ``target(*args_of(rank))`` in one spawned process per rank and wait for all.
 
     Raises:
         AssertionError: a rank exited with an error or did not finish in ``timeout_s``.
     """
     ctx = mp.get_context("spawn")
-    port = unused_port()
-    out = tmp / f"tp{world_size}.pt"
-    procs = [
-        ctx.Process(target=_worker,
-                    args=(str(model_dir), r, world_size, port, prompts, new_tokens, str(out),
-                          grammars, overrides))
-        for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(world_size)]
     for p in procs:
         p.start()
     try:
@@ -141,6 +133,21 @@ def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_token
             if p.is_alive():
                 p.kill()
                 p.join()
+
+def run_tp(model_dir: Path, world_size: int, prompts: list[list[int]], new_tokens: int,
+           tmp: Path, timeout_s: float = 300.0, grammars: list[str] | None = None,
+           overrides: dict[str, Any] | None = None) -> Any:
+    """Run :func:`greedy_scenario` on ``world_size`` ranks; rank 0's results. With
+    ``grammars``, :func:`grammar_scenario` instead; every rank's tokens, by rank.
+    ``overrides``: further :class:`ShardConfig` fields of every rank.
+
+    Raises:
+        AssertionError: a rank exited with an error or did not finish in ``timeout_s``.
+    """
+    port = unused_port()
+    out = tmp / f"tp{world_size}.pt"
+    spawn_ranks(_worker, lambda r: (str(model_dir), r, world_size, port, prompts, new_tokens,
+                                  str(out), grammars, overrides), world_size, timeout_s)
     if grammars is not None:
         return [torch.load(f"{out}.rank{r}") for r in range(world_size)]
     result: dict[str, Any] = torch.load(out)
