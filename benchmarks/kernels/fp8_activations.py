@@ -177,7 +177,7 @@ def main() -> None:
                 f"fp8 conversions need compute capability 8.9+, this GPU has "
                 f"{capability[0]}.{capability[1]}"
             )
-        torch.cuda.set_device(args.device)
+        torch.cuda.set_device(torch.device(args.device).index or 0)
     else:
         # before the kernels are imported (run imports them): Triton reads it at jit time
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -10,8 +10,9 @@ import triton.language as tl
 
 from shard.kernels.pdl import launch_options, pdl_start
 
-FP8_MAX = 448.0  # largest float8 e4m3fn value
-MIN_SCALE = 1e-12  # shard.quantization.fp8.MIN_SCALE
+# constexpr: a compiled kernel reads no other module global
+FP8_MAX = tl.constexpr(448.0)  # largest float8 e4m3fn value
+MIN_SCALE = tl.constexpr(1e-12)  # shard.quantization.fp8.MIN_SCALE
 
 
 @triton.jit
