@@ -52,6 +52,7 @@ from shard.model_runner import ModelRunner
 from shard.models.config import ModelConfig
 from shard.pending_step import PendingStep
 from shard.requests import RequestState
+from shard.speculative.draft import DraftProposer, DraftState
 from shard.speculative.step import SpeculativeDecoder
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -77,6 +78,9 @@ class StepTimes:
         varlen: verify forward through the varlen prefill path (eager), by k + 1.
         draft_sync: draft decode step, ``ModelRunner.decode()``.
         draft: draft decode step, pipelined.
+        propose: the draft's proposal of k guesses per sequence as serving runs it
+            (``DraftProposer.propose``: the catch-up on 2 tokens, k - 1 decode steps,
+            the guesses to the host), by k.
         eager: the k + 1 whose verify step ran eagerly (no captured graph held it).
     """
 
@@ -87,6 +91,7 @@ class StepTimes:
     varlen: dict[int, float]
     draft_sync: float
     draft: float
+    propose: dict[int, float]
     eager: tuple[int, ...] = ()
 
 
@@ -106,9 +111,10 @@ def ngram_speedup(acceptance: float, k: int, t: StepTimes) -> float:
 
 
 def draft_speedup(acceptance: float, k: int, t: StepTimes) -> float:
-    """E × t_decode / (t_verify(k+1) + (k+1) × t_draft): the draft steps k times to
-    propose and once more on the last accepted (or bonus) token."""
-    return expected_tokens(acceptance, k) * t.decode / (t.verify[k + 1] + (k + 1) * t.draft)
+    """E × t_decode / (t_verify(k+1) + t_propose(k)): the proposal as measured, its
+    first draft step on the tokens the draft has not computed (2 per row: the last
+    guess and the target's token, all guesses accepted), then k - 1 more."""
+    return expected_tokens(acceptance, k) * t.decode / (t.verify[k + 1] + t.propose[k])
 
 
 def build_runner(
@@ -117,12 +123,14 @@ def build_runner(
     args: argparse.Namespace,
     memory_fraction: float,
     max_batch_size: int,
+    draft: Path | None = None,
 ) -> ModelRunner:
     """A warmed-up runner of ``shape`` (config.json written into ``folder``), dummy
     weights, bfloat16 on CUDA and float32 on the CPU, decode graphs captured for up to
-    ``max_batch_size`` rows."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(shape))
+    ``max_batch_size`` rows; with ``draft`` (a folder :func:`model_folder` wrote), a
+    draft model beside it as ``--speculative-model`` runs it."""
+    model_folder(folder, shape)
+    speculative = {"speculative_method": "draft", "speculative_model": str(draft)} if draft else {}
     runner = ModelRunner(
         ShardConfig(
             model_path=str(folder),
@@ -135,11 +143,21 @@ def build_runner(
             attention_backend=args.attention_backend,
             cuda_graphs=args.cuda_graphs,
             gemm_tuning=args.gemm_tuning,
+            **speculative,
         )
     )
     longest = args.context + 2 * (args.reps + args.warmup_reps) + max(args.lookahead) + 2
     runner.warmup(max(8192, args.context), max(4096, longest), max_batch_size)
     return runner
+
+
+def model_folder(folder: Path, shape: dict[str, object]) -> Path:
+    """``folder`` with the config.json of ``shape`` and a one-token tokenizer.json (the
+    draft's vocabulary check compares these; dummy weights need no more)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(shape))
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"<unk>": 0}}}))
+    return folder
 
 
 def parameter_count(mc: ModelConfig) -> int:
@@ -214,6 +232,17 @@ def verify_forward(runner: ModelRunner, chunks: Sequence[SeqChunk]) -> list[int]
     requests held do not change."""
     _, hidden = runner.run_chunks(chunks, is_prefill=True)
     return runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+
+@torch.inference_mode()
+def propose_step(proposer: DraftProposer, rows: Sequence[RequestState], k: int) -> None:
+    """``proposer``'s k guesses for each of ``rows`` after a verify step that accepted
+    every guess: the draft is 2 tokens behind each row (its last guess and the target's
+    token), then steps k - 1 times. The draft's state is set back first, so each call
+    does the same work."""
+    for r in rows:
+        r.proposer_state = DraftState(len(r.token_ids) - 2, ())
+    proposer.propose(rows, [k] * len(rows))
 
 
 def verify_rows(args: argparse.Namespace) -> int:
@@ -291,13 +320,21 @@ def measure_batch(
             args.warmup_reps,
             target.device,
         )
+    proposer = target.speculator.proposer if target.speculator is not None else None
+    assert isinstance(proposer, DraftProposer), "the target runs without a draft"
+    proposer.propose(rows, [max(args.lookahead)] * batch)  # the prompts into the draft's cache
+    propose = {
+        k: median_ms(partial(propose_step, proposer, rows, k), args.reps, args.warmup_reps,
+                     target.device)
+        for k in args.lookahead
+    }
     decode_sync, decode = decode_ms(target, args.reps, args.warmup_reps)
     target.reset()
     prefill_requests(draft, batch, args.context, grown, spare=spare)
     draft_sync, draft_step = decode_ms(draft, args.reps, args.warmup_reps)
     draft.reset()
     return StepTimes(
-        batch, decode_sync, decode, verify, varlen, draft_sync, draft_step, tuple(eager)
+        batch, decode_sync, decode, verify, varlen, draft_sync, draft_step, propose, tuple(eager)
     )
 
 
@@ -393,6 +430,11 @@ def render(
         "- decode: `ModelRunner.decode()` (sync), then launched as the servicer launches "
         f"them (pipelined); contexts grow from {args.context} to "
         f"{args.context + 2 * (args.reps + args.warmup_reps)} tokens over the decode reps",
+        "- draft: the same decode steps on a runner of the draft alone; propose k: the "
+        "target's runner with the draft beside it (`--speculative-model`), "
+        "`DraftProposer.propose` of k guesses per row as after a verify step that accepted "
+        "all: one draft decode step on 2 rows per sequence (the draft's CUDA graphs), "
+        "k - 1 decode steps fed the argmax on the device, the guesses to the host once",
         "",
         "## Step times (ms)",
         "",
@@ -401,9 +443,11 @@ def render(
         + " | "
         + " | ".join(f"varlen eager k+1={k + 1}" for k in ks)
         + " | draft sync | draft pipelined | "
+        + " | ".join(f"propose k={k}" for k in ks)
+        + " | "
         + " | ".join(f"verify {k + 1} / decode" for k in ks)
         + " |",
-        "|---:|---:|---:|" + "---:|" * (3 * len(ks) + 2),
+        "|---:|---:|---:|" + "---:|" * (4 * len(ks) + 2),
     ]
     for t in times:
         lines.append(
@@ -412,6 +456,8 @@ def render(
             + " | "
             + " | ".join(f"{t.varlen[k + 1]:.3f}" for k in ks)
             + f" | {t.draft_sync:.3f} | {t.draft:.3f} | "
+            + " | ".join(f"{t.propose[k]:.3f}" for k in ks)
+            + " | "
             + " | ".join(f"{t.verify[k + 1] / t.decode:.2f}" for k in ks)
             + " |"
         )
@@ -420,16 +466,14 @@ def render(
         "Expected tokens per verify E = (1 − a^(k+1)) / (1 − a) (Leviathan et al. 2023, "
         "acceptance a i.i.d. per token). t_decode is the pipelined decode step (serving's "
         "no-speculation baseline), t_verify(k+1) the verify step above (B(k+1) decode "
-        "rows, not the varlen column), t_draft the "
-        "draft's pipelined decode step. Targets (issue 47, a = 0.7, k = 4): ≥ 1.8× at "
-        "batch 1, ≥ 1.35× at batch 32, in bold.",
+        "rows, not the varlen column), t_propose(k) the draft's proposal. Targets "
+        "(issue 47, a = 0.7, k = 4): ≥ 1.8× at batch 1, ≥ 1.35× at batch 32, in bold.",
         "",
         "## n-gram speedup = E × t_decode / t_verify(k+1) (proposals cost ~0)",
         "",
         *speedup_table(times, ks, "ngram"),
         "",
-        "## Draft-model speedup = E × t_decode / (t_verify(k+1) + (k+1) × t_draft) "
-        "(k proposal steps and one on the bonus token)",
+        "## Draft-model speedup = E × t_decode / (t_verify(k+1) + t_propose(k))",
         "",
         *speedup_table(times, ks, "draft"),
     ]
@@ -529,12 +573,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     shape = SMALL if args.tiny else LLAMA3_8B
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
+        draft_shape = {**shape, "num_hidden_layers": args.draft_layers}
         target = build_runner(
-            Path(folder, "target"), shape, args, TARGET_FRACTION, verify_rows(args)
+            Path(folder, "target"), shape, args, TARGET_FRACTION, verify_rows(args),
+            draft=model_folder(Path(folder, "draft"), draft_shape),
         )
         draft = build_runner(
             Path(folder, "draft"),
-            {**shape, "num_hidden_layers": args.draft_layers},
+            draft_shape,
             args,
             DRAFT_FRACTION,
             max(args.batch),

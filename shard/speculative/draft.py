@@ -10,14 +10,17 @@ and captures the draft's decode CUDA graphs beside the target's
 (:class:`~shard.warmup.Warmup`).
 
 :class:`DraftProposer` keeps each row's draft cache up to date lazily: the tokens the
-draft has not computed (a new request's prompt, the tokens of steps without
-speculation, the target's token after the accepted guesses) are computed in one varlen
-forward before the row's first guess, then each further guess is one decode step.
+draft has not computed (the target's token after the accepted guesses; a new request's
+prompt, the tokens of steps without speculation) are computed before the row's first
+guess (a few tokens as decode rows through the draft's CUDA graphs, more in one varlen
+forward), then each further guess is one decode step. Plain greedy rows keep their
+guesses on the device until the last step, so the steps launch back to back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +48,9 @@ if TYPE_CHECKING:
 # Mixed into a row's seed for the draft's own sampling, so that its guesses are drawn
 # independently of the target's noise (the acceptance rule needs d ~ q on its own).
 DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
+# A row missing at most this many draft tokens catches up as decode rows (CUDA graphs),
+# more through a varlen forward: after a verify step a row misses 1 or 2.
+CATCH_UP_ROWS = 8
 
 
 class DraftModel:
@@ -148,7 +154,7 @@ class DraftModel:
 
 
 @dataclass
-class _DraftState:
+class DraftState:
     """What the draft computed for a row (``RequestState.proposer_state``): the K/V of
     its first ``start`` tokens, then of ``fed`` (guesses, which hold only where the row's
     tokens agree with them)."""
@@ -195,17 +201,12 @@ class DraftProposer:
                  if b > 0 and r.grammar is None]
         if not alive:
             return guesses
-        chunks = []
-        for i in alive:
-            r = requests[i]
-            state = r.proposer_state
-            done = state.valid(r.token_ids) if isinstance(state, _DraftState) else 0
-            chunks.append(SeqChunk(r.token_ids[done:], done, r.block_table))
-        logits = self.draft.chunk_logits(chunks)
+        logits = self._catch_up([requests[i] for i in alive], alive)
         for i in alive:  # the draft now holds every token of the row but its guesses
-            requests[i].proposer_state = _DraftState(len(requests[i].token_ids), ())
-        table = self.draft.runner.requests.rows
-        assert table is not None
+            requests[i].proposer_state = DraftState(len(requests[i].token_ids), ())
+        if all(requests[i].plain_greedy for i in alive):
+            self._greedy(logits, requests, budgets, alive, guesses)
+            return guesses
         while True:
             picked = self._pick(logits, [requests[i] for i in alive], [guesses[i] for i in alive])
             for i, (token, q) in zip(alive, picked, strict=True):
@@ -214,21 +215,112 @@ class DraftProposer:
                     self._probs[i].append(q)
             alive = [i for i in alive if len(guesses[i]) < budgets[i]]
             if not alive:
-                break
+                return guesses
             for i in alive:  # the guess is fed: its K/V hold if the target agrees
-                state = requests[i].proposer_state
-                assert isinstance(state, _DraftState)
-                state.fed = (*state.fed, guesses[i][-1])
-            seq_lens = [len(requests[i].token_ids) - 1 + len(guesses[i]) for i in alive]
-            index = to_device(alive, torch.int64, table.tokens.device)
-            rows = DecodeRows(
-                tokens=to_device([guesses[i][-1] for i in alive], torch.int64,
-                                 table.tokens.device),
-                seq_lens=to_device(seq_lens, torch.int32, table.tokens.device),
-                block_tables=table.block_tables.index_select(0, index),
+                self._feed(requests[i], guesses[i][-1])
+            tokens = to_device([guesses[i][-1] for i in alive], torch.int64, self._device)
+            logits = self._step(requests, guesses, alive, tokens)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.draft.runner.device
+
+    def _catch_up(self, rows: Sequence[RequestState], index: Sequence[int]) -> torch.Tensor:
+        """Compute the tokens of ``rows`` (the runner's decoding rows ``index``) that the
+        draft has not computed; logits [len(rows), vocab] of each row's last token.
+
+        A row missing at most :data:`CATCH_UP_ROWS` tokens (the usual case: the target's
+        token after the accepted guesses, and the last accepted guess when all were)
+        takes one decode row per token, row j at its position with the row's block
+        table, so that the draft's decode CUDA graphs run them; a longer run (a new
+        request's prompt, tokens of steps without speculation) goes through one varlen
+        forward.
+        """
+        done = [r.proposer_state.valid(r.token_ids) if isinstance(r.proposer_state, DraftState)
+                else 0 for r in rows]
+        short = [n for n, (r, d) in enumerate(zip(rows, done, strict=True))
+                 if len(r.token_ids) - d <= CATCH_UP_ROWS]
+        long = [n for n in range(len(rows)) if n not in set(short)]
+        parts: list[tuple[list[int], torch.Tensor]] = []
+        if short:
+            table = self.draft.runner.requests.rows
+            assert table is not None
+            owner = [index[n] for n in short for _ in range(len(rows[n].token_ids) - done[n])]
+            positions = [p for n in short for p in range(done[n], len(rows[n].token_ids))]
+            expanded = DecodeRows(
+                tokens=to_device([rows[n].token_ids[p] for n in short
+                                  for p in range(done[n], len(rows[n].token_ids))],
+                                 torch.int64, self._device),
+                seq_lens=to_device(positions, torch.int32, self._device),
+                block_tables=table.block_tables.index_select(
+                    0, to_device(owner, torch.int64, self._device)),
             )
-            logits = self.draft.decode_logits(rows, max(seq_lens) + 1)
-        return guesses
+            ends = list(itertools.accumulate(len(rows[n].token_ids) - done[n] for n in short))
+            last = to_device([e - 1 for e in ends], torch.int64, self._device)
+            logits = self.draft.decode_logits(expanded, max(positions) + 1)
+            parts.append((short, logits.index_select(0, last)))
+        if long:
+            chunks = [SeqChunk(rows[n].token_ids[done[n]:], done[n], rows[n].block_table)
+                      for n in long]
+            parts.append((long, self.draft.chunk_logits(chunks)))
+        if len(parts) == 1:
+            return parts[0][1]
+        order = to_device([n for members, _ in parts for n in members], torch.int64,
+                          self._device)
+        stacked = torch.cat([logits.float() for _, logits in parts])
+        return torch.empty_like(stacked).index_copy_(0, order, stacked)
+
+    def _step(self, requests: Sequence[RequestState], guesses: Sequence[Sequence[int]],
+              alive: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One draft decode step of the rows ``alive``, fed ``tokens`` ([len(alive)]
+        int64 on the device): each row's latest guess; logits [len(alive), vocab]."""
+        table = self.draft.runner.requests.rows
+        assert table is not None
+        seq_lens = [len(requests[i].token_ids) - 1 + len(guesses[i]) for i in alive]
+        rows = DecodeRows(
+            tokens=tokens,
+            seq_lens=to_device(seq_lens, torch.int32, self._device),
+            block_tables=table.block_tables.index_select(
+                0, to_device(alive, torch.int64, self._device)),
+        )
+        return self.draft.decode_logits(rows, max(seq_lens) + 1)
+
+    @staticmethod
+    def _feed(request: RequestState, guess: int) -> None:
+        state = request.proposer_state
+        assert isinstance(state, DraftState)
+        state.fed = (*state.fed, guess)
+
+    def _greedy(self, logits: torch.Tensor, requests: Sequence[RequestState],
+                budgets: Sequence[int], alive: list[int], guesses: list[list[int]]) -> None:
+        """Plain greedy rows: each guess the argmax, kept on the device and fed to the
+        next step without a copy to the host, so that the k steps launch back to back;
+        the guesses reach the host once, at the end."""
+        picked: list[tuple[list[int], torch.Tensor]] = []
+        vocab = self.draft.vocab_size
+        while True:
+            tokens = logits[:, :vocab].argmax(dim=-1)
+            picked.append((alive, tokens))
+            for i in alive:
+                guesses[i].append(-1)  # a place for the guess, read below
+            kept = [n for n, i in enumerate(alive) if len(guesses[i]) < budgets[i]]
+            if not kept:
+                break
+            tokens = tokens if len(kept) == len(alive) else tokens.index_select(
+                0, to_device(kept, torch.int64, self._device))
+            alive = [alive[n] for n in kept]
+            logits = self._step(requests, guesses, alive, tokens)
+        values = torch.cat([tokens for _, tokens in picked]).tolist()
+        for i in range(len(guesses)):
+            guesses[i].clear()
+        at = 0
+        for members, _ in picked:
+            for i in members:
+                guesses[i].append(values[at])
+                at += 1
+        for i, g in enumerate(guesses):  # every guess but the last was fed
+            for guess in g[:-1]:
+                self._feed(requests[i], guess)
 
     def _pick(self, logits: torch.Tensor, requests: Sequence[RequestState],
               guesses: Sequence[Sequence[int]]) -> list[tuple[int, torch.Tensor | None]]:

@@ -124,12 +124,15 @@ def test_the_speculative_report_has_every_batch_and_lookahead(tmp_path: Path) ->
         "--out", str(out)])
     assert out.read_text() == report
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
-    # batch, 2 decode, verify and varlen eager at k+1 = 2 and 5, 2 draft, 2 verify/decode
-    steps = [r for r in rows if len(r) == 11 and r[0] != "| batch"]
+    # batch, 2 decode, verify and varlen eager at k+1 = 2 and 5, 2 draft, propose at k = 1
+    # and 4, 2 verify/decode
+    steps = [r for r in rows if len(r) == 13 and r[0] != "| batch"]
     assert [r[0] for r in steps] == ["| 1", "| 3"]
-    heads = next(r for r in rows if r[0] == "| batch" and len(r) == 11)
+    heads = next(r for r in rows if r[0] == "| batch" and len(r) == 13)
     assert heads[3:7] == ["verify k+1=2", "verify k+1=5", "varlen eager k+1=2",
                           "varlen eager k+1=5"]
+    assert heads[9:11] == ["propose k=1", "propose k=4"]
+    assert all(float(r[9]) > 0 and float(r[10]) > 0 for r in steps)
     assert "asks for decode graphs up to 15 rows" in report  # 3 × (4 + 1)
     assert "every verify cell ran eagerly (no decode CUDA graphs captured)" in report
     speedups = [r for r in rows if len(r) == 7 and r[0] != "| batch"]
@@ -142,7 +145,7 @@ def test_the_speculative_report_has_every_batch_and_lookahead(tmp_path: Path) ->
 
 def test_the_speculative_report_names_the_verify_cells_that_ran_eagerly() -> None:
     def times(batch: int, eager: tuple[int, ...]) -> speculative_verify.StepTimes:
-        return speculative_verify.StepTimes(batch, 1.0, 1.0, {}, {}, 1.0, 1.0, eager)
+        return speculative_verify.StepTimes(batch, 1.0, 1.0, {}, {}, 1.0, 1.0, {}, eager)
 
     cells = speculative_verify.eager_cells([times(8, ()), times(64, (5, 8))], True)
     assert cells.endswith("at: batch 64 k+1=5, batch 64 k+1=8")

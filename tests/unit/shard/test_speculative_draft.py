@@ -129,3 +129,33 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir, drafts, tmp_
     (other / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"vocabulary differs .* in 2 tokens"):
         draft_runner(tiny_model_dir, other)
+
+
+def test_a_copy_catches_up_after_plain_steps_with_other_budgets(
+        tiny_model_dir, drafts, expected) -> None:
+    """Speculative steps between runs of plain Decodes (1 to 10 tokens the draft has
+    not computed: decode rows up to ``CATCH_UP_ROWS``, a varlen forward past it), row 0
+    with one guess a step and the others three: a copy of the target still has every
+    guess accepted, and the tokens are transformers'."""
+    runner = draft_runner(tiny_model_dir, drafts["copy"])
+    pool = BlockPool(runner.num_blocks, seed=3)
+    out = runner.prefill(PrefillStep(tuple(
+        request(i, p, pool.for_tokens(len(p))) for i, p in enumerate(PROMPTS))))
+    tokens = {g.request_id: [g.token_id] for g in out.generations}
+    driver = SpecDriver(runner, pool, k=3, bounds={0: 2})
+    accepted = proposed = 0
+    for plain in (0, 1, 9, 0):
+        for _ in range(plain):
+            for rid, tok in driver.step().items():
+                tokens[rid].append(tok)
+        got, _, counts = driver.spec_step()
+        for rid, toks in got.items():
+            tokens[rid].extend(toks)
+        assert len(counts) == len(PROMPTS)
+        accepted += sum(counts) - len(counts)
+        proposed += 1 + 3 * (len(counts) - 1)
+    runner.reset()
+    assert accepted == proposed
+    assert [t[:NEW_TOKENS] for t in tokens.values()] == [
+        expected[i][:len(tokens[i])] for i in tokens]
+    assert min(len(t) for t in tokens.values()) == 1 + 10 + 4 * 2  # row 0
