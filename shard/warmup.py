@@ -31,6 +31,7 @@ from shard.cuda_graphs import DecodeGraphs, graph_buckets
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
 from shard.kernels import gemm_tuning, tuning_cache
+from shard.kernels.compile_watch import WATCH
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.product_weights import linear_weights, lm_head_weights
 from shard.progress import PhaseProgress
@@ -62,6 +63,33 @@ def dummy_chunks(
         chunks.append(SeqChunk([0] * n, 0, list(range(-(-n // block_size)))))
         remaining -= n
     return chunks
+
+
+# (prompt tokens, cached prefix) of each sequence of the steps warm-up runs beside the
+# worst-case prefill: one token, a count that is not a multiple of 16, several sequences
+# over prefixes of odd lengths, and 16 and 17 one-token sequences (a mixed step's decode
+# rows). Triton compiles a variant of a kernel per integer argument that is 1, a
+# multiple of 16 or neither (shard/kernels/compile_watch.py); the worst-case prefill's
+# sizes are multiples of 16.
+ODD_SHAPES: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((1, 0),),
+    ((17, 0),),
+    ((5, 0), (3, 7), (1, 33), (24, 40)),
+    tuple((1, 8 + i) for i in range(16)),
+    tuple((1, 8 + i) for i in range(17)),
+)
+
+
+def odd_shapes(first: SeqChunk) -> list[list[SeqChunk]]:
+    """The steps of :data:`ODD_SHAPES` over ``first``'s tokens and block table (those
+    that fit in it)."""
+    steps = []
+    for shape in ODD_SHAPES:
+        if max(n + start for n, start in shape) > len(first.token_ids):
+            continue
+        steps.append([SeqChunk(first.token_ids[start:start + n], start, first.block_table)
+                      for n, start in shape])
+    return steps
 
 
 def blocks_needed(chunks: list[SeqChunk]) -> int:
@@ -171,6 +199,8 @@ class Warmup:
         errors)."""
         runner = self.runner
         runner.reset()
+        WATCH.install()
+        WATCH.disarm()  # warm-up compiles
         self._unbind_kv_cache()  # a failed warmup leaves the shard without a cache
         buckets = graph_buckets(self.config.cuda_graphs, max_batch_size, self.device,
                                 runner.backend, self.log)
@@ -215,6 +245,7 @@ class Warmup:
                               list(buckets), time.perf_counter() - started)
         self.log.info("warmup done: {} KV blocks of {} tokens ({} bytes per block, {})",
                       num_blocks, block_size, per_block, self._describe_kv())
+        WATCH.arm()
         return num_blocks
 
     def _tune_products(self, max_batch_prefill_tokens: int, buckets: Sequence[int]) -> None:
@@ -277,7 +308,8 @@ class Warmup:
         cache; then a few tokens of its first sequence again over the first half as a
         cached prefix, so that both prefill attention paths (prefix-free and over a
         cached prefix, which can be different kernels) are compiled and loaded before
-        serving."""
+        serving; then the steps of :func:`odd_shapes`, with their logits and greedy
+        sampling, for the kernel variants their sizes select."""
         runner = self.runner
         inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
         logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
@@ -294,6 +326,12 @@ class Warmup:
         if half:
             tokens = first.token_ids[half:half + 16]
             runner.run_chunks([SeqChunk(tokens, half, first.block_table)], is_prefill=True)
+        for shape in odd_shapes(first):
+            inputs, hidden = runner.run_chunks(shape, is_prefill=True)
+            logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
+            sample_greedy(logits, kernels=runner.kernels)
+            if runner.draft is not None:
+                runner.draft.warm(shape)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
