@@ -72,6 +72,25 @@ def one_at_a_time(max_replicas: int) -> float:
     return 1.0 / (max_replicas + 1)
 
 
+def scaling_options(serve_config: ServeConfig) -> dict[str, Any]:
+    """The ``Replica`` deployment's options on its replica count: ``num_replicas``, or
+    with autoscaling Ray Serve's ``autoscaling_config`` (bounds, target ongoing
+    requests per replica, and the delays in seconds before it adds or stops replicas)."""
+    if not serve_config.autoscaling:
+        return {"num_replicas": serve_config.replicas}
+    low, high = serve_config.scale_bounds
+    return {
+        "autoscaling_config": {
+            "min_replicas": low,
+            "max_replicas": high,
+            "initial_replicas": serve_config.replicas,
+            "target_ongoing_requests": serve_config.target_ongoing_requests,
+            "upscale_delay_s": serve_config.upscale_delay_s,
+            "downscale_delay_s": serve_config.downscale_delay_s,
+        }
+    }
+
+
 def _uses_gpu(config: ServerConfig) -> bool:
     import ray
 
@@ -90,19 +109,7 @@ def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
     from router.serve.replica import ReplicaServer
     from router.serve.request_router import ShardserveRequestRouter
 
-    low, high = serve_config.scale_bounds
-    scaling: dict[str, Any] = {"num_replicas": serve_config.replicas}
-    if serve_config.autoscaling:
-        scaling = {
-            "autoscaling_config": {
-                "min_replicas": low,
-                "max_replicas": high,
-                "initial_replicas": serve_config.replicas,
-                "target_ongoing_requests": serve_config.target_ongoing_requests,
-                "upscale_delay_s": 10.0,
-                "downscale_delay_s": 60.0,
-            }
-        }
+    high = serve_config.scale_bounds[1]
     router_options: dict[str, Any] = {
         "request_router_class": ShardserveRequestRouter,
         "request_router_kwargs": {
@@ -129,7 +136,7 @@ def build_app(config: ServerConfig, serve_config: ServeConfig) -> Any:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=RequestRouterConfig(**router_options),
-        **scaling,
+        **scaling_options(serve_config),
     )
     ingress = deployment(
         serve.ingress()(Ingress),

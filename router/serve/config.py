@@ -28,6 +28,10 @@ class ServeConfig:
         max_replicas: Most replicas the autoscaler starts; None = ``replicas`` (no
             autoscaling when both equal ``replicas``).
         target_ongoing_requests: Ongoing requests per replica the autoscaler aims at.
+        upscale_delay_s: Seconds the autoscaler must want more replicas before it adds
+            them (Ray Serve's ``upscale_delay_s``).
+        downscale_delay_s: Seconds the autoscaler must want fewer replicas before it
+            stops some (Ray Serve's ``downscale_delay_s``).
         routing: ``affinity`` (prefix cache and load), ``round_robin``, ``least_loaded``.
         affinity_max_gap: Affinity yields to load: a replica whose ongoing requests
             exceed the least loaded replica's by more than this is not chosen for its
@@ -65,6 +69,22 @@ class ServeConfig:
         default=16.0,
         metadata=_flag(
             "ongoing requests per replica the autoscaler aims at", type=float, metavar="REQUESTS"
+        ),
+    )
+    upscale_delay_s: float = field(
+        default=10.0,
+        metadata=_flag(
+            "seconds the autoscaler must want more replicas before it adds them",
+            type=float,
+            metavar="SECONDS",
+        ),
+    )
+    downscale_delay_s: float = field(
+        default=60.0,
+        metadata=_flag(
+            "seconds the autoscaler must want fewer replicas before it stops some",
+            type=float,
+            metavar="SECONDS",
         ),
     )
     routing: str = field(
@@ -110,6 +130,8 @@ class ServeConfig:
             )
         if self.target_ongoing_requests <= 0:
             raise ValueError("--target-ongoing-requests must be > 0")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ValueError("--upscale-delay and --downscale-delay must be >= 0")
         if self.affinity_max_gap < 0:
             raise ValueError("--affinity-max-gap must be >= 0")
         if self.routing not in ROUTING_POLICIES:

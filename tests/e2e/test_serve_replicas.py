@@ -104,15 +104,15 @@ class Replicas:
         return found
 
 
-@pytest.fixture(scope="module")
-def replicas(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[Replicas]:
+def start_replicas(flags: list[str], log_path: Path,
+                   env: dict[str, str] | None = None) -> Replicas:
+    """Start ``shardserve serve FLAGS`` on free ports, logging to ``log_path`` (with
+    ``env`` added to the environment); return it once /health answers."""
     port, grpc_port = unused_port(), unused_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", *SERVE_FLAGS,
+            [sys.executable, "-m", "router.cli", "serve", *flags,
              "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)],
             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -122,8 +122,15 @@ def replicas(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         stop(process)
         sys.stderr.write(log_path.read_text()[-5000:])
         raise
-    yield Replicas(url, f"127.0.0.1:{grpc_port}", process, log_path)
-    stop(process)
+    return Replicas(url, f"127.0.0.1:{grpc_port}", process, log_path)
+
+
+@pytest.fixture(scope="module")
+def replicas(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Replicas]:
+    started = start_replicas(SERVE_FLAGS, tmp_path_factory.mktemp("serve") / "serve.log")
+    yield started
+    stop(started.process)
 
 
 @pytest.fixture(scope="module")
