@@ -33,7 +33,8 @@ from loguru import logger
 from router.config import ServerConfig
 from router.serve.config import ServeConfig
 
-# gRPC services Ray Serve's gRPC proxy serves (the ingress has a method for each call).
+# gRPC services Ray Serve's gRPC proxy serves (the ingress has a method for each call:
+# TextGeneration's four, and the health service's Check and Watch).
 GRPC_SERVICERS = [
     "router.serve.grpc_services.add_text_generation",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -180,7 +181,12 @@ def run(config: ServerConfig, serve_config: ServeConfig) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     grpc_options = (
-        {"port": config.grpc_port, "grpc_servicer_functions": GRPC_SERVICERS}
+        {
+            "port": config.grpc_port,
+            "grpc_servicer_functions": GRPC_SERVICERS,
+            # the proxy answers server reflection itself (ray-project/ray#65854)
+            "enable_reflection": True,
+        }
         if config.grpc_port
         else None
     )

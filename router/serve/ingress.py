@@ -10,7 +10,10 @@ ingress's routing decisions (:mod:`router.serve.board`).
 
 gRPC: the public ``TextGeneration`` methods and the standard health ``Check`` are
 methods here, called by Ray Serve's gRPC proxy with the decoded request; each is sent
-serialized to a replica, whose own servicer answers it, status codes included.
+serialized to a replica, whose own servicer answers it, status codes included. The
+health ``Watch`` is answered here from a replica's ``Check`` every second
+(:mod:`router.serve.health_watch`). Server reflection is the proxy's own (Ray Serve's
+``enable_reflection``), listing the services registered on it.
 
 Before a generating call leaves, its prompt is tokenized and hashed into block digests
 (:mod:`router.serve.hints`) for the request router. A replica that dies under a call
@@ -46,6 +49,7 @@ from router.serve.affinity import (
 from router.serve.asgi_call import HttpCall, HttpStart
 from router.serve.board import merge_expositions
 from router.serve.config import CONVERSATION_HEADER
+from router.serve.health_watch import INGRESS_STOPPING, PROBE_TIMEOUT_S, StopSign, watch_statuses
 from router.serve.hints import HintMaker
 from router.serve.replica import GrpcStatus, get_board
 from router.tokenizer import Tokenizer
@@ -75,6 +79,8 @@ class Ingress:
     """
 
     def __init__(self, replicas: Any, config: ServerConfig, app_name: str) -> None:
+        from ray import serve
+
         setup_logging(json_output=config.shard.json_logs)
         self.replicas = replicas
         self.hints = HintMaker(
@@ -82,6 +88,8 @@ class Ingress:
         )
         self.app_name = app_name
         self.board = get_board(app_name)
+        context = serve.get_replica_context()
+        self.stop_sign = StopSign(app_name, context.deployment, context.replica_id.unique_id)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         """The HTTP app Ray Serve's proxy calls (built once the class is constructed)."""
@@ -162,14 +170,7 @@ class Ingress:
     ) -> AsyncIterator[bytes]:
         """The serialized answers of ``method`` from a replica; an error ends the call
         with the replica's status (UNAVAILABLE when the replica was lost)."""
-        metadata = tuple(
-            (k, v)
-            for k, v in grpc_context.invocation_metadata()
-            if not k.startswith(":") and k not in ("application", "request_id")
-        )
-        stream = self.replicas.options(stream=True).grpc.remote(
-            method, request.SerializeToString(), metadata, route=hint
-        )
+        stream = self._call_replica(method, request, grpc_context, hint)
         try:
             async for part in stream:
                 if isinstance(part, GrpcStatus):
@@ -184,6 +185,20 @@ class Ingress:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details(lost_replica_message(error))
             raise RuntimeError(lost_replica_message(error)) from error
+
+    def _call_replica(
+        self, method: str, request: Any, grpc_context: Any, hint: RouteHint | None
+    ) -> Any:
+        """A replica's answers to ``method`` (serialized messages, then a
+        :class:`GrpcStatus` if it failed), with the call's own metadata."""
+        metadata = tuple(
+            (k, v)
+            for k, v in grpc_context.invocation_metadata()
+            if not k.startswith(":") and k not in ("application", "request_id")
+        )
+        return self.replicas.options(stream=True).grpc.remote(
+            method, request.SerializeToString(), metadata, route=hint
+        )
 
     def _generate_hint(self, request: pb.GenerateRequest, grpc_context: Any) -> RouteHint:
         conversation = dict(grpc_context.invocation_metadata()).get(CONVERSATION_HEADER)
@@ -235,6 +250,44 @@ class Ingress:
         return await self._unary(
             HEALTH_CHECK, request, grpc_context, None, health_pb2.HealthCheckResponse
         )
+
+    async def Watch(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        """The standard gRPC health ``Watch``: a replica's ``Check`` of the same service
+        every second, a message at each change; ends UNAVAILABLE when this ingress
+        is being stopped (:mod:`router.serve.health_watch`)."""
+        from grpc_health.v1 import health_pb2
+
+        async for status in watch_statuses(
+            lambda: self._health_status(request, grpc_context), self.stop_sign.stopping
+        ):
+            yield health_pb2.HealthCheckResponse(status=status)
+        grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+        grpc_context.set_details(INGRESS_STOPPING)
+        raise RuntimeError(INGRESS_STOPPING)
+
+    async def _health_status(self, request: Any, grpc_context: Any) -> tuple[int, str]:
+        """One replica's ``Check`` of ``request.service`` as a ``Watch`` reports it:
+        ``(status, why)``; a service the replica does not know is SERVICE_UNKNOWN, no
+        answer within ``PROBE_TIMEOUT_S`` NOT_SERVING, with why."""
+        from grpc_health.v1 import health_pb2
+
+        response = health_pb2.HealthCheckResponse
+
+        async def ask() -> tuple[int, str]:
+            async for part in self._call_replica(HEALTH_CHECK, request, grpc_context, None):
+                if not isinstance(part, GrpcStatus):
+                    return response.FromString(part).status, ""
+                if part.code == grpc.StatusCode.NOT_FOUND.value[0]:
+                    return response.SERVICE_UNKNOWN, ""
+                return response.NOT_SERVING, f"{_code_name(part.code)}: {part.details}"
+            return response.NOT_SERVING, "the replica gave no answer"
+
+        try:
+            return await asyncio.wait_for(ask(), PROBE_TIMEOUT_S)
+        except TimeoutError:
+            return response.NOT_SERVING, f"no replica answered within {PROBE_TIMEOUT_S} s"
+        except Exception as error:
+            return response.NOT_SERVING, repr(error)
 
 
 def _counter(name: str, documentation: str, label: str, counts: dict[str, int]) -> list[str]:

@@ -16,10 +16,14 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.pb import generate_pb2 as pb
 from router.pb import generate_pb2_grpc
+from router.serve.health_watch import INGRESS_STOPPING
 from tests.e2e.conftest import SMALL_BUDGETS, stop, wait_healthy
 from tests.ports import unused_port
 
@@ -202,6 +206,72 @@ def test_every_api_gives_the_one_replica_tokens_on_both_replicas(
         assert "temperature" in (refused.value.details() or "")
 
 
+HEALTH = health_pb2.HealthCheckResponse
+SERVICE = "shardserve.generate.v1.TextGeneration"
+
+
+def first_watched(address: str, service: str) -> int:
+    """The first status a health Watch of ``service`` through ``address`` sends."""
+    with grpc.insecure_channel(address) as channel:
+        call = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), timeout=60)
+        status: int = next(call).status
+        call.cancel()
+        return status
+
+
+class WatchStream:
+    """A health Watch through the proxy in a thread: the statuses it sent, and the
+    code and details it ended with (None while it runs)."""
+
+    def __init__(self, address: str) -> None:
+        self.statuses: list[int] = []
+        self.ending: tuple[grpc.StatusCode, str] | None = None
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(address,), daemon=True)
+        self.thread.start()
+
+    def _run(self, address: str) -> None:
+        with grpc.insecure_channel(address) as channel:
+            call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(),
+                                                            timeout=600)
+            try:
+                for message in call:
+                    self.statuses.append(message.status)
+                    self.first.set()
+                self.ending = (grpc.StatusCode.OK, "")
+            except grpc.RpcError as error:
+                self.ending = (error.code(), error.details() or "")
+
+
+def test_grpc_health_and_reflection_through_the_proxy_are_the_one_replica_servers(
+    replicas: Replicas,
+) -> None:
+    with grpc.insecure_channel(replicas.grpc_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE):
+            answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=60)
+            assert answer.status == HEALTH.SERVING, service
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="no.Such"), timeout=60)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [listed] = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=60)
+        names = {service.name for service in listed.list_services_response.service}
+        assert {SERVICE, "grpc.health.v1.Health"} <= names, names
+        [described] = reflection.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)]), timeout=60)
+        files = [descriptor_pb2.FileDescriptorProto.FromString(raw) for raw
+                 in described.file_descriptor_response.file_descriptor_proto]
+        methods = {m.name for f in files for s in f.service for m in s.method}
+        assert methods == {"Generate", "GenerateStream", "Tokenize", "ModelInfo"}, methods
+    assert first_watched(replicas.grpc_address, "") == HEALTH.SERVING
+    assert first_watched(replicas.grpc_address, SERVICE) == HEALTH.SERVING
+    assert first_watched(replicas.grpc_address, "no.Such") == HEALTH.SERVICE_UNKNOWN
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
              seen: Callable[[], object] = lambda: None) -> None:
     """Poll ``condition`` every 0.5 s (metrics reach /metrics within a period)."""
@@ -367,6 +437,8 @@ def test_a_rolling_restart_replaces_the_replicas_one_at_a_time_dropping_no_call(
                          for v in replicas.counters().values()),
              30, "streams running on both replicas", replicas.counters)
 
+    watch = WatchStream(replicas.grpc_address)
+    assert watch.first.wait(timeout=60), "the health Watch sent nothing"
     log_path = tmp_path / "restart.log"
     with log_path.open("wb") as log:
         restart = subprocess.Popen(
@@ -392,6 +464,11 @@ def test_a_rolling_restart_replaces_the_replicas_one_at_a_time_dropping_no_call(
     for stream in in_flight + extra:
         stream.join()
     assert replicas.process.poll() is None, "shardserve serve stopped"
+    # the Watch through the old ingress ended when it was replaced; the new one answers
+    watch.thread.join(timeout=60)
+    assert watch.ending == (grpc.StatusCode.UNAVAILABLE, INGRESS_STOPPING), watch.ending
+    assert watch.statuses[0] == HEALTH.SERVING, watch.statuses
+    assert first_watched(replicas.grpc_address, "") == HEALTH.SERVING
 
     reference = Stream(url, "restart-reference")
     reference.join()
