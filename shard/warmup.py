@@ -34,6 +34,7 @@ from shard.kernels import gemm_tuning, tuning_cache
 from shard.kernels.compile_watch import WATCH
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
 from shard.layers.product_weights import linear_weights, lm_head_weights
+from shard.layers.tp_layout import kv_heads_per_rank
 from shard.progress import PhaseProgress
 from shard.quantization.config import resolve_kv_cache_dtype
 from shard.sampling import SamplingRow, sample, sample_greedy
@@ -309,7 +310,9 @@ class Warmup:
         cached prefix, so that both prefill attention paths (prefix-free and over a
         cached prefix, which can be different kernels) are compiled and loaded before
         serving; then the steps of :func:`odd_shapes`, with their logits and greedy
-        sampling, for the kernel variants their sizes select."""
+        sampling, for the kernel variants their sizes select, and eager decode steps at
+        the contexts the attention backend names (:meth:`~shard.attention.base.
+        AttentionBackend.eager_decode_contexts`)."""
         runner = self.runner
         inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
         logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
@@ -332,6 +335,14 @@ class Warmup:
             sample_greedy(logits, kernels=runner.kernels)
             if runner.draft is not None:
                 runner.draft.warm(shape)
+        # eager decode steps (a mixed step runs its decode rows so) at each context the
+        # backend names: one per variant of its decode kernels
+        kv_heads = kv_heads_per_rank(runner.model_config.num_key_value_heads,
+                                     self.config.world_size)
+        for context in runner.backend.eager_decode_contexts(kv_heads, len(first.token_ids)):
+            token = first.token_ids[context - 1: context]
+            runner.run_chunks([SeqChunk(token, context - 1, first.block_table)],
+                              is_prefill=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -88,6 +88,13 @@ class AttentionBackend(abc.ABC):
         every GPU kernel here takes."""
         return False
 
+    def eager_decode_contexts(self, num_kv_heads: int, max_context: int) -> list[int]:
+        """Context lengths (tokens, at most ``max_context``) at which warm-up runs an
+        eager decode step of one sequence, so that every kernel variant a decode outside
+        the CUDA graphs can launch (a mixed step's decode rows) is compiled before
+        serving; none for backends whose kernels are compiled ahead of time."""
+        return []
+
     @classmethod
     @abc.abstractmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:

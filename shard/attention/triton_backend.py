@@ -69,6 +69,11 @@ class TritonAttentionBackend(AttentionBackend):
             return False, "an fp8 KV cache needs compute capability 8.9+ (e4m3 conversions)"
         return True, f"our Triton paged kernels (triton {triton.__version__})"
 
+    def eager_decode_contexts(self, num_kv_heads: int, max_context: int) -> list[int]:
+        """One context per decode kernel variant (:func:`~shard.kernels.attention.decode.
+        split_classes`)."""
+        return self._attention.split_classes(num_kv_heads, max_context)
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Nothing to derive: the kernels read the metadata's tensors themselves (so a
         captured decode graph replays over new inputs)."""

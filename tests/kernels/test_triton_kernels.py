@@ -329,3 +329,25 @@ def test_rms_norm_kernel_declines_rows_it_does_not_take() -> None:
     assert add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None  # strided rows
     wide = torch.randn(1, 32768 * 2).to(DEVICE)
     assert add_rms_norm(wide, None, torch.ones(32768 * 2).to(DEVICE), 1e-5) is None
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 8, 32])
+def test_split_classes_reach_every_decode_kernel_variant(num_kv_heads: int) -> None:
+    # the variants decode_attention launches are one split, or the combine kernel's
+    # split count padded to a power of two: warm-up's contexts reach each exactly once
+    from shard.kernels.attention.decode import num_decode_splits, split_classes
+
+    config = DecodeConfig()
+
+    def variant(context: int, batch: int = 1) -> int:
+        splits = num_decode_splits(batch, num_kv_heads, context, config)
+        return 1 if splits == 1 else max(2, 1 << (splits - 1).bit_length())
+
+    contexts = split_classes(num_kv_heads, 4096)
+    assert contexts == sorted(contexts) and max(contexts) <= 4096
+    reached = [variant(c) for c in contexts]
+    assert len(set(reached)) == len(reached)
+    every = {variant(c, b) for c in range(1, 4097, 7) for b in (1, 2, 5, 16, 64, 256)}
+    assert set(reached) == every
+    assert TritonAttentionBackend().eager_decode_contexts(num_kv_heads, 4096) == contexts
+    assert TorchAttentionBackend().eager_decode_contexts(num_kv_heads, 4096) == []

@@ -11,7 +11,7 @@ All kernels read the cache layout ``[num_blocks, block_size, num_kv_heads, head_
 """
 
 from shard.kernels.attention.cache_write import write_kv_cache
-from shard.kernels.attention.decode import DecodeConfig, decode_attention
+from shard.kernels.attention.decode import DecodeConfig, decode_attention, split_classes
 from shard.kernels.attention.prefill import PrefillConfig, prefill_attention
 from shard.kernels.attention.rope_write import rope_write
 
@@ -21,5 +21,6 @@ __all__ = [
     "decode_attention",
     "prefill_attention",
     "rope_write",
+    "split_classes",
     "write_kv_cache",
 ]

@@ -56,7 +56,12 @@ class DecodeConfig:
     heads_first: bool = True
 
 
-@triton.jit
+# NOTE: num_splits follows the batch and the context, stride_bt (the block-table width)
+# the longest sequence of the step: specialized (on being 1 or a multiple of 16), each
+# new class would compile the kernel again in the middle of serving (a mixed step's
+# decode rows run it eagerly). The constexprs left, SINGLE_SPLIT here and SPLITS_PAD in
+# the combine kernel, are what warm-up runs (split_classes).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -167,7 +172,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row * num_splits + split, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -213,6 +218,25 @@ def num_decode_splits(
     tiles = max(1, triton.cdiv(max_seqlen_k, config.block_n))
     want = triton.cdiv(config.target_programs, batch * num_kv_heads)
     return max(1, min(want, tiles, config.max_splits))
+
+
+def split_classes(num_kv_heads: int, max_context: int,
+                  config: DecodeConfig | None = None) -> list[int]:
+    """Context lengths (tokens, at most ``max_context``) at which one sequence's decode
+    reaches each kernel variant :func:`decode_attention` can launch: one split, and
+    each power of two the combine kernel pads the split count to. A batch of more
+    sequences splits less, so it reaches no other variant.
+
+    Returns:
+        one context length per variant, shortest first.
+    """
+    config = config or DecodeConfig()
+    lengths: dict[int, int] = {}
+    for tiles in range(1, max(1, max_context // config.block_n) + 1):
+        splits = num_decode_splits(1, num_kv_heads, tiles * config.block_n, config)
+        variant = 1 if splits == 1 else max(2, triton.next_power_of_2(splits))
+        lengths.setdefault(variant, tiles * config.block_n)
+    return sorted(lengths.values())
 
 
 def decode_attention(

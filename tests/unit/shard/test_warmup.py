@@ -64,3 +64,27 @@ def test_the_compile_watch_logs_only_after_warm_up() -> None:
     watch._seen({"fn": Fn(), "repr": "x"})
     assert seen == watch.late == [("_rms_norm_kernel",
                                    "_rms_norm_kernel[num_warps=4](n_rows: i32)")]
+
+
+def test_warm_up_runs_the_odd_steps_and_an_eager_decode_per_backend_context(
+        llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.shard.helpers import BLOCK_SIZE, make_runner
+
+    runner = make_runner(llama[0], warmup=False)
+    # the Triton backend names one context per decode kernel variant; the torch one none
+    monkeypatch.setattr(type(runner.backend), "eager_decode_contexts",
+                        lambda self, kv_heads, longest: [5, 33])
+    steps: list[tuple[bool, list[tuple[int, int]]]] = []
+    run_chunks = runner.run_chunks
+
+    def spy(chunks, is_prefill):  # type: ignore[no-untyped-def]
+        steps.append((is_prefill, [(len(c.token_ids), c.start) for c in chunks]))
+        return run_chunks(chunks, is_prefill)
+
+    runner.run_chunks = spy  # type: ignore[method-assign]
+    runner.warmup(max_batch_prefill_tokens=64, max_total_tokens=128)
+    assert [s for p, s in steps if not p] == [[(1, 4)], [(1, 32)]]
+    prefills = [s for p, s in steps if p]
+    assert prefills[0] == [(64, 0)]  # the worst-case prefill, then its prefix chunk
+    assert prefills[2:] == [[(len(c.token_ids), c.start) for c in shape]
+                            for shape in odd_shapes(dummy_chunks(64, 128, BLOCK_SIZE)[0])]
