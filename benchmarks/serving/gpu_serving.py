@@ -83,7 +83,7 @@ from benchmarks.serving.random_checkpoint import (
     weight_bytes,
     write_checkpoint,
 )
-from benchmarks.serving.request_timeline import between, read_finished, timeline
+from benchmarks.serving.request_timeline import between, late_compiles, read_finished, timeline
 from benchmarks.serving.workloads import WORKLOAD_NAMES, Workload, build_workload, distinct_prefix
 from router.model_files import default_model_dir
 
@@ -155,6 +155,10 @@ def bench_ours(args: argparse.Namespace, ckpt: Path, workloads: list[Workload],
             row.latency = asyncio.run(run_load(base, latency, args.concurrency, True))
             _log(f"ours {w.name} streaming: {row.latency.tok_s:.1f} tok/s")
             report.write(args.out)
+        compiled = late_compiles(log_path)
+        report.notes.append(f"{log_name}: {len(compiled)} Triton kernel variants compiled "
+                            "while serving" + (f" ({', '.join(compiled)})" if compiled else ""))
+        report.write(args.out)
     except Exception:
         _log(f"server log tail ({log_path}):\n{tail(log_path)}")
         raise

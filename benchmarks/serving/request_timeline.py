@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +47,19 @@ class Timeline:
     last_finish_s: float
     decode_step_s: float
     tok_s: float
+    stalls_s: tuple[float, ...] = ()
 
     def describe(self) -> str:
         noun = "request" if self.requests == 1 else "requests"
-        return (f"{self.requests} {noun} reached the engine over {self.arrivals_s:.2f} s; "
+        text = (f"{self.requests} {noun} reached the engine over {self.arrivals_s:.2f} s; "
                 f"the last first token {self.last_first_token_s:.2f} s after the first "
                 f"arrival, then {self.decode_step_s * 1e3:.2f} ms per decode step to the last "
                 f"finish at {self.last_finish_s:.2f} s ({self.tok_s:,.0f} output tok/s "
                 f"server-side)")
+        if self.stalls_s:
+            text += (f"; first tokens stopped for ≥ {STALL_S} s while requests waited "
+                     f"{len(self.stalls_s)} times (longest {max(self.stalls_s):.2f} s)")
+        return text
 
 
 def read_finished(log: Path) -> list[Finished]:
@@ -71,6 +77,31 @@ def read_finished(log: Path) -> list[Finished]:
     return sorted(out, key=lambda f: f.arrival)
 
 
+# A gap between first tokens this long, with requests waiting for theirs, is a stall: a
+# step of the largest prefill budget (16384 tokens) takes ~0.4 s on an H100.
+STALL_S = 0.45
+
+
+def first_token_stalls(requests: list[Finished], least_s: float = STALL_S) -> list[float]:
+    """Gaps of at least ``least_s`` seconds between consecutive first tokens of
+    ``requests`` during which a request that had arrived was still waiting for its own
+    (a step that took that long, or the engine stopped: a kernel compiling, say)."""
+    firsts = sorted(requests, key=lambda r: r.first_token)
+    gaps = []
+    for before, after in itertools.pairwise(firsts):
+        gap = after.first_token - before.first_token
+        if gap >= least_s and after.arrival <= before.first_token:
+            gaps.append(gap)
+    return gaps
+
+
+def late_compiles(log: Path) -> list[str]:
+    """The kernels the shards' log says were compiled while serving
+    (``shard/kernels/compile_watch.py``'s warning), in order."""
+    return re.findall(r"Triton kernel (\S+) compiled while serving",
+                      log.read_text(errors="replace"))
+
+
 def timeline(requests: list[Finished]) -> Timeline | None:
     """The phases of ``requests`` (one run); None for none."""
     if not requests:
@@ -86,6 +117,7 @@ def timeline(requests: list[Finished]) -> Timeline | None:
         last_finish_s=last_finish,
         decode_step_s=(last_finish - last_first) / steps if steps > 0 else float("nan"),
         tok_s=sum(r.generated for r in requests) / max(last_finish, 1e-9),
+        stalls_s=tuple(first_token_stalls(requests)),
     )
 
 

@@ -312,3 +312,29 @@ def test_request_timeline_from_the_router_log(tmp_path: Path) -> None:
     report = Report(rows={"decode_heavy": Row(build_workload("decode_heavy", 49152),
                                               ours=LoadRun(3, 301, 5.2), timeline=t)})
     assert "decode_heavy, non-streaming pass (server log): 3 requests" in render(report)
+
+
+def test_first_token_stalls_and_kernels_compiled_while_serving(tmp_path: Path) -> None:
+    from benchmarks.serving.request_timeline import first_token_stalls, late_compiles
+
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        # arrivals at 10.0, 10.0, 10.1, 13.0 s; first tokens at 10.2, 10.3, 11.0 (0.7 s
+        # after the one before, with request 9 waiting since 10.1), then 13.1 (its request
+        # arrived at 13.0: an idle gap, not a stall)
+        _finish_line("2026-12-02 07:18:14.000", 7, 10, 0.2, 4.0),
+        _finish_line("2026-12-02 07:18:14.000", 8, 10, 0.3, 4.0),
+        _finish_line("2026-12-02 07:18:14.100", 9, 10, 0.9, 4.0),
+        _finish_line("2026-12-02 07:18:14.000", 10, 10, 0.1, 1.0),
+        "2026-12-02 07:18:10.5 | WARNING | shard rank=0 | shard.kernels.compile_watch:90 - "
+        "Triton kernel _combine_kernel compiled while serving (a variant warm-up did not "
+        "run; the step waited for it): _combine_kernel[num_warps=4](num_splits: i32)",
+    ]) + "\n")
+    finished = read_finished(log)
+    assert [round(g, 3) for g in first_token_stalls(finished)] == [0.7]
+    t = timeline(finished)
+    assert t is not None and "stopped for ≥ 0.45 s while requests waited 1 times" in t.describe()
+    assert late_compiles(log) == ["_combine_kernel"]
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text(_finish_line("2026-12-02 07:18:14.000", 7, 10, 0.2, 4.0) + "\n")
+    assert late_compiles(quiet) == [] and first_token_stalls(read_finished(quiet)) == []
