@@ -37,7 +37,7 @@ from router.config import (
 from router.grpc_api.client import DEFAULT_TEXTS as CLIENT_DEFAULT_TEXTS
 from router.grpc_api.client import add_client_flags, run_client
 from router.log import setup_logging
-from router.model_files import prepare_default_model, resolve_model
+from router.model_files import check_weights, prepare_default_model, resolve_model
 from router.serve.config import ServeConfig
 from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool
 from shard.layers.tp_layout import check_tp_size_for_folder
@@ -362,7 +362,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = tuple(args.served_model_name or [files.model_id])
     shard_flags = {name: getattr(args, name) for name in (*_MODEL_SHARD_FLAGS, *_SHARD_FLAGS)}
     if args.speculative_model:  # a draft model: the method is implied, the folder checked
-        draft = resolve_model(args.speculative_model).path
+        draft = resolve_model(args.speculative_model, flag="--speculative-model").path
+        if args.load_format != "dummy":
+            check_weights(draft, "--speculative-model")
         check_same_vocabulary(files.path, draft)
         shard_flags["speculative_model"] = str(draft)
         if shard_flags["speculative_method"] == "none":

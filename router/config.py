@@ -221,19 +221,29 @@ SPECULATIVE_DISABLE_BATCH_SIZE = {"cpu": 4, "cuda": 32}
 # Guesses per speculative step when --num-speculative-tokens is not given, per
 # --speculative-method.
 SPECULATIVE_TOKENS = {"none": 0, "ngram": 3, "draft": 4}
+# Most guesses per request and step: warm-up captures decode CUDA graphs of up to
+# --speculative-disable-batch-size × (k + 1) rows for the verify steps, and the gain
+# levels off long before (H100, 8B-shaped model, guesses accepted at 0.7: 2.45× at k = 4,
+# 2.75× at 7 at batch 1; benchmarks/results/speculative-gpu.md).
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def speculative_tokens(given: int | None, method: str) -> int:
     """``--num-speculative-tokens`` as given, or its default for ``method``.
 
     Raises:
-        ValueError: guesses asked for without a ``--speculative-method``.
+        ValueError: guesses asked for without a ``--speculative-method``, none (0) with
+            one, or more than :data:`MAX_SPECULATIVE_TOKENS`.
     """
     if given is None:
         return SPECULATIVE_TOKENS[method]
     if given > 0 and method == "none":
         raise ValueError("--num-speculative-tokens needs --speculative-method (ngram) or "
                          "--speculative-model")
+    if method != "none" and not 1 <= given <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"--num-speculative-tokens {given}: give 1 to "
+                         f"{MAX_SPECULATIVE_TOKENS} guesses with --speculative-method "
+                         f"{method} (leave the method out to decode without speculation)")
     return given
 
 

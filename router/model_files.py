@@ -58,7 +58,7 @@ def from_hf_cache(repo_id: str) -> Path | None:
         return None
 
 
-def resolve_model(model: str | None) -> ModelFiles:
+def resolve_model(model: str | None, flag: str = "--model") -> ModelFiles:
     """The folder to serve: ``model`` as a folder (e.g. a mounted volume) or as a
     repository id already in the Hugging Face cache; the default model when ``None``.
     ``model_id`` is the name it is served as unless ``--served-model-name`` says
@@ -66,7 +66,7 @@ def resolve_model(model: str | None) -> ModelFiles:
 
     Raises:
         FileNotFoundError: ``model`` is neither a folder with a ``config.json`` nor a
-            repository in the local Hugging Face cache.
+            repository in the local Hugging Face cache (the message names ``flag``).
     """
     if model is None:
         return prepare_default_model()
@@ -78,6 +78,19 @@ def resolve_model(model: str | None) -> ModelFiles:
         if snapshot is not None and (snapshot / "config.json").exists():
             return ModelFiles(path=snapshot, model_id=model)
     raise FileNotFoundError(
-        f"--model {model}: expected a Hugging Face model folder with config.json, or a "
+        f"{flag} {model}: expected a Hugging Face model folder with config.json, or a "
         "repository id present in the local Hugging Face cache (downloads are not made)"
     )
+
+
+def check_weights(folder: Path, flag: str) -> None:
+    """Raise unless ``folder`` holds safetensors weights (what the shards load unless
+    ``--load-format dummy``): before any shard starts, naming ``flag``.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``folder``.
+    """
+    if not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{flag} {folder}: no *.safetensors weights in the folder (or start with "
+            "--load-format dummy for random weights)")

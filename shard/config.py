@@ -289,9 +289,13 @@ class ShardConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
-        if (self.speculative_method == "draft") != bool(self.speculative_model):
-            raise ValueError("--speculative-method draft and --speculative-model go "
-                             "together (the draft model's folder)")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("--speculative-method draft needs --speculative-model (the "
+                             "draft model's folder)")
+        if self.speculative_model and self.speculative_method != "draft":
+            raise ValueError(f"--speculative-model is the draft model of "
+                             f"--speculative-method draft (implied when the method is left "
+                             f"out), not of {self.speculative_method}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"--ngram-min ({self.ngram_min}) and --ngram-max "
                              f"({self.ngram_max}) must satisfy 1 <= min <= max")

@@ -276,3 +276,39 @@ def test_default_config_is_the_config_classes_defaults(default_model_dir: Path) 
                             served_model_names=(default_model_dir.name,))
     assert dataclasses.replace(config, scheduler=SchedulerConfig(),
                                limits=ValidationLimits()) == expected
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--speculative-model", "/nonexistent/draft"],
+     r"^--speculative-model /nonexistent/draft: expected a Hugging Face model folder"),
+    (["--speculative-model", "{weightless}"],
+     r"^--speculative-model .*weightless: no \*\.safetensors weights"),
+    (["--speculative-method", "ngram", "--speculative-model", "{model}"],
+     r"^--speculative-model is the draft model of --speculative-method draft .* not of ngram"),
+    (["--speculative-method", "draft"], r"^--speculative-method draft needs --speculative-model"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+     r"^--num-speculative-tokens 0: give 1 to 16 guesses with --speculative-method ngram"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "17"],
+     r"^--num-speculative-tokens 17: give 1 to 16"),
+])
+def test_speculation_flags_refused_naming_the_flag(
+        default_model_dir: Path, tmp_path: Path, flags: list[str], message: str) -> None:
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (weightless / name).write_bytes((default_model_dir / name).read_bytes())
+    argv = ["--model", str(default_model_dir),
+            *(f.format(weightless=weightless, model=default_model_dir) for f in flags)]
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        config_from_args(launch_parser().parse_args(argv))
+
+
+def test_speculation_flags_accepted(default_model_dir: Path) -> None:
+    config = config_from_args(launch_parser().parse_args([
+        "--model", str(default_model_dir), "--speculative-method", "ngram",
+        "--num-speculative-tokens", "16"]))
+    assert config.scheduler.num_speculative_tokens == 16
+    draft = config_from_args(launch_parser().parse_args([
+        "--model", str(default_model_dir), "--speculative-model", str(default_model_dir)]))
+    assert draft.shard.speculative_method == "draft"
+    assert draft.scheduler.num_speculative_tokens == 4
