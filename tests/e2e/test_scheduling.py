@@ -214,7 +214,7 @@ def test_warmup_out_of_memory_names_the_flag(tiny_model_dir: Path, tmp_path: Pat
 
     result = subprocess.run(
         [sys.executable, "-m", "router.cli", "launch", "--model", str(tiny_model_dir),
-         "--executor", "local", "--kv-cache-bytes", "4096", "--port", "0"],
+         "--executor", "local", "--kv-cache-bytes", "4096", "--port", "0", "--grpc-port", "0"],
         capture_output=True, text=True, timeout=300,  # a loaded 2-core machine starts slowly
     )
     assert result.returncode == 1
