@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shard.config import default_cache_dir
 from shard.default_model import DEFAULT_MODEL_ID, is_converted
+from shard.weight_files import safetensors_files
 
 DEFAULT_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 
@@ -83,14 +84,16 @@ def resolve_model(model: str | None, flag: str = "--model") -> ModelFiles:
     )
 
 
+
 def check_weights(folder: Path, flag: str) -> None:
     """Raise unless ``folder`` holds safetensors weights (what the shards load unless
-    ``--load-format dummy``): before any shard starts, naming ``flag``.
+    ``--load-format dummy``; :func:`shard.weight_files.safetensors_files`): before any
+    shard starts, naming ``flag``.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file in ``folder``.
     """
-    if not any(folder.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"{flag} {folder}: no *.safetensors weights in the folder (or start with "
-            "--load-format dummy for random weights)")
+    try:
+        safetensors_files(folder)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{flag} {folder}: {error}") from None

@@ -68,10 +68,10 @@ def dummy_chunks(
 
 # (prompt tokens, cached prefix) of each sequence of the steps warm-up runs beside the
 # worst-case prefill: one token, a count that is not a multiple of 16, several sequences
-# over prefixes of odd lengths, and 16 and 17 one-token sequences (a mixed step's decode
-# rows). Triton compiles a variant of a kernel per integer argument that is 1, a
-# multiple of 16 or neither (shard/kernels/compile_watch.py); the worst-case prefill's
-# sizes are multiples of 16.
+# over prefixes of odd lengths, and 16 and 17 one-token sequences. Triton compiles a
+# variant of a kernel per integer argument that is 1, a multiple of 16 or neither
+# (shard/kernels/compile_watch.py), and a step's token count reaches kernels as one (the
+# skinny products' M); the worst-case prefill's sizes are multiples of 16.
 ODD_SHAPES: tuple[tuple[tuple[int, int], ...], ...] = (
     ((1, 0),),
     ((17, 0),),

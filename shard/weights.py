@@ -9,7 +9,6 @@ the fp8 layers' loaders (:mod:`shard.layers.fp8`)."""
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,31 +21,11 @@ from safetensors import safe_open
 from shard.layers.fp8 import missing_scales
 from shard.layers.weight_loader import get_checkpoint_shapes, get_weight_loader
 from shard.models.base import CausalLM
+from shard.weight_files import safetensors_files
 
-INDEX_FILE = "model.safetensors.index.json"
 # fp8 checkpoints' KV cache scales (``self_attn.k_scale`` ...): not read, the fp8 KV
 # cache computes a scale per token and head as it writes (shard/kv_cache.py)
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
-
-
-def safetensors_files(path: str | Path) -> list[Path]:
-    """The checkpoint files of a model folder, in a stable order.
-
-    Raises:
-        FileNotFoundError: when the folder has no ``*.safetensors``.
-    """
-    folder = Path(path)
-    index = folder / INDEX_FILE
-    if index.exists():
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors in {folder} (use --load-format dummy for random weights)"
-        )
-    return files
 
 
 def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:

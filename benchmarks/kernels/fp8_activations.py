@@ -40,30 +40,18 @@ EPS = 1e-5
 
 
 def _graph_us(fn: Callable[[], object], copies: int, reps: int) -> float:
-    """Median µs of one call of ``fn``: ``copies`` calls captured in one CUDA graph, each
-    replay timed with CUDA events. The first call runs on a side stream outside the
-    capture (Triton and Inductor compile there)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Median µs of one call of ``fn``: ``copies`` calls captured in one CUDA graph
+    (:func:`benchmarks.kernels.kernel_sweep.graph_time_us`), each replay's time over
+    ``copies``."""
+    # NOTE: imported here: kernel_sweep imports our kernels, which must not be decorated
+    # before main() sets TRITON_INTERPRET on a CPU
+    from benchmarks.kernels.kernel_sweep import graph_time_us
+
+    def calls() -> None:
         for _ in range(copies):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    del graph
-    return statistics.median(times)
+
+    return graph_time_us(calls, reps) / copies
 
 
 def _wall_us(fn: Callable[[], object], copies: int, reps: int) -> float:

@@ -207,19 +207,21 @@ class DraftProposer:
         if all(requests[i].plain_greedy for i in alive):
             self._greedy(logits, requests, budgets, alive, guesses)
             return guesses
+        made = 0  # guesses of each row still guessing
         while True:
             picked = self._pick(logits, [requests[i] for i in alive], [guesses[i] for i in alive])
+            made += 1
             for i, (token, q) in zip(alive, picked, strict=True):
                 guesses[i].append(token)
                 if q is not None:
                     self._probs[i].append(q)
-            alive = [i for i in alive if len(guesses[i]) < budgets[i]]
+            alive = [i for i in alive if made < budgets[i]]
             if not alive:
                 return guesses
             for i in alive:  # the guess is fed: its K/V hold if the target agrees
                 self._feed(requests[i], guesses[i][-1])
             tokens = to_device([guesses[i][-1] for i in alive], torch.int64, self._device)
-            logits = self._step(requests, guesses, alive, tokens)
+            logits = self._step(requests, alive, made, tokens)
 
     @property
     def _device(self) -> torch.device:
@@ -238,25 +240,27 @@ class DraftProposer:
         """
         done = [r.proposer_state.valid(r.token_ids) if isinstance(r.proposer_state, DraftState)
                 else 0 for r in rows]
-        short = [n for n, (r, d) in enumerate(zip(rows, done, strict=True))
-                 if len(r.token_ids) - d <= CATCH_UP_ROWS]
-        long = [n for n in range(len(rows)) if n not in set(short)]
+        short: list[int] = []
+        long: list[int] = []
+        for n, (r, d) in enumerate(zip(rows, done, strict=True)):
+            (short if len(r.token_ids) - d <= CATCH_UP_ROWS else long).append(n)
         parts: list[tuple[list[int], torch.Tensor]] = []
         if short:
             table = self.draft.runner.requests.rows
             assert table is not None
-            owner = [index[n] for n in short for _ in range(len(rows[n].token_ids) - done[n])]
-            positions = [p for n in short for p in range(done[n], len(rows[n].token_ids))]
+            missing = [range(done[n], len(rows[n].token_ids)) for n in short]
+            positions = [p for run in missing for p in run]
             expanded = DecodeRows(
-                tokens=to_device([rows[n].token_ids[p] for n in short
-                                  for p in range(done[n], len(rows[n].token_ids))],
-                                 torch.int64, self._device),
+                tokens=to_device([rows[n].token_ids[p] for n, run in zip(short, missing,
+                                                                          strict=True)
+                                  for p in run], torch.int64, self._device),
                 seq_lens=to_device(positions, torch.int32, self._device),
-                block_tables=table.block_tables.index_select(
-                    0, to_device(owner, torch.int64, self._device)),
+                block_tables=table.block_tables.index_select(0, to_device(
+                    [index[n] for n, run in zip(short, missing, strict=True) for _ in run],
+                    torch.int64, self._device)),
             )
-            ends = list(itertools.accumulate(len(rows[n].token_ids) - done[n] for n in short))
-            last = to_device([e - 1 for e in ends], torch.int64, self._device)
+            last = to_device([e - 1 for e in itertools.accumulate(map(len, missing))],
+                             torch.int64, self._device)
             logits = self.draft.decode_logits(expanded, max(positions) + 1)
             parts.append((short, logits.index_select(0, last)))
         if long:
@@ -270,13 +274,14 @@ class DraftProposer:
         stacked = torch.cat([logits.float() for _, logits in parts])
         return torch.empty_like(stacked).index_copy_(0, order, stacked)
 
-    def _step(self, requests: Sequence[RequestState], guesses: Sequence[Sequence[int]],
-              alive: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
-        """One draft decode step of the rows ``alive``, fed ``tokens`` ([len(alive)]
-        int64 on the device): each row's latest guess; logits [len(alive), vocab]."""
+    def _step(self, requests: Sequence[RequestState], alive: Sequence[int], made: int,
+              tokens: torch.Tensor) -> torch.Tensor:
+        """One draft decode step of the rows ``alive``, each of which has ``made``
+        guesses, fed ``tokens`` ([len(alive)] int64 on the device): each row's latest
+        guess; logits [len(alive), vocab]."""
         table = self.draft.runner.requests.rows
         assert table is not None
-        seq_lens = [len(requests[i].token_ids) - 1 + len(guesses[i]) for i in alive]
+        seq_lens = [len(requests[i].token_ids) - 1 + made for i in alive]
         rows = DecodeRows(
             tokens=tokens,
             seq_lens=to_device(seq_lens, torch.int32, self._device),
@@ -297,27 +302,22 @@ class DraftProposer:
         next step without a copy to the host, so that the k steps launch back to back;
         the guesses reach the host once, at the end."""
         picked: list[tuple[list[int], torch.Tensor]] = []
-        vocab = self.draft.vocab_size
+        made = 0  # guesses of each row still guessing
         while True:
-            tokens = logits[:, :vocab].argmax(dim=-1)
+            tokens = logits[:, : self.draft.vocab_size].argmax(dim=-1)
             picked.append((alive, tokens))
-            for i in alive:
-                guesses[i].append(-1)  # a place for the guess, read below
-            kept = [n for n, i in enumerate(alive) if len(guesses[i]) < budgets[i]]
+            made += 1
+            kept = [n for n, i in enumerate(alive) if made < budgets[i]]
             if not kept:
                 break
-            tokens = tokens if len(kept) == len(alive) else tokens.index_select(
-                0, to_device(kept, torch.int64, self._device))
-            alive = [alive[n] for n in kept]
-            logits = self._step(requests, guesses, alive, tokens)
-        values = torch.cat([tokens for _, tokens in picked]).tolist()
-        for i in range(len(guesses)):
-            guesses[i].clear()
-        at = 0
+            if len(kept) < len(alive):
+                tokens = tokens.index_select(0, to_device(kept, torch.int64, self._device))
+                alive = [alive[n] for n in kept]
+            logits = self._step(requests, alive, made, tokens)
+        values = iter(torch.cat([tokens for _, tokens in picked]).tolist())
         for members, _ in picked:
             for i in members:
-                guesses[i].append(values[at])
-                at += 1
+                guesses[i].append(next(values))
         for i, g in enumerate(guesses):  # every guess but the last was fed
             for guess in g[:-1]:
                 self._feed(requests[i], guess)

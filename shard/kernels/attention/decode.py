@@ -220,6 +220,12 @@ def num_decode_splits(
     return max(1, min(want, tiles, config.max_splits))
 
 
+def splits_pad(splits: int) -> int:
+    """The combine kernel's ``SPLITS_PAD`` for ``splits`` (> 1) splits: the power of two
+    at or above it, at least 2."""
+    return max(2, triton.next_power_of_2(splits))
+
+
 def split_classes(num_kv_heads: int, max_context: int,
                   config: DecodeConfig | None = None) -> list[int]:
     """Context lengths (tokens, at most ``max_context``) at which one sequence's decode
@@ -234,7 +240,7 @@ def split_classes(num_kv_heads: int, max_context: int,
     lengths: dict[int, int] = {}
     for tiles in range(1, max(1, max_context // config.block_n) + 1):
         splits = num_decode_splits(1, num_kv_heads, tiles * config.block_n, config)
-        variant = 1 if splits == 1 else max(2, triton.next_power_of_2(splits))
+        variant = 1 if splits == 1 else splits_pad(splits)
         lengths.setdefault(variant, tiles * config.block_n)
     return sorted(lengths.values())
 
@@ -344,7 +350,7 @@ def decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            SPLITS_PAD=splits_pad(splits),
             **launch,
         )
     return out

@@ -21,14 +21,9 @@ from router.cli import (
     parse_command_line,
 )
 from router.config import SchedulerConfig, ServerConfig, ValidationLimits, config_flags
-from shard.config import (
-    ATTENTION_BACKENDS,
-    ShardConfig,
-    parse_size,
-    shard_argv,
-    shard_flag,
-)
-from shard.config import config_from_args as shard_config_from_args
+from shard.config import ATTENTION_BACKENDS, ShardConfig, parse_size
+from shard.config_flags import config_from_args as shard_config_from_args
+from shard.config_flags import shard_argv, shard_flag
 
 
 def launch_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -282,7 +277,7 @@ def test_default_config_is_the_config_classes_defaults(default_model_dir: Path) 
     (["--speculative-model", "/nonexistent/draft"],
      r"^--speculative-model /nonexistent/draft: expected a Hugging Face model folder"),
     (["--speculative-model", "{weightless}"],
-     r"^--speculative-model .*weightless: no \*\.safetensors weights"),
+     r"^--speculative-model .*weightless: no \*\.safetensors in"),
     (["--speculative-method", "ngram", "--speculative-model", "{model}"],
      r"^--speculative-model is the draft model of --speculative-method draft .* not of ngram"),
     (["--speculative-method", "draft"], r"^--speculative-method draft needs --speculative-model"),
