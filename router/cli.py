@@ -39,7 +39,8 @@ from router.grpc_api.client import add_client_flags, run_client
 from router.log import setup_logging
 from router.model_files import check_weights, prepare_default_model, resolve_model
 from router.serve.config import ServeConfig
-from shard.config import ENV_PREFIX, ShardConfig, add_shard_flags, parse_bool
+from shard.config import ENV_PREFIX, ShardConfig, parse_bool
+from shard.config_flags import add_shard_flags
 from shard.layers.tp_layout import check_tp_size_for_folder
 from shard.tokenizer_files import check_same_vocabulary
 
@@ -62,9 +63,10 @@ def _dest(spelling: str) -> str:
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """Every ``launch`` flag: those of config fields (:func:`add_config_flags`,
-    :func:`shard.config.add_shard_flags`) and ``--model``. Each needs help text and, if
-    it takes a value, a metavar naming its unit or kind; the formatter adds its default,
-    choices and environment variable (tests/unit/router/test_cli.py checks them all)."""
+    :func:`shard.config_flags.add_shard_flags`) and ``--model``. Each needs help text
+    and, if it takes a value, a metavar naming its unit or kind; the formatter adds its
+    default, choices and environment variable (tests/unit/router/test_cli.py checks them
+    all)."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", "--model-id", dest="model", default=None, metavar="PATH",
                        help="the model to serve: a Hugging Face model folder, or ORG/NAME "

@@ -21,7 +21,8 @@ from loguru import logger
 
 from router.log import announce_wait
 from router.startup_errors import StartupError  # also the launcher's name for it
-from shard.config import ENV_PREFIX, ShardConfig, shard_argv
+from shard.config import ENV_PREFIX, ShardConfig
+from shard.config_flags import shard_argv
 from shard.pb import shard_pb2, shard_pb2_grpc
 
 LIVENESS_TIMEOUT_S = 5.0
@@ -101,7 +102,7 @@ class HealthProbe:
 
 class LocalExecutor:
     """Each rank as a ``python -m shard.server`` child process on this machine, started
-    with the flags :func:`~shard.config.shard_argv` spells its configuration as.
+    with the flags :func:`~shard.config_flags.shard_argv` spells its configuration as.
 
     Args:
         config: what to start (``world_size`` ranks).

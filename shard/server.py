@@ -3,7 +3,7 @@
 ``python -m shard.server --model PATH [--port N ...]`` runs one shard as a plain
 process and logs ``listening on HOST:PORT`` once it accepts calls. Its flags are
 defined with :class:`~shard.config.ShardConfig` and default to ``SHARDSERVE_<FIELD>``
-environment variables when set (see :func:`~shard.config.config_from_args`).
+environment variables when set (see :func:`~shard.config_flags.config_from_args`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 from loguru import logger
 
-from shard.config import MiB, ShardConfig, config_from_args
+from shard.config import MiB, ShardConfig
+from shard.config_flags import config_from_args
 from shard.model_runner import ModelRunner
 from shard.pb import shard_pb2_grpc
 from shard.progress import tqdm_safe_write

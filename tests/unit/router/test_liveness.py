@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from router.executors import HealthProbe, LocalExecutor
-from shard.config import ShardConfig, config_from_args
+from shard.config import ShardConfig
+from shard.config_flags import config_from_args
 from shard.pb import shard_pb2, shard_pb2_grpc
 from tests.ports import unused_port
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shard.config import ShardConfig, default_cache_dir, env_overrides, shard_argv
+from shard.config import ShardConfig, default_cache_dir
+from shard.config_flags import env_overrides, shard_argv
 from shard.layers.rotary import compute_inv_freq
 from shard.models.config import ModelConfig, RopeConfig
 from shard.models.registry import get_model_class

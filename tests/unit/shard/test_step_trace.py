@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from shard import step_trace
-from shard.config import ShardConfig, config_from_args
+from shard.config import ShardConfig
+from shard.config_flags import config_from_args
 
 
 def test_off_by_default_even_with_the_old_environment_variable(
