@@ -1,6 +1,7 @@
 """The router reaches into the shard package only for the contract both sides share:
-the generated stubs, the shard configuration (with its flags), the tensor-parallel
-layout check and the default model's marker; never the shard runtime, and never torch."""
+the generated stubs, the shard configuration (with its flags and the command lines made
+from them), the tensor-parallel layout check, the default model's marker and the
+checks of a model folder's files; never the shard runtime, and never torch."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 # torch-free modules of the shard package that the router may import.
-CONTRACT = {"shard", "shard.config", "shard.default_model", "shard.sampling_types",
-            "shard.tokenizer_files", "shard.layers", "shard.layers.tp_layout", "shard.pb",
-            "shard.pb.shard_pb2", "shard.pb.shard_pb2_grpc",
+CONTRACT = {"shard", "shard.config", "shard.config_flags", "shard.default_model",
+            "shard.sampling_types", "shard.tokenizer_files", "shard.weight_files",
+            "shard.layers", "shard.layers.tp_layout", "shard.pb", "shard.pb.shard_pb2",
+            "shard.pb.shard_pb2_grpc",
             # the trace file writer both sides use (no step message carries a trace)
             "shard.step_trace"}
 # Imported by the Ray executor only to name the actor class; the actor loads the shard
