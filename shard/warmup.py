@@ -30,10 +30,10 @@ import torch
 from shard.cuda_graphs import DecodeGraphs, graph_buckets
 from shard.errors import KVCacheTooSmallError
 from shard.inputs import SeqChunk
-from shard.kernels import gemm_tuning, tuning_cache
+from shard.kernels import fp8_tuning, gemm_tuning, tuning_cache
 from shard.kernels.compile_watch import WATCH
 from shard.kv_cache import KVCacheLayer, allocate_kv_cache, bytes_per_block
-from shard.layers.product_weights import linear_weights, lm_head_weights
+from shard.layers.product_weights import fp8_linear_weights, linear_weights, lm_head_weights
 from shard.layers.tp_layout import kv_heads_per_rank
 from shard.progress import PhaseProgress
 from shard.quantization.config import resolve_kv_cache_dtype
@@ -253,7 +253,8 @@ class Warmup:
         """Time cuBLASLt's algorithms for the model's products at the prefill sizes and
         the decode graphs' batch sizes (:func:`shard.kernels.gemm_tuning.tune`) into the
         runner's GEMM table, skipping the products a fused kernel takes
-        (:meth:`CausalLM.fused_decode_rows`)."""
+        (:meth:`CausalLM.fused_decode_rows`); then the fp8 products of a few rows, if
+        any (:meth:`_tune_fp8_products`)."""
         model = self.runner.model
         table = self.runner.kernels.gemms
         table.clear()
@@ -261,6 +262,26 @@ class Warmup:
                          decode_rows=buckets, decode_weights=lm_head_weights(model),
                          cache=tuning_cache.cache_for(self.config, self.device, self.log),
                          decode_elsewhere=model.fused_decode_rows())
+        self._tune_fp8_products()
+
+    def _tune_fp8_products(self) -> None:
+        """Choose between our skinny kernel and ``torch._scaled_mm`` for each fp8 product
+        of up to 16 rows, by timing both (:func:`shard.kernels.fp8_tuning.tune`). A
+        skinny kernel that fails here (e.g. does not compile on this GPU) is logged and
+        dropped: every fp8 product then runs through ``torch._scaled_mm``."""
+        kernels = self.runner.kernels
+        layers = fp8_linear_weights(self.runner.model)
+        kernels.fp8_gemms.clear()
+        if not layers or kernels.skinny_fp8_linear is None:
+            return
+        try:
+            fp8_tuning.tune(kernels.fp8_gemms, layers, kernels.skinny_fp8_linear,
+                            gemm_tuning.SKINNY_ROWS, log=self.log)
+        except Exception as exc:  # a compile error is not a RuntimeError
+            self.log.warning("skinny fp8 kernel unavailable, fp8 products through "
+                             "torch._scaled_mm: {}: {}", type(exc).__name__,
+                             str(exc).splitlines()[0] if str(exc) else "")
+            kernels.skinny_fp8_linear = None
 
     def _bind_kv_cache(self, kv_cache: list[KVCacheLayer]) -> None:
         """Attach one cache layer to each attention layer of the runner's model

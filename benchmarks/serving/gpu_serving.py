@@ -310,10 +310,6 @@ def main(argv: list[str] | None = None) -> int:
         ours = [w.head(args.limit_requests) for w in workloads.values()]
         if not args.skip_ours:
             stage.run("our server", bench_ours, args, ckpt, ours, report)
-        if fp8 is not None:
-            fp8_bytes = fp8_compare.fp8_weight_bytes(ckpt)
-            stage.run("our server, fp8", bench_ours, args, ckpt, ours, fp8,
-                      tuple(fp8_compare.FP8_FLAGS), "server-fp8.log")
         if args.nano_vllm:
             records = stage.run("nano-vllm", run_nano_vllm, args.nano_vllm_runner,
                                 args.nano_vllm, args.extra_site, ckpt, args.workloads,
@@ -322,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                 if record["workload"] in report.rows:
                     report.rows[record["workload"]].nano = record
             report.write(args.out)
+        # after the peer: a run cut short by a time limit still has the bf16 ratios
+        if fp8 is not None:
+            fp8_bytes = fp8_compare.fp8_weight_bytes(ckpt)
+            stage.run("our server, fp8", bench_ours, args, ckpt, ours, fp8,
+                      tuple(fp8_compare.FP8_FLAGS), "server-fp8.log")
         if args.hf_workloads:
             hf = [build_workload(n, args.vocab).head(args.limit_requests)
                   for n in args.hf_workloads]

@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from loguru import logger
 
+from shard.kernels.fp8_tuning import Fp8Table
 from shard.kernels.gemm_tuning import GemmTable
 
 # The kernel fields that :meth:`KernelChoices.disabled` may turn off.
-KERNELS = ("skinny_linear", "gate_up_silu", "add_rms_norm", "silu_and_mul", "greedy",
-           "add_rms_norm_fp8", "silu_and_mul_fp8")
+KERNELS = ("skinny_linear", "skinny_fp8_linear", "gate_up_silu", "add_rms_norm",
+           "silu_and_mul", "greedy", "add_rms_norm_fp8", "silu_and_mul_fp8")
 
 
 @dataclass
@@ -53,10 +54,14 @@ class KernelChoices:
         greedy_worked: the greedy kernel's first call succeeded.
         gemms: the cuBLASLt algorithm of each product shape and row count, tuned at
             warm-up (empty: ``F.linear`` everywhere).
+        fp8_gemms: the fp8 products of a few rows measured faster through
+            ``torch._scaled_mm`` than through ``skinny_fp8_linear`` at warm-up
+            (:mod:`shard.kernels.fp8_tuning`).
     """
 
     pdl: bool = False
     skinny_linear: Callable[..., torch.Tensor | None] | None = None
+    skinny_fp8_linear: Callable[..., torch.Tensor | None] | None = None
     gate_up_silu: Callable[..., torch.Tensor | None] | None = None
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
     silu_and_mul: Callable[..., torch.Tensor] | None = None
@@ -66,6 +71,7 @@ class KernelChoices:
     greedy: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     greedy_worked: bool = False
     gemms: GemmTable = field(default_factory=GemmTable)
+    fp8_gemms: Fp8Table = field(default_factory=Fp8Table)
 
     @classmethod
     def load(cls, device: torch.device, pdl: str = "auto", log: Any = None) -> KernelChoices:
@@ -86,10 +92,23 @@ class KernelChoices:
                    "and Triton's gdc_wait, outside Triton's interpreter")
             log.info("programmatic dependent launch {} ({})", "on" if on else "off", why)
         return cls(pdl=on, skinny_linear=skinny_gemm.skinny_linear,
+                   skinny_fp8_linear=skinny_gemm.skinny_fp8_linear,
                    gate_up_silu=gate_up_silu.gate_up_silu, add_rms_norm=rms_norm.add_rms_norm,
                    silu_and_mul=silu_mul.silu_and_mul, greedy=greedy.greedy,
                    add_rms_norm_fp8=rms_norm.add_rms_norm_fp8,
                    silu_and_mul_fp8=silu_mul.silu_and_mul_fp8)
+
+    def fp8_product(self, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """The fp8 product ``(x_q · x_scale) (weight · weight_scale)^T`` through the skinny
+        kernel where it takes the inputs and warm-up did not measure ``torch._scaled_mm``
+        faster for the shape and row count (:class:`~shard.kernels.fp8_tuning.Fp8Table`);
+        else None (the caller runs ``torch._scaled_mm``). Arguments as
+        :func:`shard.kernels.skinny_gemm.skinny_fp8_linear`'s."""
+        kernel = self.skinny_fp8_linear
+        if kernel is None or not self.fp8_gemms.skinny(x_q.shape[0], *weight.shape):
+            return None
+        return kernel(x_q, x_scale, weight, weight_scale, out_dtype, pdl=self.pdl)
 
     def greedy_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The greedy kernel's (token ids [batch] int64, logprobs [batch] float32) for

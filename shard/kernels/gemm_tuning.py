@@ -139,7 +139,7 @@ def row_counts(max_rows: int) -> list[int]:
     return counts
 
 
-def _time_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], reps: int) -> float:
+def time_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], reps: int) -> float:
     """Fastest of ``reps`` timings (CUDA events) of ``fn`` over ``weights``, µs per product.
 
     Each timing starts behind a spin of the GPU (:data:`QUEUE_CYCLES` per product) long
@@ -202,7 +202,7 @@ def _keep_fastest(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor
     best_us, best = float("inf"), None
     for algo in algos:
         try:
-            us = _time_us(_through(x, out, algo), weights, reps=3)
+            us = time_us(_through(x, out, algo), weights, reps=3)
         except cublaslt.CublasLtError:
             continue
         if us < best_us:
@@ -238,14 +238,14 @@ def tune_shape(rows: int, weights: list[torch.Tensor],
     timed = weights[:TIMED_WEIGHTS]
     screened_over = timed[:1] if rows >= MIN_ROWS else timed
     x, out = _inputs(rows, weights)
-    default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
+    default_us = time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
     index = device.index  # None: the current device (cuBLASLt's handle resolves it)
 
     def screen(algos: list[cublaslt.Algorithm]) -> list[tuple[float, cublaslt.Algorithm]]:
         timings = []
         for algo in algos:
             try:
-                timings.append((_time_us(_through(x, out, algo), screened_over, reps=1), algo))
+                timings.append((time_us(_through(x, out, algo), screened_over, reps=1), algo))
             except cublaslt.CublasLtError:
                 continue
         return sorted(timings, key=lambda t: t[0])
@@ -270,7 +270,7 @@ def choose_shape(rows: int, weights: list[torch.Tensor], algos: Sequence[cublasl
     n, k = weights[0].shape
     timed = weights[:TIMED_WEIGHTS]
     x, out = _inputs(rows, weights)
-    default_us = _time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
+    default_us = time_us(lambda w: torch.matmul(x, w.t(), out=out), timed, reps=3)
     usable = [a for a in algos
               if cublaslt.accepts(rows, n, k, x.dtype, a, device=x.device.index)]
     best_us, keep = _keep_fastest(x, out, timed, usable, default_us, table)

@@ -66,6 +66,8 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
+    x_scale_ptr,
+    w_scale_ptr,
     out_ptr,
     M,
     N,
@@ -74,6 +76,7 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,9 +97,16 @@ def _skinny_gemm_kernel(
         k_mask = (k0 + rk) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if SCALED:  # e4m3 values are exact in float16 (a tensor-core dot on every GPU)
+            x = x.to(tl.float16)
+            w = w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALED:
+        x_scale = tl.load(x_scale_ptr + rows, mask=m_mask, other=0.0)
+        w_scale = tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
+        acc = acc * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :]
@@ -141,9 +151,63 @@ def skinny_linear(
     cfg = config or default_config(n, k)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else weight, weight, weight, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SCALED=False,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device, pdl),
+    )
+    return out
+
+
+def skinny_fp8_linear(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: SkinnyConfig | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor | None:
+    """The fp8 product ``(x_q · x_scale) (weight · weight_scale)^T`` for up to
+    :data:`MAX_ROWS` rows: what :func:`shard.quantization.fp8.fp8_linear` computes with
+    ``torch._scaled_mm`` (the reference), through the skinny kernel. The e4m3 operands
+    are widened to float16 in registers (exact) for a float16 tensor-core dot with
+    float32 accumulation, and both scales applied to the accumulator: the weights stream
+    at one byte per value, as in ``torch._scaled_mm``, whose tiles at a handful of rows
+    leave most SMs idle (``benchmarks/results/fp8-kernels-h200.md``).
+
+    Args:
+        x_q: [num_tokens, in_features] float8_e4m3fn, last dim contiguous, 1 <= num_tokens
+            <= :data:`MAX_ROWS`.
+        x_scale: [num_tokens] float32, contiguous, one scale per token.
+        weight: [out_features, in_features] float8_e4m3fn, last dim contiguous.
+        weight_scale: [out_features] float32, contiguous, one scale per output channel.
+        out_dtype: the output dtype (float16, bfloat16 or float32).
+        config: tiles and pipeline depth (default :func:`default_config`).
+        pdl: launch with programmatic dependent launch where it runs.
+
+    Returns:
+        [num_tokens, out_features] in ``out_dtype``; None when the inputs are not as
+        above (the caller runs the reference).
+    """
+    fp8 = torch.float8_e4m3fn
+    if not (x_q.dim() == 2 and weight.dim() == 2 and 1 <= x_q.shape[0] <= MAX_ROWS
+            and x_q.dtype == fp8 and weight.dtype == fp8 and weight.shape[1] == x_q.shape[1]
+            and x_q.stride(-1) == 1 and weight.stride(-1) == 1
+            and x_scale.shape == x_q.shape[:1] and x_scale.dtype == torch.float32
+            and x_scale.is_contiguous() and weight_scale.shape == weight.shape[:1]
+            and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+            and out_dtype in (torch.float16, torch.bfloat16, torch.float32)):
+        return None
+    m = x_q.shape[0]
+    n, k = weight.shape
+    cfg = config or default_config(n, k)
+    out = torch.empty(m, n, device=x_q.device, dtype=out_dtype)
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x_q, weight, weight, x_scale, weight_scale, out, m, n, k,
+        x_q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=False, SCALED=True,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x_q.device, pdl),
     )
     return out

@@ -116,7 +116,8 @@ class ParallelLinearBase(nn.Module):
         """``x @ weight.T + bias``: the fp8 product for fp8 weights, else
         :func:`linear_product`."""
         if self.weight_scale is not None:
-            return fp8.fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale,
+                                  few_rows=self.kernels.fp8_product)
         assert isinstance(x, torch.Tensor), "quantized activations for unquantized weights"
         return linear_product(x, self.weight, self.packed_weight, bias, self.kernels)
 

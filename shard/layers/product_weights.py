@@ -72,14 +72,26 @@ def linear_weights(model: _ModuleTree) -> list[torch.Tensor]:
     """The weights of every tensor-parallel linear layer of ``model`` whose product runs
     without a bias (the decoder layers' projections, a row-parallel layer's bias being
     added after the all-reduce; not the embedding or the LM head), in module order.
-    fp8 weights are left out: their products run through ``torch._scaled_mm``, which the
-    warm-up's cuBLASLt tuning does not time (yet)."""
+    fp8 weights are left out: their products run through ``torch._scaled_mm`` or our
+    skinny kernel, which :func:`fp8_linear_weights` lists for the warm-up to choose
+    between."""
     return [
         m.weight.detach()
         for m in model.modules()
         if isinstance(m, ParallelLinearBase)
         and (m.bias is None or isinstance(m, RowParallelLinear))
         and m.weight_scale is None
+    ]
+
+
+def fp8_linear_weights(model: _ModuleTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight [out, in] float8_e4m3fn, weight_scale [out] float32) of every linear layer of
+    ``model`` with fp8 weights, in module order: the products the warm-up's fp8 tuning
+    times (:mod:`shard.kernels.fp8_tuning`)."""
+    return [
+        (m.weight.detach(), m.weight_scale.detach())
+        for m in model.modules()
+        if isinstance(m, ParallelLinearBase) and m.weight_scale is not None
     ]
 
 

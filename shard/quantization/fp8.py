@@ -21,6 +21,7 @@ CPU, where it runs every shape).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    few_rows: Callable[..., torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` through an fp8 product.
 
@@ -179,19 +181,26 @@ def fp8_linear(
         weight_scale: [out_features] float32, one scale per output channel.
         bias: [out_features] in ``x``'s dtype, added after the product, or None.
         input_scale: float32 scalar, or None (per-token scales computed here).
+        few_rows: another kernel for the product, tried first, called as
+            ``few_rows(x_q, x_scale, weight, weight_scale, out_dtype)``; None from it
+            (inputs it does not take) sends the product to ``torch._scaled_mm``
+            (:meth:`shard.kernels.choices.KernelChoices.fp8_product`: our skinny kernel at
+            up to 16 rows on CUDA).
 
     Returns:
         [..., out_features] in ``x``'s dtype.
     """
     x_q, x_scale, shape, dtype = _quantized(x, input_scale)
     out_dtype = dtype if not x_q.is_cuda else torch.bfloat16
-    out = torch._scaled_mm(
-        x_q,
-        weight.t(),
-        scale_a=x_scale[:, None],
-        scale_b=weight_scale[None, :],
-        out_dtype=out_dtype,
-    )
+    out = few_rows(x_q, x_scale, weight, weight_scale, out_dtype) if few_rows else None
+    if out is None:
+        out = torch._scaled_mm(
+            x_q,
+            weight.t(),
+            scale_a=x_scale[:, None],
+            scale_b=weight_scale[None, :],
+            out_dtype=out_dtype,
+        )
     if out.dtype != dtype:
         out = out.to(dtype)
     if bias is not None:

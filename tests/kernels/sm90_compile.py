@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                  torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8",
-                 torch.uint8: "*u8", torch.bool: "*i1"}
+                 torch.uint8: "*u8", torch.bool: "*i1", torch.float8_e4m3fn: "*fp8e4nv"}
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 Launch = tuple[JITFunction, dict[str, Any]]
@@ -119,7 +119,7 @@ def _run_wrappers(pdl: bool) -> None:
     from shard.kernels.greedy import greedy
     from shard.kernels.rms_norm import add_rms_norm
     from shard.kernels.silu_mul import silu_and_mul
-    from shard.kernels.skinny_gemm import skinny_linear
+    from shard.kernels.skinny_gemm import skinny_fp8_linear, skinny_linear
 
     bf16 = torch.bfloat16
     for seq_lens, q_lens in (([40, 7], [1, 1]), ([40, 7], [30, 7])):  # decode, prefill
@@ -151,6 +151,10 @@ def _run_wrappers(pdl: bool) -> None:
         skinny_linear(torch.empty(m, 4096, dtype=bf16), torch.empty(n, 4096, dtype=bf16),
                       torch.empty(n, dtype=bf16) if bias else None, pdl=pdl)
     skinny_linear(torch.randn(2, 100, dtype=bf16), torch.randn(48, 100, dtype=bf16), pdl=pdl)
+    fp8 = torch.float8_e4m3fn
+    for m, n in ((1, 4096), (16, 6144), (1, 28672)):  # the fp8 products, each default tile
+        skinny_fp8_linear(torch.empty(m, 4096, dtype=fp8), torch.ones(m),
+                          torch.empty(n, 4096, dtype=fp8), torch.ones(n), pdl=pdl)
     for rows in (1, 32, 128):  # the three default configurations, the 8B-shaped model's gate/up
         gate_up_silu(torch.empty(rows, 4096, dtype=bf16),
                      torch.empty(2 * 14336, 4096, dtype=bf16), pdl=pdl)

@@ -1,8 +1,11 @@
-"""The skinny GEMM kernel (a few rows times a weight) against its reference, ``F.linear``.
+"""The skinny GEMM kernel (a few rows times a weight) against its reference, ``F.linear``;
+its fp8 product against ``torch._scaled_mm``.
 
 CPU: Triton's interpreter, float16 only (its bfloat16 ``tl.dot`` is not exact); GPU:
 compiled, float16 and bfloat16, and a bfloat16 model's logits with the kernel against
-without it."""
+without it. The fp8 product sums the same exact products of e4m3 values in float32 as
+``torch._scaled_mm`` in another order: within 1e-5 of the output's largest value (float32
+output), or one step of the output's rounding (bfloat16)."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ from shard.kernels.skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     default_config,
+    skinny_fp8_linear,
     skinny_linear,
 )
+from shard.quantization.fp8 import fp8_linear, quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -84,6 +89,63 @@ def test_skinny_kernel_declines_what_it_does_not_take() -> None:
     assert skinny_linear(x, weight, torch.zeros(1).half().to(DEVICE)) is None  # bias shape
     with torch.enable_grad():  # autograd would record the product: F.linear's to do
         assert skinny_linear(x.clone().requires_grad_(), weight) is None
+
+
+def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+               w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
+                            out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"), SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_skinny_fp8_linear_equals_scaled_mm(m: int, n: int, k: int,
+                                            config: SkinnyConfig | None,
+                                            out_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    # rows of very different magnitudes: the scales carry them
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 0, n)[:, None]
+    (x_q, x_scale), (w_q, w_scale) = quantize_rows(x.to(DEVICE)), quantize_rows(w.to(DEVICE))
+    got = skinny_fp8_linear(x_q, x_scale, w_q, w_scale, out_dtype, config)
+    assert got is not None and got.dtype == out_dtype and got.shape == (m, n)
+    # the reference in float32 on the CPU (where torch._scaled_mm runs every shape)
+    want = _scaled_mm(x_q.cpu(), x_scale.cpu(), w_q.cpu(), w_scale.cpu(), torch.float32)
+    tol = 1e-5 if out_dtype == torch.float32 else 2**-7  # the interpreter truncates
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=1e-5 * want.abs().max())
+
+
+def test_skinny_fp8_linear_declines_what_it_does_not_take() -> None:
+    x_q, x_scale = quantize_rows(torch.randn(2, 64, device=DEVICE))
+    w_q, w_scale = quantize_rows(torch.randn(32, 64, device=DEVICE))
+    assert skinny_fp8_linear(x_q, x_scale, w_q, w_scale) is not None
+    big_q, big_scale = quantize_rows(torch.randn(MAX_ROWS + 1, 64, device=DEVICE))
+    assert skinny_fp8_linear(big_q, big_scale, w_q, w_scale) is None
+    assert skinny_fp8_linear(x_q.float(), x_scale, w_q, w_scale) is None  # unquantized x
+    assert skinny_fp8_linear(x_q, x_scale, w_q.to(torch.float8_e5m2), w_scale) is None
+    assert skinny_fp8_linear(x_q, x_scale[:1], w_q, w_scale) is None  # a scale per row
+    assert skinny_fp8_linear(x_q, x_scale, w_q, w_scale[:16]) is None  # per channel
+    assert skinny_fp8_linear(x_q, x_scale, w_q, w_scale.double()) is None
+    assert skinny_fp8_linear(x_q, x_scale, w_q[:, :32], w_scale) is None  # in_features
+    assert skinny_fp8_linear(x_q, x_scale, w_q, w_scale, torch.float64) is None
+
+
+def test_fp8_linear_runs_the_few_rows_kernel_and_falls_back() -> None:
+    """fp8_linear hands its quantized rows to ``few_rows`` first, and runs
+    ``torch._scaled_mm`` where that declines: the same product either way."""
+    x = torch.randn(3, 64, device=DEVICE)
+    w_q, w_scale = quantize_rows(torch.randn(32, 64, device=DEVICE))
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor | None:
+        calls.append(1)
+        return skinny_fp8_linear(*args)  # type: ignore[arg-type]
+
+    through_kernel = fp8_linear(x, w_q, w_scale, few_rows=counted)
+    declined = fp8_linear(x, w_q, w_scale, few_rows=lambda *args: None)
+    assert len(calls) == 1
+    torch.testing.assert_close(through_kernel, declined, rtol=1e-5, atol=1e-5)
+    assert through_kernel.dtype == declined.dtype
 
 
 def test_default_config_fits_small_problems() -> None:

@@ -40,6 +40,8 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert plain.count("compiled _prefill_kernel") == 2
     assert plain.count("compiled _decode_kernel") == 2
     assert plain.count("compiled _rms_norm_kernel") == 2  # with and without residual
-    # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles
-    assert plain.count("compiled _skinny_gemm_kernel") == 5
+    # skinny GEMM: the three default tile sizes, one with a bias, and capped tiles; the
+    # fp8 products at the three tile sizes
+    assert plain.count("compiled _skinny_gemm_kernel") == 8
+    assert plain.count("'SCALED': True") == 3
     assert plain.count("compiled _gate_up_silu_kernel") == 3  # 16-, 64- and 128-row tiles
