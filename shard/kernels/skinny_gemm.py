@@ -173,9 +173,11 @@ def skinny_fp8_linear(
     :data:`MAX_ROWS` rows: what :func:`shard.quantization.fp8.fp8_linear` computes with
     ``torch._scaled_mm`` (the reference), through the skinny kernel. The e4m3 operands
     are widened to float16 in registers (exact) for a float16 tensor-core dot with
-    float32 accumulation, and both scales applied to the accumulator: the weights stream
-    at one byte per value, as in ``torch._scaled_mm``, whose tiles at a handful of rows
-    leave most SMs idle (``benchmarks/results/fp8-kernels-h200.md``).
+    float32 accumulation, and both scales applied to the accumulator. At a handful of
+    rows the product is a read of the weight (one byte per value): this kernel spreads it
+    over ``N / BLOCK_N`` programs (128 for a 4096-row weight), without split-K. Warm-up
+    measures it against ``torch._scaled_mm`` and keeps the faster per shape and row count
+    (:mod:`shard.kernels.fp8_tuning`).
 
     Args:
         x_q: [num_tokens, in_features] float8_e4m3fn, last dim contiguous, 1 <= num_tokens
