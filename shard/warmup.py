@@ -237,7 +237,7 @@ class Warmup:
             progress.phase(f"allocating the KV cache: {num_blocks} blocks of {block_size} tokens")
             self._bind_kv_cache(self._allocate_kv_cache(num_blocks))
             progress.phase("running the worst-case prefill through the cache")
-            self._run_dummy_prefill(chunks)
+            self._run_dummy_prefill(chunks, max_total_tokens)
             if buckets:
                 progress.phase(f"capturing decode CUDA graphs for batch sizes up to {buckets[-1]}")
                 started = time.perf_counter()
@@ -325,7 +325,7 @@ class Warmup:
                                  self.kv_dtype, self.device, self.config.world_size,
                                  head_major=not fp8 and runner.backend.kv_head_major(self.device))
 
-    def _run_dummy_prefill(self, chunks: list[SeqChunk]) -> None:
+    def _run_dummy_prefill(self, chunks: list[SeqChunk], max_total_tokens: int) -> None:
         """The worst-case prefill and its sampling (both samplers), through the bound
         cache; then a few tokens of its first sequence again over the first half as a
         cached prefix, so that both prefill attention paths (prefix-free and over a
@@ -333,7 +333,9 @@ class Warmup:
         serving; then the steps of :func:`odd_shapes`, with their logits and greedy
         sampling, for the kernel variants their sizes select, and eager decode steps at
         the contexts the attention backend names (:meth:`~shard.attention.base.
-        AttentionBackend.eager_decode_contexts`)."""
+        AttentionBackend.eager_decode_contexts`) up to the longest a sequence can reach:
+        ``max_total_tokens``, or what the bound cache holds if less (a sequence decodes
+        past the longest prompt chunk, into contexts that may split more)."""
         runner = self.runner
         inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
         logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
@@ -360,9 +362,10 @@ class Warmup:
         # backend names: one per variant of its decode kernels
         kv_heads = kv_heads_per_rank(runner.model_config.num_key_value_heads,
                                      self.config.world_size)
-        for context in runner.backend.eager_decode_contexts(kv_heads, len(first.token_ids)):
-            token = first.token_ids[context - 1: context]
-            runner.run_chunks([SeqChunk(token, context - 1, first.block_table)],
+        longest = min(max_total_tokens, runner.num_blocks * runner.block_size)
+        table = list(range(-(-longest // runner.block_size)))  # whatever the blocks hold
+        for context in runner.backend.eager_decode_contexts(kv_heads, longest):
+            runner.run_chunks([SeqChunk(first.token_ids[:1], context - 1, table)],
                               is_prefill=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -379,7 +382,7 @@ class Warmup:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         self._bind_kv_cache(self._allocate_kv_cache(temp_blocks))
-        self._run_dummy_prefill(chunks)
+        self._run_dummy_prefill(chunks, max_total_tokens)
         peak = torch.cuda.max_memory_allocated(device)
         graph_bytes = 0
         if buckets:

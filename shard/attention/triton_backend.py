@@ -53,6 +53,9 @@ class TritonAttentionBackend(AttentionBackend):
         from shard.kernels import attention
 
         self._attention = attention
+        # the step :meth:`prepare` last split (a mixed step), with its two parts
+        self._mixed: tuple[AttentionMetadata, AttentionMetadata, AttentionMetadata] | None \
+            = None
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> tuple[bool, str]:
@@ -75,8 +78,11 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attention.split_classes(num_kv_heads, max_context)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        """Nothing to derive: the kernels read the metadata's tensors themselves (so a
-        captured decode graph replays over new inputs)."""
+        """A decode or prefill step: nothing to derive, the kernels read the metadata's
+        tensors themselves (so a captured decode graph replays over new inputs). A mixed
+        step: its two parts (:meth:`_split_mixed`), once for every layer."""
+        self._mixed = (metadata, *self._split_mixed(metadata)) \
+            if metadata.is_prefill and metadata.decode_rows else None
 
     def forward(
         self,
@@ -172,15 +178,29 @@ class TritonAttentionBackend(AttentionBackend):
         (the last ``decode_rows`` sequences, one token each) through the decode kernel,
         which reads each row's context once per KV head instead of in a query tile of
         mostly padding."""
+        mixed = self._mixed
+        prompts, decoding = (mixed[1:] if mixed is not None and mixed[0] is metadata
+                             else self._split_mixed(metadata))
+        tokens = q.shape[0] - metadata.decode_rows
+        return torch.cat([self.attend(q[:tokens], kv_cache, prompts, scale),
+                          self.attend(q[tokens:], kv_cache, decoding, scale)])
+
+    @staticmethod
+    def _split_mixed(metadata: AttentionMetadata
+                     ) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step's prompt chunks and decoding rows as a prefill step and a decode
+        step. The rows' block tables and lengths are copies, not views into the step's:
+        a view starts wherever the prompts end, often off a 16-byte boundary, and Triton
+        compiles another variant of the decode kernel for an unaligned pointer, in the
+        middle of serving (tests/kernels/test_warmup_variants.py)."""
         rows, seqs = metadata.decode_rows, metadata.num_seqs
-        tokens = q.shape[0] - rows
         prompts = dataclasses.replace(
             metadata, block_tables=metadata.block_tables[: seqs - rows],
             cu_seqlens_q=metadata.cu_seqlens_q[: seqs - rows + 1],
             seq_lens=metadata.seq_lens[: seqs - rows], decode_rows=0)
         decoding = dataclasses.replace(
-            metadata, is_prefill=False, block_tables=metadata.block_tables[seqs - rows:],
-            seq_lens=metadata.seq_lens[seqs - rows:],
+            metadata, is_prefill=False,
+            block_tables=metadata.block_tables[seqs - rows:].clone(),
+            seq_lens=metadata.seq_lens[seqs - rows:].clone(),
             max_seqlen_k=metadata.decode_max_seqlen_k, decode_rows=0)
-        return torch.cat([self.attend(q[:tokens], kv_cache, prompts, scale),
-                          self.attend(q[tokens:], kv_cache, decoding, scale)])
+        return prompts, decoding
