@@ -120,7 +120,7 @@ def _steps(rng: random.Random, count: int) -> Iterator[tuple[list[SeqChunk], lis
     of any context length after them."""
     for _ in range(count):
         budget = rng.randrange(1, PREFILL_BUDGET + 1)
-        prompts = []
+        prompts: list[SeqChunk] = []
         while budget > 0 and len(prompts) < 6:
             length = rng.randrange(1, budget + 1)
             start = rng.choice([0, 0, rng.randrange(0, MAX_TOTAL - length + 1)])
