@@ -7,10 +7,10 @@ A variant first met while serving compiles in the middle of a step (0.5-1 s on a
 every first token waiting). On the GPU the decode steps replay CUDA graphs captured at
 warm-up; the steps that run eagerly are the prefills and the mixed steps (prompt chunks,
 then the running batch's decode rows through the decode kernel). This test runs a tiny
-model through our Triton backend and layer kernels (Triton's interpreter on the CPU,
-compiled on a GPU), records each launch's variant as Triton's JIT would key it, warms
-up, then runs a seeded mix of such steps, and checks that none of them launched a
-variant warm-up had not.
+model through our Triton backend and layer kernels (Triton's interpreter on the CPU),
+records each launch's variant as Triton's JIT would key it, warms up (with a decode step
+at each CUDA graph batch size, as capturing the graphs runs), then runs a seeded mix of
+such steps, and checks that none of them launched a variant warm-up had not.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from shard.attention.triton_backend import TritonAttentionBackend
 from shard.config import ShardConfig
+from shard.cuda_graphs import parse_buckets
 from shard.inputs import SeqChunk, build_inputs, concat_inputs
 from shard.kernels.choices import KernelChoices
 from shard.model_runner import ModelRunner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 4
-PREFILL_BUDGET, MAX_TOTAL = 64, 128
+PREFILL_BUDGET, MAX_TOTAL, MAX_BATCH = 64, 128, 16
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 
@@ -95,9 +96,11 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]
     yield seen
 
 
-def _runner(folder: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+def _runner(folder: Path, monkeypatch: pytest.MonkeyPatch, fp8: bool) -> ModelRunner:
     """A float16 tiny Llama on our Triton backend with every Triton layer kernel, as a
-    runner on a GPU has them (the interpreter runs them here)."""
+    runner on a GPU has them (the interpreter runs them here; those gated on CUDA
+    tensors, the unquantized products and norms, do not run); with ``fp8``, fp8 weights
+    and an fp8 KV cache."""
     monkeypatch.setattr(TritonAttentionBackend, "supports",
                         classmethod(lambda cls, spec: (True, "the interpreter")))
     kernels = KernelChoices.load(torch.device("cuda"), pdl="off")
@@ -105,7 +108,9 @@ def _runner(folder: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
     monkeypatch.setattr(KernelChoices, "load", classmethod(lambda cls, *a, **k: kernels))
     return ModelRunner(ShardConfig(model_path=str(folder), device=DEVICE, dtype="float16",
                                    block_size=BLOCK, attention_backend="triton",
-                                   kv_cache_bytes=1 << 20, cuda_graphs="0"))
+                                   kv_cache_bytes=1 << 20, cuda_graphs="0",
+                                   quantization="fp8" if fp8 else "none",
+                                   kv_cache_dtype="fp8" if fp8 else "auto"))
 
 
 def _chunk(rng: random.Random, length: int, start: int) -> SeqChunk:
@@ -127,26 +132,37 @@ def _steps(rng: random.Random, count: int) -> Iterator[tuple[list[SeqChunk], lis
             prompts.append(_chunk(rng, length, start))
             budget -= length
         decodes = [_chunk(rng, 1, rng.randrange(0, MAX_TOTAL))
-                   for _ in range(rng.choice([0, 1, 2, 3, 16, 17]))]
+                   for _ in range(rng.choice([0, 1, 2, 3, MAX_BATCH]))]
         yield prompts, decodes
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float16", "fp8"])
 def test_serving_steps_launch_no_variant_warm_up_did_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: list[tuple[Any, ...]]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: list[tuple[Any, ...]],
+    fp8: bool,
 ) -> None:
     from tests.unit.shard.helpers import make_hf_model
 
     make_hf_model("llama", tmp_path)
-    runner = _runner(tmp_path, monkeypatch)
+    runner = _runner(tmp_path, monkeypatch, fp8)
     runner.warmup(max_batch_prefill_tokens=PREFILL_BUDGET, max_total_tokens=MAX_TOTAL)
-    warm = set(launches)
-    assert {v[0] for v in warm} >= {"_prefill_kernel", "_decode_kernel", "_combine_kernel",
-                                    "_rope_write_kernel"}
-    launches.clear()
     rng = random.Random(0)
     device = torch.device(DEVICE)
     with torch.inference_mode():
-        for prompts, decodes in _steps(rng, 12):
+        # on a GPU warm-up also captures the decode CUDA graphs, a decode step at each
+        # batch size of --cuda-graphs auto: they compile what those launch
+        for rows in parse_buckets("auto", MAX_BATCH):
+            decodes = [_chunk(rng, 1, BLOCK) for _ in range(rows)]
+            runner.forward(build_inputs(decodes, BLOCK, False, device))
+    warm = set(launches)
+    assert {v[0] for v in warm} >= {"_prefill_kernel", "_decode_kernel", "_combine_kernel",
+                                    "_rope_write_kernel"}
+    if fp8:  # the products of a few rows, and the rows quantized before each product
+        assert {v[0] for v in warm} >= {"_skinny_gemm_kernel", "_rms_norm_fp8_kernel",
+                                        "_silu_and_mul_fp8_kernel"}
+    launches.clear()
+    with torch.inference_mode():
+        for prompts, decodes in _steps(rng, 8):
             inputs = build_inputs(prompts, BLOCK, True, device)
             if decodes:
                 inputs = concat_inputs(inputs, build_inputs(decodes, BLOCK, False, device))
