@@ -42,14 +42,20 @@ case $part in
     grep -h "fp8 products of\|compiled while serving\|tuned .* product shapes" "$out"/logs/*.log | cut -c1-400
     ;;
   speculative)
-    timeout 420 python3 -m benchmarks.steps.speculative_verify --gemm-tuning off \
+    timeout 300 python3 -m benchmarks.steps.speculative_verify --gemm-tuning off \
       --acceptance ngram/grounded=0.67 ngram/chat=0.57 --out "$out/speculative-gpu.md" \
       > "$out/speculative.txt" 2>&1
     echo "speculative_verify rc=$?"
     tail -40 "$out/speculative.txt"
-    timeout 120 python3 -m benchmarks.kernels.fp8_activations --rows 1 8 64 256 4096 \
+    timeout 50 python3 -m benchmarks.kernels.fp8_activations --rows 1 8 64 256 4096 \
       --hidden 4096 --intermediate 14336 > "$out/fp8-activations.txt" 2>&1
     tail -20 "$out/fp8-activations.txt"
+    # a 1-layer draft (0.62 B parameters, inside the 0.5-1 B the targets name)
+    timeout 220 python3 -m benchmarks.steps.speculative_verify --gemm-tuning off \
+      --draft-layers 1 --batch 1 32 --lookahead 3 4 --acceptance ngram/grounded=0.67 \
+      --out "$out/speculative-gpu-draft1.md" > "$out/speculative-draft1.txt" 2>&1
+    echo "speculative_verify --draft-layers 1 rc=$?"
+    tail -20 "$out/speculative-draft1.txt"
     ;;
   tests)
     tests tests/kernels/test_skinny_gemm.py tests/kernels/test_fp8_activations.py \
