@@ -378,7 +378,7 @@ FP8_WEIGHTS_DETAILS = (
     "fp8 weights: the decoder layers' linear weights in float8_e4m3fn with a float32 scale "
     "per output channel, activations quantized to float8_e4m3fn per token (or with a "
     "checkpoint's static scale), products via torch._scaled_mm (up to 16 rows: our skinny "
-    "kernel where warm-up measured it faster); embeddings, LM head and "
+    "kernel unless warm-up measured torch._scaled_mm faster); embeddings, LM head and "
     "norms stay in the model dtype")
 FP8_KV_DETAILS = ("fp8 KV cache: keys and values in float8_e4m3fn with a float32 scale per "
                   "token and KV head")

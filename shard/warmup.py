@@ -220,6 +220,8 @@ class Warmup:
                 progress.phase("timing cuBLASLt's algorithms for the products")
                 self._tune_products(max_batch_prefill_tokens, buckets)
             if self.device.type == "cuda":
+                self._tune_fp8_products(timed=tune)
+            if self.device.type == "cuda":
                 progress.phase(
                     f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
                     + (" and the decode CUDA graphs" if buckets else "")
@@ -262,21 +264,25 @@ class Warmup:
                          decode_rows=buckets, decode_weights=lm_head_weights(model),
                          cache=tuning_cache.cache_for(self.config, self.device, self.log),
                          decode_elsewhere=model.fused_decode_rows())
-        self._tune_fp8_products()
 
-    def _tune_fp8_products(self) -> None:
+    def _tune_fp8_products(self, timed: bool) -> None:
         """Choose between our skinny kernel and ``torch._scaled_mm`` for each fp8 product
-        of up to 16 rows, by timing both (:func:`shard.kernels.fp8_tuning.tune`). A
-        skinny kernel that fails here (e.g. does not compile on this GPU) is logged and
-        dropped: every fp8 product then runs through ``torch._scaled_mm``."""
+        of up to 16 rows: with ``timed`` by timing both
+        (:func:`shard.kernels.fp8_tuning.tune`), else the kernel, run once here. A skinny
+        kernel that fails here (e.g. does not compile on this GPU) is logged and dropped:
+        every fp8 product then runs through ``torch._scaled_mm``."""
         kernels = self.runner.kernels
         layers = fp8_linear_weights(self.runner.model)
         kernels.fp8_gemms.clear()
         if not layers or kernels.skinny_fp8_linear is None:
             return
         try:
-            fp8_tuning.tune(kernels.fp8_gemms, layers, kernels.skinny_fp8_linear,
-                            gemm_tuning.SKINNY_ROWS, log=self.log)
+            if timed:
+                fp8_tuning.tune(kernels.fp8_gemms, layers, kernels.skinny_fp8_linear,
+                                gemm_tuning.SKINNY_ROWS, log=self.log)
+            else:
+                fp8_tuning.time_shape(1, layers[:1], kernels.skinny_fp8_linear,
+                                      torch.bfloat16, reps=1)
         except Exception as exc:  # a compile error is not a RuntimeError
             self.log.warning("skinny fp8 kernel unavailable, fp8 products through "
                              "torch._scaled_mm: {}: {}", type(exc).__name__,
@@ -333,9 +339,9 @@ class Warmup:
         serving; then the steps of :func:`odd_shapes`, with their logits and greedy
         sampling, for the kernel variants their sizes select, and eager decode steps at
         the contexts the attention backend names (:meth:`~shard.attention.base.
-        AttentionBackend.eager_decode_contexts`) up to the longest a sequence can reach:
-        ``max_total_tokens``, or what the bound cache holds if less (a sequence decodes
-        past the longest prompt chunk, into contexts that may split more)."""
+        AttentionBackend.eager_decode_contexts`) up to the longest a sequence can reach,
+        ``max_total_tokens`` (a sequence decodes past the longest prompt chunk, into
+        contexts that may split more)."""
         runner = self.runner
         inputs, hidden = runner.run_chunks(chunks, is_prefill=True)
         logits = runner.model.compute_logits(hidden[inputs.last_token_indices])
@@ -362,9 +368,10 @@ class Warmup:
         # backend names: one per variant of its decode kernels
         kv_heads = kv_heads_per_rank(runner.model_config.num_key_value_heads,
                                      self.config.world_size)
-        longest = min(max_total_tokens, runner.num_blocks * runner.block_size)
-        table = list(range(-(-longest // runner.block_size)))  # whatever the blocks hold
-        for context in runner.backend.eager_decode_contexts(kv_heads, longest):
+        # every rank the same contexts (each decode step all-reduces), whatever its own
+        # cache holds: the table wraps around the cache's blocks (their contents are dummy)
+        table = [b % runner.num_blocks for b in range(-(-max_total_tokens // runner.block_size))]
+        for context in runner.backend.eager_decode_contexts(kv_heads, max_total_tokens):
             runner.run_chunks([SeqChunk(first.token_ids[:1], context - 1, table)],
                               is_prefill=False)
         if self.device.type == "cuda":

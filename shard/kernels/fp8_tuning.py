@@ -5,12 +5,15 @@ An fp8 product (:func:`shard.quantization.fp8.fp8_linear`) of up to
 (the row-wise scaled product of cuBLASLt / CUTLASS) or through our skinny kernel
 (:func:`shard.kernels.skinny_gemm.skinny_fp8_linear`), which streams the weight at one
 byte per value over every SM where the library's tiles leave most of them idle at a
-handful of rows. Both compute the same sums of exact products in float32 (in another
-order). At warm-up :func:`tune` times the two, for each fp8 weight shape of the model and
-every row count from 1 to ``MAX_ROWS``, over several of the model's own weights of that
-shape (read from HBM, as in a step), and keeps ``torch._scaled_mm`` where it measured
-faster; elsewhere, and where nothing was timed (``--gemm-tuning off``), the skinny kernel
-runs. Larger products always run through ``torch._scaled_mm``.
+handful of rows. Both sum the exact products of e4m3 values (the kernel in float32;
+Hopper's fp8 tensor cores keep fewer bits within each run of the sum), so they agree to
+about the output's bfloat16 rounding. At warm-up :func:`tune` times the two, for each fp8
+weight shape of the model and every row count from 1 to ``MAX_ROWS``, over several of the
+model's own weights of that shape (read from HBM, as in a step), and keeps
+``torch._scaled_mm`` where the kernel measured slower by more than
+:data:`~shard.kernels.gemm_tuning.MARGIN`; elsewhere, and where nothing was timed
+(``--gemm-tuning off``), the skinny kernel runs. Larger products always run through
+``torch._scaled_mm``.
 
 Source of the method: PyTorch's TunableOp (``torch.cuda.tunable``), as for the unquantized
 products (:mod:`shard.kernels.gemm_tuning`).
@@ -91,10 +94,11 @@ def _by_shape(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
 def time_shape(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor]],
-               skinny: SkinnyFp8, out_dtype: torch.dtype) -> Fp8Timing:
+               skinny: SkinnyFp8, out_dtype: torch.dtype, reps: int = 3) -> Fp8Timing:
     """Time ``[rows, k] @ w.T`` fp8 products over ``layers`` (fp8 weights of one shape
     ``[n, k]`` with their scales [n] float32, on one CUDA device) through ``skinny`` and
-    through ``torch._scaled_mm`` (row-wise scales, ``out_dtype`` output).
+    through ``torch._scaled_mm`` (row-wise scales, ``out_dtype`` output), the fastest of
+    ``reps`` timings each.
 
     Raises:
         RuntimeError: ``skinny`` declined the inputs.
@@ -118,8 +122,8 @@ def time_shape(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor]],
         return torch._scaled_mm(x_q, w.t(), scale_a=x_scale[:, None],
                                 scale_b=scales[w.data_ptr()][None, :], out_dtype=out_dtype)
 
-    return Fp8Timing(rows, n, k, time_us(through_skinny, weights, reps=3),
-                     time_us(through_library, weights, reps=3))
+    return Fp8Timing(rows, n, k, time_us(through_skinny, weights, reps=reps),
+                     time_us(through_library, weights, reps=reps))
 
 
 def tune(table: Fp8Table, layers: Iterable[tuple[torch.Tensor, torch.Tensor]],

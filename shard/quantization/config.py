@@ -64,7 +64,7 @@ class Fp8Weights:
         return (
             f"fp8 weights: the decoder layers' linear weights in float8_e4m3fn, {source}; "
             f"activations quantized to e4m3 with {acts}; products via torch._scaled_mm "
-            f"(up to 16 rows: our skinny kernel where warm-up measured it faster); "
+            f"(up to 16 rows: our skinny kernel unless warm-up measured it slower); "
             f"embeddings, LM head and norms stay {dtype}"
         )
 

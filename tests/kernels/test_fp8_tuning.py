@@ -3,9 +3,10 @@ table warm-up fills, the routing through the model's kernel choices, a tiny mode
 logits through the skinny fp8 kernel against ``torch._scaled_mm``, and (GPU) the
 warm-up's timing of the two.
 
-CPU: Triton's interpreter; GPU: compiled. Tolerance of the logits: the two products sum
-the same exact e4m3 products in float32 in another order, so logits within 1e-5
-relative (float32 model)."""
+CPU: Triton's interpreter; GPU: compiled. Tolerance of the logits: on the CPU the two
+products sum the same exact e4m3 products in float32 in another order, so logits within
+1e-5 relative (float32 model); on CUDA both write bfloat16 and Hopper's fp8 tensor cores
+keep fewer bits of the sum, so within 1e-2."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_tiny_fp8_model_gives_the_same_logits_through_the_skinny_kernel(
     assert len(launches) == 7 * layers and o_shape not in launches[4 * layers:]
     for got in (skinny, mixed):
         err = float((got - want).norm() / want.norm())
-        assert err < 1e-5, err
+        assert err < (1e-5 if DEVICE == "cpu" else 1e-2), err
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA kernels")

@@ -144,7 +144,10 @@ def test_fp8_linear_runs_the_few_rows_kernel_and_falls_back() -> None:
     through_kernel = fp8_linear(x, w_q, w_scale, few_rows=counted)
     declined = fp8_linear(x, w_q, w_scale, few_rows=lambda *args: None)
     assert len(calls) == 1
-    torch.testing.assert_close(through_kernel, declined, rtol=1e-5, atol=1e-5)
+    # the CPU writes float32; CUDA bfloat16, and Hopper's fp8 tensor cores sum in fewer
+    # bits than the kernel: a bfloat16 step apart
+    tol = 1e-5 if DEVICE == "cpu" else 2**-7
+    torch.testing.assert_close(through_kernel, declined, rtol=tol, atol=tol)
     assert through_kernel.dtype == declined.dtype
 
 

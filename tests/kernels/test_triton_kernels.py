@@ -351,3 +351,5 @@ def test_split_classes_reach_every_decode_kernel_variant(num_kv_heads: int) -> N
     assert set(reached) == every
     assert TritonAttentionBackend().eager_decode_contexts(num_kv_heads, 4096) == contexts
     assert TorchAttentionBackend().eager_decode_contexts(num_kv_heads, 4096) == []
+    # a maximum shorter than a tile: one context, no longer than it
+    assert split_classes(num_kv_heads, 40) == [40]

@@ -241,7 +241,7 @@ def split_classes(num_kv_heads: int, max_context: int,
     for tiles in range(1, max(1, max_context // config.block_n) + 1):
         splits = num_decode_splits(1, num_kv_heads, tiles * config.block_n, config)
         variant = 1 if splits == 1 else splits_pad(splits)
-        lengths.setdefault(variant, tiles * config.block_n)
+        lengths.setdefault(variant, min(tiles * config.block_n, max(1, max_context)))
     return sorted(lengths.values())
 
 
