@@ -221,7 +221,6 @@ class Warmup:
                 self._tune_products(max_batch_prefill_tokens, buckets)
             if self.device.type == "cuda":
                 self._tune_fp8_products(timed=tune)
-            if self.device.type == "cuda":
                 progress.phase(
                     f"profiling a worst-case prefill of {max_batch_prefill_tokens} tokens"
                     + (" and the decode CUDA graphs" if buckets else "")
@@ -255,8 +254,7 @@ class Warmup:
         """Time cuBLASLt's algorithms for the model's products at the prefill sizes and
         the decode graphs' batch sizes (:func:`shard.kernels.gemm_tuning.tune`) into the
         runner's GEMM table, skipping the products a fused kernel takes
-        (:meth:`CausalLM.fused_decode_rows`); then the fp8 products of a few rows, if
-        any (:meth:`_tune_fp8_products`)."""
+        (:meth:`CausalLM.fused_decode_rows`)."""
         model = self.runner.model
         table = self.runner.kernels.gemms
         table.clear()
